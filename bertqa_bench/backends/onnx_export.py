@@ -1,0 +1,313 @@
+"""ONNX export shared by the onnxruntime and TensorRT backends, validated before anyone uses it.
+
+Why the exporter choice matters (observed with torch 2.13, transformers 5.24, onnxruntime 1.32):
+
+* The legacy TorchScript exporter (``dynamo=False``, opset 17) of the eager-attention model gives
+  a graph that onnxruntime's transformer optimizer fuses completely: one Attention node per
+  layer, SkipLayerNormalization, BiasGelu and EmbedLayerNormalization.
+* The dynamo exporter (``dynamo=True`` with ``dynamic_shapes``) gives a correct graph too, but the
+  optimizer fuses no Attention node in it (and no EmbedLayerNormalization), so onnxruntime would
+  run unfused attention and the comparison would be unfair to it.
+
+So ``exporter="auto"`` tries TorchScript first and falls back to dynamo only when TorchScript
+fails (it is deprecated and may go away) or its graph does not match PyTorch.
+
+Why every export is checked against PyTorch at two shapes: an exported graph can silently bake
+in the example's shape (a traced constant, a specialised broadcast); one such export gave
+logits off by about 1.0 at a batch/sequence shape other than the one it was traced at. The check
+runs the ONNX model with onnxruntime's CPU provider at the run's sample batch and at a second
+batch of another batch size and sequence length (with padded rows), and fails prepare with the
+measured difference if it is above tolerance. It runs on every prepare, also when the export
+came from the cache, because the run's shape may differ from the one the cache was checked at.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Optional, Sequence
+
+import numpy as np
+
+from ..errors import BenchError
+from .base import INPUT_NAMES
+
+log = logging.getLogger(__name__)
+
+EXPORTERS = ("auto", "torchscript", "dynamo")
+DEFAULT_OPSET = 17  # LayerNormalization is a real op from 17 on: TensorRT keeps it in fp32-safe form
+FP32_ATOL = 1e-3
+
+
+class OnnxExportError(BenchError):
+    """The model could not be exported, or the export does not reproduce PyTorch's outputs."""
+
+
+@dataclass
+class OnnxExport:
+    path: Path
+    exporter: str
+    opset: int
+    cache_hit: bool
+    key: str
+    # The batches the export was validated at, with PyTorch fp32 (eager attention) outputs:
+    # callers validate their own optimised/converted artifacts against the same references.
+    batches: list[dict[str, np.ndarray]] = field(default_factory=list)
+    references: list[dict[str, np.ndarray]] = field(default_factory=list)
+    max_abs_diff: dict[str, float] = field(default_factory=dict)  # raw export vs PyTorch, worst shape
+    seq_axis_outputs: tuple[str, ...] = ()  # outputs whose axis 1 is the sequence axis
+    failed_exporters: dict[str, str] = field(default_factory=dict)
+
+    def info(self, prefix: str = "onnx_") -> dict[str, Any]:
+        out = {f"{prefix}exporter": self.exporter, f"{prefix}opset": self.opset,
+               f"{prefix}cache_hit": self.cache_hit,
+               f"{prefix}validated_shapes": ";".join("x".join(map(str, b["input_ids"].shape)) for b in self.batches),
+               f"{prefix}max_abs_diff": max(self.max_abs_diff.values(), default=0.0)}
+        for name, why in self.failed_exporters.items():
+            out[f"{prefix}{name}_failed"] = why[:200]
+        return out
+
+
+# --------------------------------------------------------------------------- fingerprints
+
+def file_digest(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def model_fingerprint(model_dir: str | Path) -> str:
+    """Content hash of a saved model (config and weights), so a retrained model re-exports.
+
+    Hashing content rather than mtimes costs about a second for BERT-base and survives copies.
+    """
+    model_dir = Path(model_dir)
+    h = hashlib.sha256()
+    files = sorted(p for p in model_dir.iterdir() if p.is_file() and (
+        p.name == "config.json" or p.suffix in (".safetensors", ".bin")))
+    if not files:
+        raise OnnxExportError(f"{model_dir}: no config.json or weights to export")
+    for p in files:
+        h.update(p.name.encode())
+        h.update(file_digest(p).encode())
+    return h.hexdigest()
+
+
+def cache_key(*parts: Any) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+# --------------------------------------------------------------------------- validation batches
+
+def as_int64_batch(batch: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {n: np.ascontiguousarray(batch[n], dtype=np.int64) for n in INPUT_NAMES}
+
+
+def validation_batches(sample_batch: Mapping[str, np.ndarray], max_batch_size: int,
+                       max_seq_len: int) -> list[dict[str, np.ndarray]]:
+    """The run's sample batch plus one of another batch size and sequence length.
+
+    The second batch is cut from (or tiled out of) the sample's real rows, and its last row
+    gets padding, so masking is exercised at a shape the export was not traced at.
+    """
+    first = as_int64_batch(sample_batch)
+    b, s = first["input_ids"].shape
+    b2 = b - 1 if b > 1 else min(2, max_batch_size)  # stays inside a TensorRT profile's batch range
+    if s >= 12:
+        s2 = (s * 2) // 3
+    elif s + 4 <= max_seq_len:
+        s2 = s + 4
+    else:
+        s2 = max(1, s - 1)
+    rows = np.arange(b2) % b
+    second = {}
+    for n, arr in first.items():
+        a = arr[rows][:, :s2]
+        if a.shape[1] < s2:  # longer than the sample: extend as padding
+            a = np.concatenate([a, np.zeros((b2, s2 - a.shape[1]), dtype=np.int64)], axis=1)
+        second[n] = np.ascontiguousarray(a)
+    # Pad the tail of the last row so this batch has masked positions whatever the sample had.
+    keep = max(1, s2 // 2)
+    for n in INPUT_NAMES:
+        second[n][-1, keep:] = 0
+    return [first, second]
+
+
+def seq_axis_outputs(batches: Sequence[Mapping[str, np.ndarray]],
+                     references: Sequence[Mapping[str, np.ndarray]]) -> tuple[str, ...]:
+    names = references[0].keys()
+    out = []
+    for n in names:
+        if all(r[n].ndim >= 2 and r[n].shape[1] == b["input_ids"].shape[1] for b, r in zip(batches, references)):
+            out.append(n)
+    return tuple(out)
+
+
+def torch_reference(module, batches: Iterable[Mapping[str, np.ndarray]],
+                    output_names: Sequence[str]) -> list[dict[str, np.ndarray]]:
+    import torch
+
+    refs = []
+    with torch.inference_mode():
+        for b in batches:
+            outs = module(*(torch.from_numpy(b[n]) for n in INPUT_NAMES))
+            refs.append({n: o.float().numpy().copy() for n, o in zip(output_names, outs)})
+    return refs
+
+
+def max_abs_diff(outputs: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray]) -> dict[str, float]:
+    diffs = {}
+    for n, ref in reference.items():
+        got = np.asarray(outputs[n], dtype=np.float32)
+        if got.shape != ref.shape:
+            diffs[n] = float("inf")
+        elif not np.isfinite(got).all():
+            diffs[n] = float("nan")
+        else:
+            diffs[n] = float(np.abs(got - ref).max()) if ref.size else 0.0
+    return diffs
+
+
+def check_against_reference(run, batches, references, atol: Optional[float], what: str) -> dict[str, float]:
+    """Run ``run(batch) -> {name: array}`` on every batch; worst |diff| per output.
+
+    Raises OnnxExportError when any diff exceeds ``atol`` (None: only measure) or is not finite.
+    """
+    worst: dict[str, float] = {}
+    for b, ref in zip(batches, references):
+        diffs = max_abs_diff(run(b), ref)
+        for n, d in diffs.items():
+            bad = not np.isfinite(d) or (atol is not None and d > atol)
+            if bad:
+                shape = "x".join(map(str, b["input_ids"].shape))
+                raise OnnxExportError(
+                    f"{what} does not match PyTorch at batch x seq = {shape}: max|diff| of '{n}' is {d:.3g}"
+                    + (f" (tolerance {atol:g})" if atol is not None else "")
+                    + "; the exported graph is not shape-generic or the conversion broke it")
+            worst[n] = max(worst.get(n, 0.0), d)
+    return worst
+
+
+def ort_cpu_runner(path: Path | str, output_names: Sequence[str]):
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    wanted = {i.name for i in sess.get_inputs()}
+
+    def run(batch):
+        outs = sess.run(list(output_names), {n: batch[n] for n in INPUT_NAMES if n in wanted})
+        return dict(zip(output_names, outs))
+
+    return run
+
+
+# --------------------------------------------------------------------------- export
+
+def _export_example(batch: Mapping[str, np.ndarray]):
+    """Example inputs with batch >= 2: torch.export specialises a size-1 dim to a constant."""
+    import torch
+
+    b = batch["input_ids"].shape[0]
+    rows = np.arange(max(b, 2)) % b
+    return tuple(torch.from_numpy(np.ascontiguousarray(batch[n][rows])) for n in INPUT_NAMES)
+
+
+def _export_torchscript(module, example, path: Path, output_names, seq_outputs, opset: int) -> None:
+    import torch
+
+    dynamic_axes = {n: {0: "batch", 1: "sequence"} for n in INPUT_NAMES}
+    for n in output_names:
+        dynamic_axes[n] = {0: "batch", 1: "sequence"} if n in seq_outputs else {0: "batch"}
+    with warnings.catch_warnings():
+        # TracerWarnings about Python bools in transformers' mask code are expected; the
+        # two-shape validation is what tells whether they mattered.
+        warnings.simplefilter("ignore")
+        torch.onnx.export(module, example, str(path), input_names=list(INPUT_NAMES),
+                          output_names=list(output_names), dynamic_axes=dynamic_axes,
+                          opset_version=opset, do_constant_folding=True, dynamo=False)
+
+
+def _export_dynamo(module, example, path: Path, output_names, opset: int, max_positions: int) -> None:
+    import torch
+    from torch.export import Dim
+
+    batch = Dim("batch", min=1)
+    seq = Dim("sequence", min=1, max=max_positions)
+    dynamic_shapes = {n: {0: batch, 1: seq} for n in INPUT_NAMES}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        # dynamo emits opset >= 18 natively; asking for less makes it run a version converter.
+        torch.onnx.export(module, example, str(path), input_names=list(INPUT_NAMES),
+                          output_names=list(output_names), dynamic_shapes=dynamic_shapes,
+                          opset_version=max(opset, 18), dynamo=True, optimize=True,
+                          external_data=False, verbose=False)
+
+
+def export_onnx(model_dir: str | Path, artifacts_dir: str | Path, output_names: Sequence[str],
+                sample_batch: Mapping[str, np.ndarray], *, max_batch_size: int, max_seq_len: int,
+                exporter: str = "auto", opset: int = DEFAULT_OPSET, atol: float = FP32_ATOL,
+                validate_with_ort: bool = True) -> OnnxExport:
+    """Export (or reuse) the fp32, eager-attention model as ONNX with dynamic batch and sequence.
+
+    The file is cached under ``artifacts_dir/onnx`` keyed by the model's content, the exporter,
+    the opset and the torch version. Returns the path and the validation batches/references.
+    """
+    import torch
+
+    from ..modeling import load_inference_module
+
+    if exporter not in EXPORTERS:
+        raise OnnxExportError(f"unknown ONNX exporter '{exporter}'; choose one of {', '.join(EXPORTERS)}")
+    output_names = tuple(output_names)
+    out_dir = Path(artifacts_dir) / "onnx"
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    # Eager attention: onnxruntime's optimizer fuses Attention only in that graph (0 with SDPA).
+    module = load_inference_module(model_dir, attn_implementation="eager", dtype=torch.float32).float().cpu()
+    max_positions = int(getattr(module.model.config, "max_position_embeddings", max(max_seq_len, 512)))
+    batches = validation_batches(sample_batch, max_batch_size, min(max_seq_len, max_positions))
+    references = torch_reference(module, batches, output_names)
+    seq_outputs = seq_axis_outputs(batches, references)
+
+    fingerprint = model_fingerprint(model_dir)
+    candidates = ["torchscript", "dynamo"] if exporter == "auto" else [exporter]
+    failed: dict[str, str] = {}
+    try:
+        for name in candidates:
+            key = cache_key(fingerprint, name, opset, torch.__version__, output_names, seq_outputs)
+            path = out_dir / f"model-{name}-{key}.onnx"
+            cache_hit = path.exists()
+            try:
+                if not cache_hit:
+                    tmp = path.with_suffix(f".tmp{os.getpid()}.onnx")
+                    example = _export_example(batches[0])
+                    if name == "torchscript":
+                        _export_torchscript(module, example, tmp, output_names, seq_outputs, opset)
+                    else:
+                        _export_dynamo(module, example, tmp, output_names, opset, max_positions)
+                    os.replace(tmp, path)  # atomic: a killed export never leaves a half file in the cache
+                diffs: dict[str, float] = {}
+                if validate_with_ort:
+                    diffs = check_against_reference(ort_cpu_runner(path, output_names), batches, references,
+                                                     atol, f"ONNX export ({name} exporter)")
+            except Exception as e:  # noqa: BLE001 - any failure of one exporter means: try the next
+                failed[name] = f"{type(e).__name__}: {e}"
+                log.warning("ONNX export with the %s exporter failed: %s", name, failed[name])
+                if path.exists() and not cache_hit:
+                    path.unlink()
+                continue
+            return OnnxExport(path=path, exporter=name, opset=opset if name == "torchscript" else max(opset, 18),
+                              cache_hit=cache_hit, key=key, batches=batches, references=references,
+                              max_abs_diff=diffs, seq_axis_outputs=seq_outputs, failed_exporters=failed)
+    finally:
+        del module
+    details = "; ".join(f"{k}: {v}" for k, v in failed.items())
+    raise OnnxExportError(f"could not export {model_dir} to a valid ONNX model ({details})")

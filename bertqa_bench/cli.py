@@ -1,0 +1,211 @@
+"""``bertqa-bench``: train | bench | report | parity | score | score-nq | profile | backends."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+from pathlib import Path
+
+from .errors import BenchError
+
+
+def _suite_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--suite", default="default", help="suite name in benchmarks/ or a YAML path (default: default)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                   help="override a suite field, e.g. --set bench.batch_size=16 (repeatable)")
+
+
+def _backend_list(s: str | None):
+    return [b.strip() for b in s.split(",") if b.strip()] if s else None
+
+
+def _threads(cfg) -> None:
+    n = cfg.bench.num_threads
+    if n:
+        import torch
+
+        torch.set_num_threads(n)
+
+
+def cmd_train(a) -> int:
+    from .config import load_suite
+    from .tracking import Tracker
+    from .train import train
+
+    cfg = load_suite(a.suite, a.overrides)
+    metrics = train(cfg, tracker=Tracker(cfg.results_root, enabled=not a.no_mlflow))
+    print(json.dumps(metrics, indent=2))
+    return 0
+
+
+def cmd_bench(a) -> int:
+    from .bench import run_bench
+    from .config import load_suite
+    from .tracking import Tracker
+
+    cfg = load_suite(a.suite, a.overrides)
+    _threads(cfg)
+    tracker = Tracker(cfg.results_root, enabled=not a.no_mlflow)
+    out = run_bench(cfg, backends=_backend_list(a.backends), run_id=a.run_id, tracker=tracker,
+                    progress=not a.no_progress, command=_command_line())
+    print()
+    print(out.summary)
+    print(f"results: {out.run_dir}")
+    if tracker.active:
+        print(f"MLflow: {tracker.uri} (experiment bertqa-{cfg.name}); `make mlflow-ui` to compare")
+    return 0
+
+
+def cmd_report(a) -> int:
+    from .config import resolve_path
+    from .report import latest_run, write_report
+    from .results import read_csv
+
+    run = Path(a.run_dir) if a.run_dir else latest_run(resolve_path("results"))
+    if run is None or not (run / "results.csv").exists():
+        raise BenchError("no result bundle found; run `make bench-all` first or pass a results/<run-id> folder")
+    rows = read_csv(run / "results.csv")
+    cfg = json.loads((run / "config.json").read_text()) if (run / "config.json").exists() else {}
+    meta = {"suite": cfg.get("name", ""), "run_id": run.name, "model": cfg.get("model", {}).get("name", ""),
+            "reference": cfg.get("bench", {}).get("reference", rows[0]["backend"] if rows else "")}
+    print(write_report(run, meta))
+    return 0
+
+
+def cmd_parity(a) -> int:
+    from .config import load_suite
+    from .parity_check import run_parity_check
+    from .tracking import Tracker
+
+    cfg = load_suite(a.suite, a.overrides)
+    _threads(cfg)
+    ok = run_parity_check(cfg, backends=_backend_list(a.backends), update_expected=a.update_expected,
+                          tracker=Tracker(cfg.results_root, enabled=not a.no_mlflow), progress=not a.no_progress,
+                          command=_command_line())
+    return 0 if ok else 1
+
+
+def cmd_score(a) -> int:
+    from .data.metrics import score_files
+
+    print(json.dumps(score_files(a.dataset, a.predictions)))
+    return 0
+
+
+def cmd_score_nq(a) -> int:
+    from .nq.metrics import score_nq_files
+
+    print(json.dumps(score_nq_files(a.gold, a.predictions), indent=2))
+    return 0
+
+
+def cmd_profile(a) -> int:
+    from .config import load_suite
+    from .profile import profile_backend
+
+    cfg = load_suite(a.suite, a.overrides)
+    _threads(cfg)
+    out = profile_backend(cfg, a.backend, n_batches=a.batches, top=a.top)
+    print(out["table"])
+    print(f"trace: {out['trace']}\ntop kernels: {out['top_csv']}")
+    return 0
+
+
+def cmd_track(a) -> int:
+    from .config import resolve_path
+    from .tracking import default_tracking_uri, import_bundle
+
+    for d in a.run_dirs:
+        if not (Path(d) / "results.csv").exists():
+            raise BenchError(f"{d}: no results.csv; pass a results/<run-id> folder")
+        rid = import_bundle(Path(d), resolve_path("results"))
+        print(f"{d}: logged as MLflow run {rid} in {default_tracking_uri(resolve_path('results'))}")
+    return 0
+
+
+def cmd_backends(a) -> int:
+    from . import backends as registry
+
+    for spec in registry.specs():
+        why = spec.unavailable_reason()
+        print(f"{spec.name:34s} {spec.device:5s} {spec.cls.precision:9s} {spec.cls.parity_class:8s} "
+              f"{'available' if why is None else 'unavailable: ' + why}")
+    return 0
+
+
+def _command_line() -> str:
+    return "bertqa-bench " + " ".join(shlex.quote(x) for x in sys.argv[1:])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="bertqa-bench", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="fine-tune the suite's model and save it under models/")
+    _suite_args(t)
+    t.add_argument("--no-mlflow", action="store_true")
+    t.set_defaults(fn=cmd_train)
+
+    b = sub.add_parser("bench", help="benchmark every backend of a suite (trains the model if missing)")
+    _suite_args(b)
+    b.add_argument("--backends", help="comma-separated backend names (default: the suite's list)")
+    b.add_argument("--run-id", help="name of the results/<run-id> folder (default: timestamp-suite)")
+    b.add_argument("--no-mlflow", action="store_true")
+    b.add_argument("--no-progress", action="store_true")
+    b.set_defaults(fn=cmd_bench)
+
+    r = sub.add_parser("report", help="rebuild summary.md and the plot of a result bundle")
+    r.add_argument("run_dir", nargs="?", help="results/<run-id> (default: the latest)")
+    r.set_defaults(fn=cmd_report)
+
+    pc = sub.add_parser("parity", help="accuracy-parity check against eager FP32; exits 1 on a breach")
+    _suite_args(pc)
+    pc.add_argument("--backends", help="comma-separated backend names (default: the suite's list)")
+    pc.add_argument("--update-expected", action="store_true", help="rewrite the suite's expected-results file")
+    pc.add_argument("--no-mlflow", action="store_true")
+    pc.add_argument("--no-progress", action="store_true")
+    pc.set_defaults(fn=cmd_parity)
+
+    s = sub.add_parser("score", help="official SQuAD v1.1 EM/F1 of a predictions file")
+    s.add_argument("dataset")
+    s.add_argument("predictions")
+    s.set_defaults(fn=cmd_score)
+
+    sn = sub.add_parser("score-nq", help="Natural Questions long/short P/R/F1 and micro-F1")
+    sn.add_argument("gold")
+    sn.add_argument("predictions")
+    sn.set_defaults(fn=cmd_score_nq)
+
+    pr = sub.add_parser("profile", help="torch.profiler trace and top-kernels table for one backend")
+    _suite_args(pr)
+    pr.add_argument("--backend", required=True)
+    pr.add_argument("--batches", type=int, default=5)
+    pr.add_argument("--top", type=int, default=25)
+    pr.set_defaults(fn=cmd_profile)
+
+    tr = sub.add_parser("track", help="log result bundles made without MLflow (e.g. on a GPU machine) to MLflow")
+    tr.add_argument("run_dirs", nargs="+")
+    tr.set_defaults(fn=cmd_track)
+
+    lb = sub.add_parser("backends", help="list registered backends and whether each can run here")
+    lb.set_defaults(fn=cmd_backends)
+    return p
+
+
+def main(argv=None) -> int:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except BenchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""Errors a user can act on. Each message names what to fix."""
+
+
+class BenchError(Exception):
+    """Base class for errors reported to the user without a traceback."""
+
+
+class DatasetFormatError(BenchError):
+    """A dataset file is malformed; names the file, the record and the field."""
+
+    def __init__(self, path, record, field, reason):
+        self.path, self.record, self.field, self.reason = str(path), record, field, reason
+        super().__init__(f"{self.path}: record {record}: field '{field}': {reason}")
+
+
+class UnknownBackendError(BenchError):
+    def __init__(self, name, valid):
+        self.name, self.valid = name, sorted(valid)
+        super().__init__(f"unknown backend '{name}'; valid backends: {', '.join(self.valid)}")
+
+
+class MissingDependencyError(BenchError):
+    """An optional package is needed; names the package to install."""
+
+    def __init__(self, package, purpose, install=None):
+        self.package = package
+        hint = install or f"pip install {package}"
+        super().__init__(f"{purpose} needs the package '{package}', which is not installed: {hint}")
+
+
+class BackendUnavailableError(BenchError):
+    """The backend cannot run on this machine (no GPU, missing provider, ...)."""
+
+
+class ConfigError(BenchError):
+    pass

@@ -1,0 +1,70 @@
+"""``bertqa-bench profile``: a torch.profiler trace and a top-kernels table for one backend.
+
+Profiles a few real batches after warm-up. On CUDA the table ranks device kernels by total
+device time (that is what limits throughput); on CPU it ranks operators by self CPU time.
+Works for every backend, ONNX Runtime and TensorRT included, because their kernels show up
+in the CUDA activity stream even though their operators are not torch ops.
+"""
+from __future__ import annotations
+
+import csv
+import time
+from pathlib import Path
+
+from . import backends as registry
+from .config import SuiteConfig
+from .errors import BackendUnavailableError
+from .modeling import load_tokenizer
+from .runner import backend_context, make_batches, warm_up, _inputs
+from .tasks import get_task
+
+
+def profile_backend(cfg: SuiteConfig, name: str, *, n_batches: int = 5, top: int = 25) -> dict:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from .bench import ensure_model
+
+    spec = registry.get_spec(name)
+    reason = spec.unavailable_reason()
+    if reason:
+        raise BackendUnavailableError(f"{name}: {reason}")
+    task = get_task(cfg.model.task)
+    ensure_model(cfg, print, None)
+    examples = task.load_examples(cfg, "dev")
+    features = task.featurize(examples, load_tokenizer(str(cfg.model_dir)), cfg)
+    batches = make_batches(features, cfg.bench.batch_size, cfg.bench.padding)[:max(1, n_batches)]
+
+    backend = spec.create()
+    try:
+        backend.prepare(backend_context(cfg, name, cfg.model_dir, features, task.output_names, spec.device))
+        warm_up(backend, features, batches, cfg.bench.warmup_batches)
+        cuda = spec.device == "cuda"
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profile(activities=acts, record_shapes=True) as prof:
+            for b in batches:
+                backend.predict(_inputs(features, b))
+    finally:
+        backend.close()
+
+    out = Path(cfg.results_root) / "profiles" / f"{time.strftime('%Y%m%d-%H%M%S')}-{name}"
+    out.mkdir(parents=True, exist_ok=True)
+    trace = out / "trace.json"
+    prof.export_chrome_trace(str(trace))  # open in chrome://tracing or ui.perfetto.dev
+
+    sort_key = "device_time_total" if cuda else "self_cpu_time_total"
+    events = prof.key_averages()
+    table = events.table(sort_by=sort_key, row_limit=top)
+    rows = []
+    for e in events:
+        dev = getattr(e, "device_time_total", 0) or getattr(e, "cuda_time_total", 0)
+        rows.append({"name": e.key, "calls": e.count, "self_cpu_us": e.self_cpu_time_total,
+                     "cpu_total_us": e.cpu_time_total, "device_total_us": dev})
+    rows.sort(key=lambda r: r["device_total_us"] if cuda else r["self_cpu_us"], reverse=True)
+    top_csv = out / "top_kernels.csv"
+    with open(top_csv, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["name"])
+        w.writeheader()
+        w.writerows(rows[:top])
+    (out / "top_kernels.txt").write_text(table)
+    return {"dir": out, "trace": trace, "top_csv": top_csv, "table": table, "rows": rows[:top]}

@@ -1,0 +1,96 @@
+import numpy as np
+import pytest
+
+from bertqa_bench.config import ParityConfig, Tolerance
+from bertqa_bench.parity import argmax_agreement, check_expected, compare, determinism, logit_diffs, tolerance_for
+
+rng = np.random.default_rng(0)
+
+
+def _outputs(n=6, s=10):
+    return {"start_logits": rng.normal(size=(n, s)).astype(np.float32),
+            "end_logits": rng.normal(size=(n, s)).astype(np.float32)}
+
+
+def _mask(n=6, s=10, real=7):
+    m = np.zeros((n, s), dtype=np.int64)
+    m[:, :real] = 1
+    return m
+
+
+def test_padding_is_excluded_from_logit_diffs():
+    ref, mask = _outputs(), _mask()
+    out = {k: v.copy() for k, v in ref.items()}
+    out["start_logits"][:, 8] += 100.0  # a padding position
+    mx, mean = logit_diffs(ref, out, mask)
+    assert mx == 0.0 and mean == 0.0
+    out["start_logits"][2, 3] += 0.5  # a real token
+    mx, _ = logit_diffs(ref, out, mask)
+    assert mx == pytest.approx(0.5, abs=1e-6)
+
+
+def test_non_finite_logits_fail_parity():
+    ref, mask = _outputs(), _mask()
+    out = {k: v.copy() for k, v in ref.items()}
+    out["end_logits"][0, 0] = np.nan
+    p = compare(backend="x", parity_class="fp32", tolerance=Tolerance(0.999, 0.99), primary_metric="f1",
+                ref_scores={"exact_match": 50.0, "f1": 60.0}, scores={"exact_match": 50.0, "f1": 60.0},
+                answer_agreement=1.0, ref_outputs=ref, outputs=out, attention_mask=mask)
+    assert not p.passed and "non-finite" in p.failures[0]
+
+
+def test_argmax_agreement_ignores_padding():
+    ref = np.array([[1.0, 5.0, 0.0, 9.0]], dtype=np.float32)
+    out = np.array([[1.0, 5.0, 0.0, -9.0]], dtype=np.float32)
+    mask = np.array([[1, 1, 1, 0]])
+    assert argmax_agreement(ref, out, mask) == 1.0
+    out2 = np.array([[6.0, 5.0, 0.0, 9.0]], dtype=np.float32)
+    assert argmax_agreement(ref, out2, mask) == 0.0
+
+
+def test_tolerances_by_class_and_override():
+    cfg = ParityConfig(overrides={"onnxruntime-int8": {"min_f1_ratio": 0.95, "min_agreement": 0.9}})
+    assert tolerance_for(cfg, "eager-fp16", "reduced").min_f1_ratio == 0.99
+    assert tolerance_for(cfg, "onnxruntime", "fp32").min_agreement == 0.99
+    assert tolerance_for(cfg, "onnxruntime-int8", "reduced").min_f1_ratio == 0.95
+
+
+@pytest.mark.parametrize("f1, agreement, cls, passed", [
+    (80.0, 1.0, "fp32", True),
+    (79.95, 0.995, "fp32", True),      # 99.94% of F1, 99.5% agreement
+    (79.8, 1.0, "fp32", False),        # 99.75% < 99.9%
+    (80.0, 0.985, "fp32", False),      # agreement below 99%
+    (79.3, 0.975, "reduced", True),    # 99.1%, 97.5%
+    (79.1, 0.99, "reduced", False),    # 98.9% < 99%
+    (80.0, 0.96, "reduced", False),
+])
+def test_compare_applies_the_stated_tolerances(f1, agreement, cls, passed):
+    ref = _outputs()
+    cfg = ParityConfig()
+    p = compare(backend="b", parity_class=cls, tolerance=tolerance_for(cfg, "b", cls), primary_metric="f1",
+                ref_scores={"exact_match": 70.0, "f1": 80.0}, scores={"exact_match": 70.0, "f1": f1},
+                answer_agreement=agreement, ref_outputs=ref, outputs=ref, attention_mask=_mask())
+    assert p.passed is passed
+    assert p.metric_deltas["f1"] == pytest.approx(f1 - 80.0)
+    row = p.as_row()
+    assert row["parity"] == ("pass" if passed else "FAIL")
+    assert row["f1_delta"] == pytest.approx(f1 - 80.0)
+
+
+def test_determinism_report():
+    a = _outputs()
+    b = {k: v.copy() for k, v in a.items()}
+    mask = _mask()
+    assert determinism(a, b, mask, {"q": "x"}, {"q": "x"})["deterministic"]
+    b["start_logits"][0, 0] += 1e-3
+    d = determinism(a, b, mask, {"q": "x"}, {"q": "x"})
+    assert not d["deterministic"] and d["identical_answers"]
+
+
+def test_expected_scores_check():
+    rows = [{"backend": "eager-fp32", "status": "ok", "exact_match": 60.0, "f1": 70.0},
+            {"backend": "onnxruntime", "status": "ok", "exact_match": 58.0, "f1": 70.2}]
+    expected = [{"backend": "eager-fp32", "exact_match": "60.1", "f1": "70.0"},
+                {"backend": "onnxruntime", "exact_match": "60.0", "f1": "70.0"}]
+    fails = check_expected(rows, expected, ("exact_match", "f1"), 0.5)
+    assert len(fails) == 1 and fails[0].startswith("onnxruntime: exact_match")
