@@ -38,11 +38,15 @@ train: install
 report: install
 	$(BIN)/bertqa-bench report $(ARGS)
 
+# The accuracy gate: trains the small CI model if models/ lacks it, runs the CPU backends, fails
+# with a table when one drifts from eager FP32 or from benchmarks/expected/ci.csv.
 parity-check: install
-	$(BIN)/bertqa-bench parity --suite ci $(ARGS)
+	$(BIN)/bertqa-bench parity --suite ci --no-progress $(ARGS)
 
+# Unit + end-to-end tests, then the parity gate. CI (.ci/run) runs exactly this.
 test: install
-	$(BIN)/python -m pytest -q -ra tests $(ARGS)
+	$(BIN)/python -m pytest -q -ra tests
+	$(MAKE) --no-print-directory parity-check
 
 mlflow-ui: install
 	$(BIN)/mlflow ui --backend-store-uri sqlite:///results/mlflow.db --default-artifact-root results/mlruns --host 127.0.0.1 --port 5000

@@ -113,6 +113,14 @@ def cmd_profile(a) -> int:
     return 0
 
 
+def cmd_reference(a) -> int:
+    from .report import reference_tables
+
+    notes = Path(a.notes).read_text() if a.notes else ""
+    print(reference_tables([Path(d) for d in a.run_dirs], Path(a.out), a.title, notes))
+    return 0
+
+
 def cmd_track(a) -> int:
     from .config import resolve_path
     from .tracking import default_tracking_uri, import_bundle
@@ -184,6 +192,13 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--batches", type=int, default=5)
     pr.add_argument("--top", type=int, default=25)
     pr.set_defaults(fn=cmd_profile)
+
+    rf = sub.add_parser("reference", help="merge result bundles into a committed reference table (md + csv)")
+    rf.add_argument("run_dirs", nargs="+")
+    rf.add_argument("--out", required=True, help="output path without extension, e.g. results/reference/h100-bert-base")
+    rf.add_argument("--title", required=True)
+    rf.add_argument("--notes", help="a markdown file whose text goes under the title")
+    rf.set_defaults(fn=cmd_reference)
 
     tr = sub.add_parser("track", help="log result bundles made without MLflow (e.g. on a GPU machine) to MLflow")
     tr.add_argument("run_dirs", nargs="+")

@@ -63,6 +63,10 @@ class DataConfig:
     # Pad/replicate the eval features to this many (e.g. 10784 = SQuAD v1.1 dev with
     # bert-base-uncased); the extra features are scored as copies, timed as real work.
     target_eval_features: Optional[int] = None
+    # NQ only: share of answer-less training windows kept (0.02 for real NQ, where most windows
+    # are empty), and whether contexts carry [Paragraph=N]/[Table=N] candidate markers.
+    nq_null_window_keep: float = 0.25
+    nq_markers: bool = True
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
 
     def __post_init__(self):
@@ -115,6 +119,8 @@ class TrainConfig:
     def __post_init__(self):
         if self.mixed_precision is False:  # YAML reads a bare `no` as false
             self.mixed_precision = "no"
+        for k in ("epochs", "learning_rate", "warmup_ratio", "weight_decay"):
+            setattr(self, k, _number(getattr(self, k), f"train.{k}"))
         if self.epochs <= 0 or self.learning_rate <= 0 or self.batch_size < 1:
             raise ConfigError("train: epochs, learning_rate and batch_size must be positive")
         if self.mixed_precision not in ("auto", "fp16", "bf16", "no"):
@@ -133,6 +139,7 @@ class BenchConfig:
     max_answer_len: int = 30
     num_threads: Optional[int] = None
     skip_unavailable: bool = True  # backends that cannot run here are recorded as "not run"
+    nq_top_k: int = 5  # NQ: start/end positions per window considered by postprocessing
     backend_options: dict = field(default_factory=dict)  # {backend-name: {option: value}}
 
     def __post_init__(self):
@@ -211,6 +218,13 @@ class SuiteConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def _number(value, where: str) -> float:
+    try:  # YAML 1.1 reads "1e-4" (no dot) as a string
+        return float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where} must be a number, not {value!r}") from None
 
 
 def resolve_path(p: str | os.PathLike) -> Path:

@@ -18,6 +18,8 @@ def _version(pkg: str) -> str:
 
 
 def git_commit() -> str:
+    if os.environ.get("BERTQA_GIT_COMMIT"):  # copies of the tree without .git (e.g. a lent GPU machine)
+        return os.environ["BERTQA_GIT_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=PROJECT_ROOT, capture_output=True,
                              text=True, timeout=5)

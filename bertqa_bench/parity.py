@@ -40,7 +40,8 @@ class ParityResult:
         d = asdict(self)
         d.pop("metric_deltas")
         d.pop("failures")
-        d.update({f"{k}_delta": v for k, v in self.metric_deltas.items()})
+        # "em_delta" is the name the results table promises for exact match
+        d.update({("em" if k == "exact_match" else k) + "_delta": v for k, v in self.metric_deltas.items()})
         d["parity"] = self.status
         d["parity_failures"] = "; ".join(self.failures)
         return d

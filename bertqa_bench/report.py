@@ -127,3 +127,42 @@ def write_report(run_dir: Path, meta: dict) -> str:
 def latest_run(results_root: Path) -> Optional[Path]:
     runs = sorted(p.parent for p in Path(results_root).glob("*/results.csv") if p.parent.name != "reference")
     return runs[-1] if runs else None
+
+
+def reference_tables(run_dirs: list[Path], out_stem: Path, title: str, notes: str = "") -> str:
+    """Merge result bundles (each with its own baseline) into a committed reference table
+    ``<out_stem>.md`` + ``.csv`` that states card, driver, versions, commands and dates."""
+    import json
+
+    from .results import write_csv
+
+    sections, all_rows = [f"# {title}", ""], []
+    if notes:
+        sections += [notes.strip(), ""]
+    for d in map(Path, run_dirs):
+        rows = read_csv(d / "results.csv")
+        env = json.loads((d / "env.json").read_text()) if (d / "env.json").exists() else {}
+        cfg = json.loads((d / "config.json").read_text()) if (d / "config.json").exists() else {}
+        summary = (d / "summary.md").read_text() if (d / "summary.md").exists() else ""
+        command = next((ln.split("`")[1] for ln in summary.splitlines() if ln.startswith("- Command:")), "")
+        model_line = next((ln[2:] for ln in summary.splitlines() if ln.startswith("- Model:")), "")
+        reference = cfg.get("bench", {}).get("reference", rows[0]["backend"] if rows else "")
+        first = rows[0] if rows else {}
+        sections += [
+            f"## {cfg.get('name', d.name)} — run `{d.name}`", "",
+            f"- Card: {env.get('gpu', env.get('cpu', '?'))}; driver {env.get('driver', '?')}, CUDA {env.get('cuda', '?')}, "
+            f"torch {env.get('torch', '?')}, transformers {env.get('transformers', '?')}, onnxruntime-gpu "
+            f"{env.get('onnxruntime_gpu', '?')}, tensorrt {env.get('tensorrt', '?')}; commit {env.get('git_commit', '?')}",
+            f"- {model_line}" if model_line else "- Model: ?",
+            f"- Batch {first.get('batch_size', '?')}, sequence length {first.get('max_seq_len', '?')}, padding "
+            f"{first.get('padding', '?')}, {first.get('n_features', '?')} features / {first.get('n_questions', '?')} questions",
+            f"- Command: `{command}`", f"- Date: {d.name.split('-')[1] if d.name.startswith('device-') else d.name[:8]}",
+            f"- Speedup and % change are against `{reference}` measured in this same run.", "",
+            markdown_table(rows, reference, gpu_columns=any(r.get("device") == "cuda" for r in rows)), "",
+        ]
+        all_rows += [{"run_id": d.name, "suite": cfg.get("name", ""), "card": env.get("gpu", ""),
+                      "driver": env.get("driver", ""), **r} for r in rows]
+    md = "\n".join(sections)
+    atomic_write_text(Path(str(out_stem) + ".md"), md)
+    write_csv(Path(str(out_stem) + ".csv"), all_rows)
+    return md

@@ -2,8 +2,9 @@
 # Run GPU suites on a machine that has torch/transformers/onnx but no pip access (the lent GPU
 # machine): uses the repo in place (no install), writes each result bundle as a tarball under
 # $OUT (or ./device-out), without MLflow; import them later with `bertqa-bench track DIR`.
-#   scripts/device_bench.sh SUITE[:ARGS...] ...
-# e.g. scripts/device_bench.sh gpu-parity "gpu-timing:--backends eager-fp32-cuda,eager-fp16"
+#   scripts/device_bench.sh [parity/]SUITE[:ARGS...] ...
+# e.g. scripts/device_bench.sh parity/gpu-parity "gpu-timing:--backends eager-fp32-cuda,eager-fp16"
+# (parity/ runs `bertqa-bench parity`: the accuracy gate, with the determinism check and exit status)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-device-out}
@@ -15,11 +16,16 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=c
 status=0
 for spec in "$@"; do
   suite=${spec%%:*}; extra=""; [[ "$spec" == *:* ]] && extra=${spec#*:}
+  cmd=bench; if [[ "$suite" == parity/* ]]; then cmd=parity; suite=${suite#parity/}; fi
+  before=$(ls results 2>/dev/null)
   run_id="device-$(date -u +%Y%m%d-%H%M%S)-$suite"
+  idarg=(--run-id "$run_id"); [[ $cmd == parity ]] && idarg=()
   # shellcheck disable=SC2086
-  python3 -m bertqa_bench.cli bench --suite "$suite" --no-mlflow --no-progress --run-id "$run_id" $extra \
-    2>&1 | tee "$out/$suite.log" || status=1
-  tar czf "$out/$run_id.tgz" -C results "$run_id" 2>/dev/null || true
+  python3 -m bertqa_bench.cli $cmd --suite "$suite" --no-mlflow --no-progress "${idarg[@]}" $extra \
+    2>&1 | tee "$out/$cmd-$suite.log"; [[ ${PIPESTATUS[0]} == 0 ]] || status=1
+  for d in $(comm -13 <(echo "$before" | sort) <(ls results | sort)); do
+    [[ -f results/$d/results.csv ]] && tar czf "$out/$d.tgz" -C results "$d"
+  done
 done
 tar czf "$out/train-metrics.tgz" models/*/train_metrics.json 2>/dev/null || true
 exit $status

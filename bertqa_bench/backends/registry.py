@@ -39,6 +39,7 @@ def _ensure_loaded() -> None:
     # Importing the family modules registers their variants; imports of heavy optional
     # packages (onnxruntime, tensorrt) happen lazily inside them.
     from . import onnxruntime, tensorrt, torch_compile, torch_eager  # noqa: F401
+    from . import torch_fp8  # noqa: F401
 
 
 def get_spec(name: str) -> BackendSpec:

@@ -34,8 +34,9 @@ UNKNOWN, YES, NO, SHORT, LONG = range(5)
 ANSWER_TYPES = ("UNKNOWN", "YES", "NO", "SHORT", "LONG")
 
 # BERT-joint keeps 2% of the answer-less windows of real NQ (~30 windows a document); the
-# synthetic documents span 2-3 windows, where 2% would leave almost no null examples to learn
-# "no answer" from. 0.25 keeps roughly one null window per two answer windows there.
+# synthetic pages span 1-5 windows, where 2% would leave almost no null examples to learn
+# "no answer" from. 0.25 keeps about one null window per five answer windows there
+# (benchmarks/nq.yaml: 943 train windows). For real NQ set data.nq_null_window_keep: 0.02.
 DEFAULT_NULL_WINDOW_KEEP = 0.25
 
 

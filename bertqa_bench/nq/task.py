@@ -1,10 +1,9 @@
 """NQTask: Natural Questions (simplified format) behind the runner's Task interface.
 
-NQ-specific knobs are read with defaults, so a suite works whether or not the config
-dataclasses declare them: ``data.nq_null_window_keep`` (share of answer-less training windows
-kept, default features.DEFAULT_NULL_WINDOW_KEEP), ``data.nq_markers`` (candidate markers,
-default on) and ``bench.nq_top_k`` (start/end positions per window considered by
-postprocessing, default 5). ``bench.max_answer_len`` bounds short answers (word-pieces).
+NQ knobs live in the suite config: ``data.nq_null_window_keep`` (share of answer-less training
+windows kept), ``data.nq_markers`` (candidate markers) and ``bench.nq_top_k`` (start/end
+positions per window considered by postprocessing); ``bench.max_answer_len`` bounds short
+answers (word-pieces).
 """
 from __future__ import annotations
 
@@ -15,16 +14,11 @@ import numpy as np
 from ..config import SuiteConfig, resolve_path
 from ..data.types import Features
 from ..tasks import Task
-from .features import DEFAULT_NULL_WINDOW_KEEP, featurize_nq
+from .features import featurize_nq
 from .metrics import nq_evaluate
 from .model import NQ_OUTPUTS
-from .postprocess import DEFAULT_TOP_K, postprocess_nq
+from .postprocess import postprocess_nq
 from .reader import load_nq_jsonl
-
-
-def _option(section: Any, name: str, default):
-    value = getattr(section, name, None)
-    return default if value is None else value
 
 
 def train_labels(features: Features) -> dict[str, np.ndarray]:
@@ -74,8 +68,7 @@ class NQTask(Task):
         d = cfg.data
         return featurize_nq(examples, tokenizer, max_seq_len=d.max_seq_len, doc_stride=d.doc_stride,
                             max_query_len=d.max_query_len, train=train,
-                            markers=bool(_option(d, "nq_markers", True)),
-                            null_window_keep=float(_option(d, "nq_null_window_keep", DEFAULT_NULL_WINDOW_KEEP)),
+                            markers=d.nq_markers, null_window_keep=d.nq_null_window_keep,
                             seed=cfg.train.seed)
 
     def train_labels(self, features: Features) -> dict[str, np.ndarray]:
@@ -83,7 +76,7 @@ class NQTask(Task):
 
     def postprocess(self, examples, features, outputs, cfg):
         return postprocess_nq(examples, features, outputs["start_logits"], outputs["end_logits"],
-                              outputs["answer_type_logits"], top_k=int(_option(cfg.bench, "nq_top_k", DEFAULT_TOP_K)),
+                              outputs["answer_type_logits"], top_k=cfg.bench.nq_top_k,
                               max_answer_len=cfg.bench.max_answer_len)
 
     def score(self, examples, predictions):

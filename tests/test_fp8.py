@@ -1,0 +1,331 @@
+"""The FP8 backend (bertqa_bench/backends/torch_fp8.py): availability reasons, quantization math,
+module surgery on a tiny BERT (all on CPU: float8 dtypes and torch._scaled_mm exist in CPU
+torch), and GPU end-to-end checks marked ``gpu`` (skipped without CUDA)."""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from bertqa_bench.backends import BackendContext, create, get_spec
+from bertqa_bench.backends import torch_fp8 as fp8
+
+OUTPUTS = ("start_logits", "end_logits")
+FP8_NAMES = ("torch-compile-fp8", "torch-compile-fp8-all", "torch-compile-fp8-rowwise")
+E4M3_REL = 2.0 ** -4  # half an ulp of a 3-bit mantissa: the largest relative rounding error
+
+
+def tiny_bert(seed: int = 0, hidden: int = 32, layers: int = 2):
+    from transformers import BertConfig, BertForQuestionAnswering
+
+    torch.manual_seed(seed)
+    config = BertConfig(vocab_size=1000, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=2,
+                        intermediate_size=2 * hidden, max_position_embeddings=128, attn_implementation="sdpa")
+    model = BertForQuestionAnswering(config).eval()
+    with torch.no_grad():
+        model.qa_outputs.weight.normal_(0, 1.0)  # logits O(1), so differences mean something
+    return model
+
+
+def qa(model):
+    from bertqa_bench.modeling import QAModule
+
+    return QAModule(model, OUTPUTS).eval()
+
+
+def inputs(b: int = 3, s: int = 40, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(5, 1000, (b, s), generator=g)
+    ids[:, 0] = 101
+    mask = torch.ones(b, s, dtype=torch.long)
+    mask[-1, s // 2:] = 0
+    ids[-1, s // 2:] = 0
+    types = torch.zeros(b, s, dtype=torch.long)
+    types[:, s // 3:] = 1
+    return ids, mask, types
+
+
+def rel_l2(a, b) -> float:
+    a, b = a.float(), b.float()
+    return float((a - b).norm() / b.norm())
+
+
+def _cpu_scaled_mm_works() -> bool:
+    try:
+        a = torch.ones(16, 16).to(torch.float8_e4m3fn)
+        one = torch.tensor(1.0)
+        torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+        return True
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return False
+
+
+needs_cpu_scaled_mm = pytest.mark.skipif(not _cpu_scaled_mm_works(),
+                                         reason="this torch has no CPU torch._scaled_mm for float8")
+
+
+# --------------------------------------------------------------------------- registry / availability
+
+def test_fp8_variants_are_registered_as_reduced_precision_cuda_backends():
+    for name in FP8_NAMES:
+        spec = get_spec(name)
+        assert spec.device == "cuda", name
+        assert (spec.cls.precision, spec.cls.parity_class) == ("fp8", "reduced"), name
+        assert spec.description, name
+        backend = create(name)  # constructing needs no GPU
+        assert backend.name == name and backend.device == "cuda"
+    assert get_spec("torch-compile-fp8").options["scaling"] == "tensor"
+    assert get_spec("torch-compile-fp8-rowwise").options["scaling"] == "rowwise"
+    assert fp8.parse_gemms(get_spec("torch-compile-fp8").options["fp8_gemms"]) == fp8.DEFAULT_GEMMS
+    assert fp8.parse_gemms(get_spec("torch-compile-fp8-all").options["fp8_gemms"]) == fp8.GEMM_KINDS
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
+def test_unavailable_without_cuda_names_the_reason():
+    for name in FP8_NAMES:
+        reason = get_spec(name).unavailable_reason()
+        assert reason and "FP8" in reason and "CUDA" in reason, reason
+
+
+def test_unavailable_on_a_gpu_older_than_sm89(monkeypatch):
+    monkeypatch.setattr(fp8, "cuda_unavailable_reason", lambda: None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100-SXM4-80GB")
+    reason = get_spec("torch-compile-fp8").unavailable_reason()
+    assert reason and "sm_89" in reason and "Hopper" in reason and "A100" in reason and "sm_80" in reason
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    assert get_spec("torch-compile-fp8").unavailable_reason() is None
+
+
+def test_unavailable_without_scaled_mm(monkeypatch):
+    monkeypatch.setattr(fp8, "cuda_unavailable_reason", lambda: None)
+    monkeypatch.delattr(torch, "_scaled_mm")
+    reason = get_spec("torch-compile-fp8").unavailable_reason()
+    assert reason and "_scaled_mm" in reason
+
+
+# --------------------------------------------------------------------------- quantization math
+
+def test_static_activation_scale_from_amax():
+    assert fp8.static_act_scale(10.0, margin=2.0) == pytest.approx(20.0 / 448.0)
+    assert fp8.static_act_scale(7.0, margin=1.0) == pytest.approx(7.0 / 448.0)
+    assert fp8.static_act_scale(0.0) > 0  # never a zero scale (division)
+
+
+def test_weight_scales_per_channel_and_per_tensor():
+    torch.manual_seed(0)
+    w = torch.randn(48, 32) * torch.linspace(0.1, 3.0, 48)[:, None]
+    per_ch = fp8.weight_scale(w, per_channel=True)
+    per_t = fp8.weight_scale(w, per_channel=False)
+    assert per_ch.shape == (48, 1) and per_ch.dtype == torch.float32
+    assert per_t.dim() == 0 and per_t.dtype == torch.float32
+    torch.testing.assert_close(per_ch[:, 0], w.abs().amax(1) / 448.0)
+    torch.testing.assert_close(per_t, w.abs().amax() / 448.0)
+    # Each row's largest magnitude lands exactly on the e4m3 maximum.
+    q = fp8.quantize_fp8(w, per_ch)
+    assert q.dtype == torch.float8_e4m3fn
+    torch.testing.assert_close(q.float().abs().amax(1), torch.full((48,), 448.0))
+
+
+@pytest.mark.parametrize("per_channel", [True, False])
+def test_quantize_dequantize_round_trip_within_fp8_error(per_channel):
+    torch.manual_seed(1)
+    x = torch.randn(64, 96) * torch.logspace(-2, 1, 64)[:, None]
+    scale = fp8.weight_scale(x, per_channel)
+    deq = fp8.dequantize_fp8(fp8.quantize_fp8(x, scale), scale)
+    # Normal e4m3 numbers: relative error <= 2^-4; subnormals (below 2^-6 * scale): absolute <= 2^-10 * scale.
+    bound = E4M3_REL * x.abs() + (2.0 ** -10) * scale.expand_as(x) * (1 + 1e-6)
+    assert bool(((deq - x).abs() <= bound).all())
+    assert rel_l2(deq, x) < 0.04  # ~2-3% rms for a normal-ish distribution
+
+
+def test_quantize_clamps_to_e4m3_range_instead_of_nan():
+    scale = torch.tensor(fp8.static_act_scale(1.0, margin=1.0))  # calibrated for |x| <= 1
+    x = torch.tensor([-1e6, -5.0, -1.0, 0.0, 0.25, 1.0, 3.0, 1e6])
+    q = fp8.quantize_fp8(x, scale)
+    assert not torch.isnan(q.float()).any()
+    deq = fp8.dequantize_fp8(q, scale)
+    assert deq[0] == pytest.approx(-1.0) and deq[-1] == pytest.approx(1.0)  # clamped to ±448 * scale
+    assert deq[1] == pytest.approx(-1.0) and deq[6] == pytest.approx(1.0)
+    assert deq[3] == 0.0 and deq[5] == pytest.approx(1.0)
+
+
+@needs_cpu_scaled_mm
+@pytest.mark.parametrize("scaling", fp8.SCALINGS)
+def test_fp8_linear_matches_linear_on_cpu(scaling):
+    torch.manual_seed(2)
+    lin = nn.Linear(64, 48)
+    x = torch.randn(5, 7, 64)
+    amax = float(x.abs().amax())
+    act_scale = None if scaling == "rowwise" else fp8.static_act_scale(amax, 1.0)
+    f = fp8.fp8_classes()[0].from_linear(lin, scaling=scaling, act_scale=act_scale)
+    assert f.weight_fp8.dtype == torch.float8_e4m3fn and f.weight_fp8.shape == (48, 64)
+    assert f.weight_fp8.t().stride() == (1, 64)  # the column-major operand _scaled_mm wants
+    with torch.no_grad():
+        y, ref = f(x), lin(x)
+    assert y.shape == ref.shape and y.dtype == ref.dtype
+    assert rel_l2(y, ref) < 0.06  # ~3.7e-2 measured for a random 64-deep dot product
+
+
+def test_fp8_linear_rejects_bad_shapes_and_missing_scale():
+    cls = fp8.fp8_classes()[0]
+    with pytest.raises(ValueError, match="multiples of 16"):
+        cls.from_linear(nn.Linear(30, 32), scaling="tensor", act_scale=1.0)
+    with pytest.raises(ValueError, match="act_scale"):
+        cls.from_linear(nn.Linear(32, 32), scaling="tensor")
+    with pytest.raises(ValueError, match="scaling"):
+        cls.from_linear(nn.Linear(32, 32), scaling="blockwise", act_scale=1.0)
+
+
+# --------------------------------------------------------------------------- module surgery
+
+def test_gemm_kinds_and_targets_of_a_tiny_bert():
+    model = qa(tiny_bert())
+    assert fp8.gemm_kind("model.bert.encoder.layer.0.attention.self.query") == "qkv"
+    assert fp8.gemm_kind("model.bert.encoder.layer.1.attention.output.dense") == "attn_out"
+    assert fp8.gemm_kind("model.bert.encoder.layer.0.intermediate.dense") == "ffn_in"
+    assert fp8.gemm_kind("model.bert.encoder.layer.0.output.dense") == "ffn_out"
+    assert fp8.gemm_kind("model.qa_outputs") is None
+    assert fp8.gemm_kind("model.bert.pooler.dense") is None
+    all_targets = fp8.target_linears(model)
+    assert len(all_targets) == 2 * 6
+    assert all(".encoder.layer." in n for n in all_targets)
+    assert len(fp8.target_linears(model, fp8.DEFAULT_GEMMS)) == 2 * 5
+    with pytest.raises(ValueError):
+        fp8.parse_gemms("qkv,conv")
+    assert fp8.parse_gemms("all") == fp8.GEMM_KINDS
+    assert fp8.parse_gemms("ffn_out, qkv") == ("qkv", "ffn_out")
+
+
+def _linears(model):
+    return {n for n, m in model.named_modules() if type(m) is nn.Linear}
+
+
+def test_swap_default_replaces_exactly_qkv_and_ffn_and_leaves_the_rest():
+    model = qa(tiny_bert())
+    before = _linears(model)
+    amax = fp8.calibrate_input_amax(model, [inputs()], fp8.target_linears(model))
+    assert all(v > 0 for v in amax.values())
+    done = fp8.swap_to_fp8(model, amax)  # defaults: tensor scaling, fused QKV, qkv + ffn GEMMs
+    Fp8Linear, Fp8SelfAttention = fp8.fp8_classes()
+    after = _linears(model)
+    assert after == {"model.qa_outputs"} | {f"model.bert.encoder.layer.{i}.attention.output.dense" for i in range(2)}
+    assert set(done["swapped"]) == before - after
+    assert done["gemms"] == 2 * 3 and len(done["fused_qkv"]) == 2 and not done["kept"]
+    for i in range(2):
+        layer = model.model.bert.encoder.layer[i]
+        assert isinstance(layer.attention.self, Fp8SelfAttention)
+        assert layer.attention.self.qkv.out_features == 3 * 32
+        assert isinstance(layer.intermediate.dense, Fp8Linear)
+        assert isinstance(layer.output.dense, Fp8Linear)
+        assert type(layer.attention.output.dense) is nn.Linear
+    # Embeddings and LayerNorms untouched.
+    assert type(model.model.bert.embeddings.word_embeddings) is nn.Embedding
+    assert all(type(m) is nn.LayerNorm for n, m in model.named_modules() if n.endswith("LayerNorm"))
+
+
+def test_swap_all_unfused_replaces_every_encoder_linear_and_no_other():
+    model = qa(tiny_bert())
+    targets = fp8.target_linears(model)
+    amax = fp8.calibrate_input_amax(model, [inputs()], targets)
+    done = fp8.swap_to_fp8(model, amax, gemms="all", fuse_qkv=False)
+    Fp8Linear = fp8.fp8_classes()[0]
+    assert sorted(done["swapped"]) == sorted(targets) and done["gemms"] == 12 and not done["fused_qkv"]
+    assert _linears(model) == {"model.qa_outputs"}
+    assert sorted(n for n, m in model.named_modules() if isinstance(m, Fp8Linear)) == sorted(targets)
+
+
+def test_static_scaling_needs_calibration_but_rowwise_does_not():
+    with pytest.raises(ValueError, match="amax"):
+        fp8.swap_to_fp8(qa(tiny_bert()), None, scaling="tensor")
+    done = fp8.swap_to_fp8(qa(tiny_bert()), None, scaling="rowwise")
+    assert done["gemms"] == 6
+
+
+@needs_cpu_scaled_mm
+@pytest.mark.parametrize("scaling,fuse_qkv,gemms", [("tensor", True, "qkv,ffn_in,ffn_out"), ("tensor", False, "all"),
+                                                    ("rowwise", True, "all"), ("static-rowwise", True, "all")])
+def test_swapped_tiny_bert_tracks_fp32_on_cpu(scaling, fuse_qkv, gemms):
+    ref_model = qa(tiny_bert(hidden=64))
+    x = inputs()
+    with torch.no_grad():
+        ref = ref_model(*x)
+    model = copy.deepcopy(ref_model)
+    amax = fp8.calibrate_input_amax(model, [x], fp8.target_linears(model))
+    fp8.swap_to_fp8(model, amax, scaling=scaling, fuse_qkv=fuse_qkv, gemms=gemms)
+    with torch.no_grad():
+        out = model(*x)
+    for o, r in zip(out, ref):
+        assert o.shape == r.shape and torch.isfinite(o).all()
+        assert rel_l2(o, r) < 0.05, (scaling, rel_l2(o, r))
+
+
+# --------------------------------------------------------------------------- GPU end-to-end
+
+def _gpu_ctx(tmp_path, b=4, s=64):
+    path = tmp_path / "tiny-bert-qa"
+    tiny_bert(hidden=64).save_pretrained(path)
+
+    def batch(bb, ss, seed):
+        r = np.random.default_rng(seed)
+        ids = r.integers(5, 1000, (bb, ss)).astype(np.int64)
+        mask = np.ones((bb, ss), np.int64)
+        mask[-1, ss // 2:] = 0
+        types = np.zeros((bb, ss), np.int64)
+        types[:, ss // 3:] = 1
+        return {"input_ids": ids, "attention_mask": mask, "token_type_ids": types}
+
+    ctx = BackendContext(model_dir=path, artifacts_dir=tmp_path / "art", output_names=OUTPUTS,
+                         sample_batch=batch(b, s, 0), max_batch_size=b, max_seq_len=s, device="cuda")
+    return ctx, [batch(b, s, 1), batch(3, 40, 2)]
+
+
+def _run(name, ctx, batches, **over):
+    backend = create(name, **over)
+    backend.prepare(ctx)
+    try:
+        return backend.prepare_info, [backend.predict(b) for b in batches]
+    finally:
+        backend.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,over", [("torch-compile-fp8", {}), ("torch-compile-fp8-all", {}),
+                                       ("torch-compile-fp8-rowwise", {}),
+                                       ("torch-compile-fp8", {"cuda_graph": "trees"})])
+def test_fp8_backend_tracks_fp32_on_gpu(tmp_path, name, over):
+    reason = get_spec(name).unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    ctx, batches = _gpu_ctx(tmp_path)
+    _, refs = _run("eager-fp32-cuda", ctx, batches)
+    info, outs = _run(name, ctx, batches, **over)
+    assert info["fp8_layers"] == 2 and info["fp8_fused_qkv"] is True
+    assert info["cuda_graph"] == ("inductor cudagraph trees" if over else "manual torch.cuda.CUDAGraph")
+    for out, ref, b in zip(outs, refs, batches):
+        bs, s = b["input_ids"].shape
+        for n in OUTPUTS:
+            assert out[n].shape == (bs, s) and out[n].dtype == np.float32 and np.isfinite(out[n]).all()
+            valid = b["attention_mask"].astype(bool)
+            err = np.linalg.norm((out[n] - ref[n])[valid]) / np.linalg.norm(ref[n][valid])
+            assert err < 0.08, (name, n, err)
+
+
+@pytest.mark.gpu
+def test_fp8_linear_on_gpu_matches_fp32():
+    if fp8.TorchCompileFp8Backend.unavailable_reason("cuda"):
+        pytest.skip(fp8.TorchCompileFp8Backend.unavailable_reason("cuda"))
+    torch.manual_seed(3)
+    lin = nn.Linear(768, 3072).cuda()
+    x = torch.randn(512, 768, device="cuda")
+    ref = lin(x)
+    for scaling in fp8.SCALINGS:
+        act = None if scaling == "rowwise" else fp8.static_act_scale(float(x.abs().amax()), 1.0)
+        f = fp8.fp8_classes()[0].from_linear(copy.deepcopy(lin).half(), scaling=scaling, act_scale=act)
+        with torch.no_grad():
+            y = f(x.half())
+        assert y.dtype == torch.float16
+        assert rel_l2(y, ref) < 0.05, scaling
