@@ -88,9 +88,9 @@ def run_parity_check(cfg: SuiteConfig, *, backends: Optional[list[str]] = None, 
 
     exp_path = expected_path(cfg)
     if update_expected:
-        keep = [{k: r[k] for k in ("backend", "precision", *task.metric_names) if k in r}
-                for r in rows if r.get("status") == "ok"]
-        write_csv(exp_path, keep)
+        cols = ["backend", "precision", *task.metric_names]
+        keep = [{k: r.get(k, "") for k in cols} for r in rows if r.get("status") == "ok"]
+        write_csv(exp_path, keep, columns=cols)
         log(f"expected scores written to {exp_path}")
     else:
         expected = read_expected(exp_path)

@@ -7,7 +7,7 @@ import os
 import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 # The columns every results.csv starts with, in this order; task metrics and extras follow.
 CORE_COLUMNS = [
@@ -60,11 +60,11 @@ def columns_for(rows: Iterable[dict]) -> list[str]:
     return cols
 
 
-def write_csv(path: Path, rows: list[dict]) -> None:
+def write_csv(path: Path, rows: list[dict], columns: Optional[list[str]] = None) -> None:
     import io
 
     buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=columns_for(rows), extrasaction="ignore", lineterminator="\n")
+    w = csv.DictWriter(buf, fieldnames=columns or columns_for(rows), extrasaction="ignore", lineterminator="\n")
     w.writeheader()
     for r in rows:
         w.writerow({k: _fmt(v) for k, v in r.items()})

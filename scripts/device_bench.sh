@@ -2,7 +2,7 @@
 # Run GPU suites on a machine that has torch/transformers/onnx but no pip access (the lent GPU
 # machine): uses the repo in place (no install), writes each result bundle as a tarball under
 # $OUT (or ./device-out), without MLflow; import them later with `bertqa-bench track DIR`.
-#   scripts/device_bench.sh [parity/]SUITE[:ARGS...] ...
+#   scripts/device_bench.sh [parity/|profile/]SUITE[:ARGS...] ...
 # e.g. scripts/device_bench.sh parity/gpu-parity "gpu-timing:--backends eager-fp32-cuda,eager-fp16"
 # (parity/ runs `bertqa-bench parity`: the accuracy gate, with the determinism check and exit status)
 set -uo pipefail
@@ -16,7 +16,16 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=c
 status=0
 for spec in "$@"; do
   suite=${spec%%:*}; extra=""; [[ "$spec" == *:* ]] && extra=${spec#*:}
-  cmd=bench; if [[ "$suite" == parity/* ]]; then cmd=parity; suite=${suite#parity/}; fi
+  cmd=bench
+  if [[ "$suite" == parity/* ]]; then cmd=parity; suite=${suite#parity/}; fi
+  if [[ "$suite" == profile/* ]]; then
+    suite=${suite#profile/}
+    # shellcheck disable=SC2086
+    python3 -m bertqa_bench.cli profile --suite "$suite" $extra 2>&1 | tee -a "$out/profile-$suite.log" \
+      | tail -40; [[ ${PIPESTATUS[0]} == 0 ]] || status=1
+    tar czf "$out/profiles-$suite.tgz" -C results profiles 2>/dev/null
+    continue
+  fi
   before=$(ls results 2>/dev/null)
   run_id="device-$(date -u +%Y%m%d-%H%M%S)-$suite"
   idarg=(--run-id "$run_id"); [[ $cmd == parity ]] && idarg=()

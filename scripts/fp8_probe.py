@@ -212,7 +212,7 @@ def kernel_profile(backend, batch, n=5) -> list[str]:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--variants", default="fp16-cudagraphs,fp8,fp8-all,fp8-trees,fp16-manualgraph,fp8-ffn-only")
+    ap.add_argument("--variants", default="fp16-cudagraphs,fp8,fp16-manualgraph,fp8-all,fp8-trees,fp8-rowwise")
     ap.add_argument("--budget-s", type=float, default=240.0, help="start no new variant after this")
     ap.add_argument("--variant-cost-s", type=float, default=30.0)
     ap.add_argument("--detail", default="fp16-cudagraphs,fp8",
