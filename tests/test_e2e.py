@@ -117,3 +117,14 @@ def test_parity_gate_fails_on_a_broken_backend(tiny_suite, tmp_path, capsys):
     assert ok is False
     assert "test-perturbed" in err.err and "agreement" in err.err
     assert "test-perturbed" in err.out  # the table names it
+
+
+def test_profile_writes_a_trace_and_top_table(tiny_suite):
+    from bertqa_bench.profile import profile_backend
+
+    cfg = load_suite(str(tiny_suite(backends=["eager-fp32"])))
+    out = profile_backend(cfg, "eager-fp32", n_batches=2, top=10)
+    trace = json.loads(out["trace"].read_text())
+    assert trace["traceEvents"], "empty trace"
+    assert out["top_csv"].read_text().startswith("name,calls")
+    assert any("addmm" in r["name"] or "linear" in r["name"] for r in out["rows"])  # the matmuls are there
