@@ -43,10 +43,10 @@ report: install
 parity-check: install
 	$(BIN)/bertqa-bench parity --suite ci --no-progress $(ARGS)
 
-# Unit + end-to-end tests, then the parity gate. CI (.ci/run) runs exactly this.
+# The parity gate, then the unit + end-to-end tests. CI (.ci/run) runs exactly this.
 test: install
-	$(BIN)/python -m pytest -q -ra tests
 	$(MAKE) --no-print-directory parity-check
+	$(BIN)/python -m pytest -q -ra tests
 
 mlflow-ui: install
 	$(BIN)/mlflow ui --backend-store-uri sqlite:///results/mlflow.db --default-artifact-root results/mlruns --host 127.0.0.1 --port 5000
