@@ -15,12 +15,11 @@ from . import backends as registry
 from .config import SuiteConfig
 from .errors import BackendUnavailableError
 from .modeling import load_tokenizer
-from .runner import backend_context, make_batches, warm_up, _inputs
+from .runner import backend_context, batch_inputs, make_batches, warm_up
 from .tasks import get_task
 
 
 def profile_backend(cfg: SuiteConfig, name: str, *, n_batches: int = 5, top: int = 25) -> dict:
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
     from .bench import ensure_model
@@ -43,7 +42,7 @@ def profile_backend(cfg: SuiteConfig, name: str, *, n_batches: int = 5, top: int
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         with profile(activities=acts, record_shapes=True) as prof:
             for b in batches:
-                backend.predict(_inputs(features, b))
+                backend.predict(batch_inputs(features, b))
     finally:
         backend.close()
 

@@ -10,9 +10,8 @@ from __future__ import annotations
 import gc
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
 
 import numpy as np
 
@@ -68,7 +67,7 @@ def make_batches(features: Features, batch_size: int, padding: str, multiple: in
     return out
 
 
-def _inputs(features: Features, b: Batch) -> dict:
+def batch_inputs(features: Features, b: Batch) -> dict:
     return features.inputs(b.rows, trim_to=None if b.seq_len == features.seq_len else b.seq_len)
 
 
@@ -82,7 +81,7 @@ def warm_up(backend: Backend, features: Features, batches: list[Batch], n: int) 
             order.append(b)
     order += batches[: max(0, n - len(order))]
     for b in order[: max(n, len(seen))]:
-        backend.predict(_inputs(features, b))
+        backend.predict(batch_inputs(features, b))
 
 
 def timed_predict(backend: Backend, features: Features, batches: list[Batch], output_names: tuple[str, ...],
@@ -98,7 +97,7 @@ def timed_predict(backend: Backend, features: Features, batches: list[Batch], ou
     start = time.perf_counter()
     for i, b in enumerate(it):
         t0 = time.perf_counter()
-        out = backend.predict(_inputs(features, b))  # synchronous: results are on the host
+        out = backend.predict(batch_inputs(features, b))  # synchronous: results are on the host
         lat[i] = (time.perf_counter() - t0) * 1e3
         for name in output_names:
             o = out[name]
@@ -160,12 +159,6 @@ def run_backend(name: str, model_dir: Path, features: Features, output_names: tu
         return BackendRun(backend, prepare_s, timing, outputs)
     finally:
         backend.close()
-
-
-def predict_dataset(name: str, model_dir: Path, features: Features, output_names: tuple[str, ...],
-                    cfg: SuiteConfig, *, progress: bool = True) -> tuple[dict, BackendRun]:
-    run = run_backend(name, model_dir, features, output_names, cfg, progress=progress)
-    return run.outputs, run
 
 
 def free_memory() -> None:

@@ -7,7 +7,6 @@ turns a backend's named outputs back into predictions and scores. SQuAD lives he
 from __future__ import annotations
 
 import abc
-from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np

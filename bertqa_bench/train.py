@@ -179,13 +179,13 @@ def train(cfg: SuiteConfig, *, log: Callable[[str], None] = print, tracker=None,
 
 def _evaluate(cfg: SuiteConfig, task, model_dir: Path, device: torch.device, log) -> dict:
     """Dev-set scores with the benchmark's own eager backend, postprocessing and scorer."""
-    from .runner import predict_dataset
+    from .runner import run_backend
 
     tokenizer = load_tokenizer(str(model_dir))
     examples = task.load_examples(cfg, "dev")
     features = task.featurize(examples, tokenizer, cfg)
     name = "eager-fp32-cuda" if device.type == "cuda" else "eager-fp32"
-    outputs, _ = predict_dataset(name, model_dir, features, task.output_names, cfg, progress=False)
+    outputs = run_backend(name, model_dir, features, task.output_names, cfg, progress=False).outputs
     predictions = task.postprocess(examples, features, outputs, cfg)
     scores = task.score(examples, predictions)
     return {f"dev_{k}": float(v) for k, v in scores.items()} | {"dev_questions": len(examples)}
