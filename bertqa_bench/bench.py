@@ -65,18 +65,12 @@ def ensure_model(cfg: SuiteConfig, log: Callable[[str], None], tracker: Optional
     return json.loads((model_dir / METRICS_FILE).read_text())
 
 
-def _device_of(name: str) -> str:
-    return registry.get_spec(name).device
-
-
 def run_bench(cfg: SuiteConfig, *, backends: Optional[list[str]] = None, run_id: Optional[str] = None,
               tracker: Optional[Tracker] = None, progress: bool = True, command: str = "",
               log: Callable[[str], None] = print, keep_outputs: bool = False) -> BenchOutcome:
-    names = list(backends or cfg.bench.backends)
     reference = cfg.bench.reference
-    if reference not in names:
-        names.insert(0, reference)
-    names = [reference] + [n for n in names if n != reference]
+    # The reference always runs, and first: speedup and parity are measured against it.
+    names = [reference] + [n for n in (backends or cfg.bench.backends) if n != reference]
     registry.validate_names(names)  # fail before any work on a typo
 
     tracker = tracker or Tracker(cfg.results_root, enabled=False)

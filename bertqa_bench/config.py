@@ -138,7 +138,6 @@ class BenchConfig:
     n_best: int = 20
     max_answer_len: int = 30
     num_threads: Optional[int] = None
-    skip_unavailable: bool = True  # backends that cannot run here are recorded as "not run"
     nq_top_k: int = 5  # NQ: start/end positions per window considered by postprocessing
     backend_options: dict = field(default_factory=dict)  # {backend-name: {option: value}}
 
