@@ -128,3 +128,19 @@ def test_profile_writes_a_trace_and_top_table(tiny_suite):
     assert trace["traceEvents"], "empty trace"
     assert out["top_csv"].read_text().startswith("name,calls")
     assert any("addmm" in r["name"] or "linear" in r["name"] for r in out["rows"])  # the matmuls are there
+
+
+def test_malformed_dataset_fails_clearly_and_writes_nothing(tiny_suite, tmp_path, capsys):
+    from bertqa_bench.cli import main
+
+    bad = tmp_path / "dev-v1.1.json"
+    bad.write_text(json.dumps({"version": "1.1", "data": [{"title": "t", "paragraphs": [
+        {"context": "Ada was born in Teluma.", "qas": [{"id": "q1", "question": "Where?",
+                                                        "answers": [{"text": "Paris", "answer_start": 16}]}]}]}]}))
+    suite = tiny_suite(backends=["eager-fp32"], data={"source": "squad-json", "train_file": str(bad),
+                                                       "dev_file": str(bad)})
+    assert main(["bench", "--suite", str(suite), "--no-mlflow", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert str(bad) in err and "answer_start" in err and "q1" in err
+    assert not (tmp_path / "models").exists() or not any((tmp_path / "models").iterdir())
+    assert not (tmp_path / "results").exists() or not list((tmp_path / "results").glob("*/results.csv"))
