@@ -31,6 +31,8 @@ class BenchOutcome:
     summary: str
     verdict: str
     outputs: dict = field(default_factory=dict)  # backend -> outputs (kept only when asked)
+    examples: list = field(default_factory=list)  # the scored questions and their features, for re-use
+    features: Optional[Features] = None
 
 
 def tile_features(features: Features, target: int) -> Features:
@@ -174,7 +176,7 @@ def run_bench(cfg: SuiteConfig, *, backends: Optional[list[str]] = None, run_id:
                          {"parity_verdict": verdict, "best_backend": best["backend"] if best else ""},
                          [bundle.dir / "summary.md", bundle.csv_path, bundle.dir / "comparison.png"],
                          ok=verdict != "FAIL")
-    return BenchOutcome(bundle.dir, bundle.rows, summary, verdict, kept)
+    return BenchOutcome(bundle.dir, bundle.rows, summary, verdict, kept, examples, features)
 
 
 def overall_verdict(rows: list[dict], reference: str) -> str:

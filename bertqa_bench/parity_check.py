@@ -64,10 +64,7 @@ def run_parity_check(cfg: SuiteConfig, *, backends: Optional[list[str]] = None, 
     else:
         # Determinism: a second reference pass must reproduce the first exactly; if it doesn't,
         # backend differences below that noise are not the backend's fault.
-        from .modeling import load_tokenizer
-
-        examples = task.load_examples(cfg, "dev")
-        features = task.featurize(examples, load_tokenizer(str(cfg.model_dir)), cfg)
+        examples, features = out.examples, out.features
         again = run_backend(ref_row["backend"], cfg.model_dir, features, task.output_names, cfg, progress=False)
         first = out.outputs[ref_row["backend"]]
         preds_first = task.postprocess(examples, features, first, cfg)
