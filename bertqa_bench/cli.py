@@ -1,4 +1,4 @@
-"""``bertqa-bench``: train | bench | report | parity | score | score-nq | profile | backends."""
+"""``bertqa-bench``: train | bench | report | parity | score | score-nq | profile | backends | track | reference."""
 from __future__ import annotations
 
 import argparse
@@ -30,7 +30,7 @@ def _threads(cfg) -> None:
 
 
 def cmd_train(a) -> int:
-    from .config import load_suite
+    from .suite import load_suite
     from .tracking import Tracker
     from .train import train
 
@@ -42,7 +42,7 @@ def cmd_train(a) -> int:
 
 def cmd_bench(a) -> int:
     from .bench import run_bench
-    from .config import load_suite
+    from .suite import load_suite
     from .tracking import Tracker
 
     cfg = load_suite(a.suite, a.overrides)
@@ -53,6 +53,7 @@ def cmd_bench(a) -> int:
     print()
     print(out.summary)
     print(f"results: {out.run_dir}")
+    print(f"verdict: {out.verdict}")
     if tracker.active:
         print(f"MLflow: {tracker.uri} (experiment bertqa-{cfg.name}); `make mlflow-ui` to compare")
     return 0
@@ -61,21 +62,17 @@ def cmd_bench(a) -> int:
 def cmd_report(a) -> int:
     from .config import resolve_path
     from .report import latest_run, write_report
-    from .results import read_csv
+    from .results import RunBundle
 
     run = Path(a.run_dir) if a.run_dir else latest_run(resolve_path("results"))
-    if run is None or not (run / "results.csv").exists():
+    if run is None:
         raise BenchError("no result bundle found; run `make bench-all` first or pass a results/<run-id> folder")
-    rows = read_csv(run / "results.csv")
-    cfg = json.loads((run / "config.json").read_text()) if (run / "config.json").exists() else {}
-    meta = {"suite": cfg.get("name", ""), "run_id": run.name, "model": cfg.get("model", {}).get("name", ""),
-            "reference": cfg.get("bench", {}).get("reference", rows[0]["backend"] if rows else "")}
-    print(write_report(run, meta))
+    print(write_report(RunBundle.load(run)))
     return 0
 
 
 def cmd_parity(a) -> int:
-    from .config import load_suite
+    from .suite import load_suite
     from .parity_check import run_parity_check
     from .tracking import Tracker
 
@@ -88,21 +85,22 @@ def cmd_parity(a) -> int:
 
 
 def cmd_score(a) -> int:
-    from .data.metrics import score_files
+    from .tasks.squad.metrics import score_files
 
     print(json.dumps(score_files(a.dataset, a.predictions)))
     return 0
 
 
 def cmd_score_nq(a) -> int:
-    from .nq.metrics import score_nq_files
+    from .tasks.nq.metrics import score_nq_files
 
-    print(json.dumps(score_nq_files(a.gold, a.predictions), indent=2))
+    print(json.dumps(score_nq_files(a.gold, a.predictions, long_non_null_threshold=a.long_non_null_threshold,
+                                    short_non_null_threshold=a.short_non_null_threshold), indent=2))
     return 0
 
 
 def cmd_profile(a) -> int:
-    from .config import load_suite
+    from .suite import load_suite
     from .profile import profile_backend
 
     cfg = load_suite(a.suite, a.overrides)
@@ -126,19 +124,22 @@ def cmd_track(a) -> int:
     from .tracking import default_tracking_uri, import_bundle
 
     for d in a.run_dirs:
-        if not (Path(d) / "results.csv").exists():
-            raise BenchError(f"{d}: no results.csv; pass a results/<run-id> folder")
         rid = import_bundle(Path(d), resolve_path("results"))
         print(f"{d}: logged as MLflow run {rid} in {default_tracking_uri(resolve_path('results'))}")
     return 0
 
 
 def cmd_backends(a) -> int:
-    from . import backends as registry
+    from .backends.variants import VariantTable
 
-    for spec in registry.specs():
-        why = spec.unavailable_reason()
-        print(f"{spec.name:34s} {spec.device:5s} {spec.cls.precision:9s} {spec.cls.parity_class:8s} "
+    cfg = None
+    if a.suite:
+        from .suite import load_suite
+
+        cfg = load_suite(a.suite, a.overrides)
+    for v in VariantTable.for_suite(cfg).all():
+        why = v.unavailable_reason()
+        print(f"{v.name:34s} {v.implementation:12s} {v.device:5s} {v.precision:9s} {v.parity_class:8s} "
               f"{'available' if why is None else 'unavailable: ' + why}")
     return 0
 
@@ -184,6 +185,11 @@ def build_parser() -> argparse.ArgumentParser:
     sn = sub.add_parser("score-nq", help="Natural Questions long/short P/R/F1 and micro-F1")
     sn.add_argument("gold")
     sn.add_argument("predictions")
+    # The official evaluator's flags (nq_eval.py), same names and defaults.
+    sn.add_argument("--long_non_null_threshold", type=int, default=2,
+                    help="non-null long annotations a gold long answer needs (official default 2)")
+    sn.add_argument("--short_non_null_threshold", type=int, default=2,
+                    help="non-null short annotations a gold short answer needs (official default 2)")
     sn.set_defaults(fn=cmd_score_nq)
 
     pr = sub.add_parser("profile", help="torch.profiler trace and top-kernels table for one backend")
@@ -204,7 +210,10 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("run_dirs", nargs="+")
     tr.set_defaults(fn=cmd_track)
 
-    lb = sub.add_parser("backends", help="list registered backends and whether each can run here")
+    lb = sub.add_parser("backends", help="list backend variants (built-in, plug-ins, a suite's own) and whether each "
+                                         "can run here")
+    lb.add_argument("--suite", help="also list the variants this suite declares")
+    lb.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     lb.set_defaults(fn=cmd_backends)
     return p
 

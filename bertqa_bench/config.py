@@ -1,27 +1,32 @@
-"""Suite configuration: dataclasses validated on construction, loaded from ``benchmarks/<suite>.yaml``.
+"""Suite configuration: typed sections validated on construction.
 
-A suite names the data, the model (and how to train it if missing), the backends to
-benchmark and the parity tolerances. Any field can be overridden from the command line
-with ``--set section.field=value`` (YAML syntax for the value).
+A suite (``benchmarks/<suite>.yaml``, loaded by ``suite.load_suite``) names the data, the task,
+the model (and how to train it if missing), the backend variants to benchmark, how batches
+are formed and timed, and the parity tolerances. Any field can be overridden from the command
+line with ``--set section.field=value`` (YAML syntax for the value). This module holds only the
+dataclasses: it imports no task and no backend, so everything can import it.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
-
-import yaml
+from typing import Any, Optional
 
 from .errors import ConfigError
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS_DIR = PROJECT_ROOT / "benchmarks"
 
-TASKS = ("squad", "nq")
 DATA_SOURCES = ("synthetic", "squad-json", "hf", "nq-jsonl", "nq-synthetic")
-PADDINGS = ("max_length", "longest")
+# padded: every feature at max_seq_len, dataset order (the classic table); trimmed: dataset
+# order, each batch cut to its longest feature; sorted: features sorted by length, batches of
+# a token budget per length bucket (see schedule.py).
+BATCHINGS = ("padded", "trimmed", "sorted")
+ISOLATIONS = ("process", "inprocess")
 
 
 @dataclass
@@ -63,10 +68,6 @@ class DataConfig:
     # Pad/replicate the eval features to this many (e.g. 10784 = SQuAD v1.1 dev with
     # bert-base-uncased); the extra features are scored as copies, timed as real work.
     target_eval_features: Optional[int] = None
-    # NQ only: share of answer-less training windows kept (0.02 for real NQ, where most windows
-    # are empty), and whether contexts carry [Paragraph=N]/[Table=N] candidate markers.
-    nq_null_window_keep: float = 0.25
-    nq_markers: bool = True
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
 
     def __post_init__(self):
@@ -88,7 +89,6 @@ class DataConfig:
 class ModelConfig:
     name: str = "minilm-squad-synthetic"  # directory under models/
     base: str = "embedded:all-MiniLM-L6-v2"  # hub name, local path, or embedded:<name>
-    task: str = "squad"
     # random-init: build the architecture of `base` (or `config_overrides`) with random weights;
     # used to time BERT-base shapes where hub weights can't be reached. Never scored for accuracy.
     random_init: bool = False
@@ -97,8 +97,6 @@ class ModelConfig:
     config_overrides: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        if self.task not in TASKS:
-            raise ConfigError(f"model.task '{self.task}' is not one of {', '.join(TASKS)}")
         if self.timing_only and not self.random_init:
             raise ConfigError("model.timing_only needs model.random_init (pretrained weights should be fine-tuned)")
 
@@ -112,7 +110,6 @@ class TrainConfig:
     weight_decay: float = 0.01
     seed: int = 42
     mixed_precision: str = "auto"  # auto (fp16 on CUDA) | fp16 | bf16 | no
-    max_seq_len: Optional[int] = None  # defaults to data.max_seq_len
     grad_accum: int = 1
     num_threads: Optional[int] = None
 
@@ -128,30 +125,80 @@ class TrainConfig:
 
 
 @dataclass
+class TaskConfig:
+    """``task:`` — which task, plus that task's own options (a dataclass the task declares,
+    filled in by ``suite.load_suite``; see ``tasks/<name>/task.py``)."""
+
+    name: str = "squad"
+    options: Any = None
+
+
+@dataclass
 class BenchConfig:
-    backends: list = field(default_factory=lambda: ["eager-fp32"])
+    backends: list = field(default_factory=lambda: ["eager-fp32"])  # variant names (builtin or `variants:`)
     reference: str = "eager-fp32"
     batch_size: int = 32
-    device: str = "auto"  # auto | cpu | cuda
-    padding: str = "max_length"  # max_length (fixed shapes) | longest (per-batch, real length)
+    batching: str = "padded"  # padded | trimmed | sorted (see schedule.py)
+    # sorted/trimmed: sequence lengths are rounded up to a multiple of this (a bounded set of shapes)
+    seq_multiple: int = 32
+    # sorted: tokens per batch (default batch_size x max_seq_len, the padded plan's batch), and
+    # the most rows one batch may hold
+    tokens_per_batch: Optional[int] = None
+    max_batch_rows: Optional[int] = None
     warmup_batches: int = 3
-    n_best: int = 20
-    max_answer_len: int = 30
+    # The timed prediction repeats until both are reached; the median pass is reported.
+    min_passes: int = 3
+    min_duration_s: float = 1.0
     num_threads: Optional[int] = None
-    nq_top_k: int = 5  # NQ: start/end positions per window considered by postprocessing
-    backend_options: dict = field(default_factory=dict)  # {backend-name: {option: value}}
+    isolation: str = "process"  # process: each variant in its own spawned process; inprocess: debugging/tests
+    timeout_s: float = 1800.0  # per variant (prepare + warm-up + timed passes); past it the child is killed
+    keep_outputs: bool = False  # keep every variant's logits in the run folder (the reference's are always kept)
 
     def __post_init__(self):
         if not self.backends:
             raise ConfigError("bench.backends is empty")
         if self.batch_size < 1:
             raise ConfigError("bench.batch_size must be >= 1")
-        if self.padding not in PADDINGS:
-            raise ConfigError(f"bench.padding must be one of {', '.join(PADDINGS)}")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ConfigError("bench.device must be auto, cpu or cuda")
+        if self.batching not in BATCHINGS:
+            raise ConfigError(f"bench.batching '{self.batching}' is not one of {', '.join(BATCHINGS)}")
+        if self.isolation not in ISOLATIONS:
+            raise ConfigError(f"bench.isolation '{self.isolation}' is not one of {', '.join(ISOLATIONS)}")
         if self.warmup_batches < 1:
             raise ConfigError("bench.warmup_batches must be >= 1: never time a cold backend")
+        if self.min_passes < 1:
+            raise ConfigError("bench.min_passes must be >= 1")
+        if self.seq_multiple < 1:
+            raise ConfigError("bench.seq_multiple must be >= 1")
+        self.min_duration_s = _number(self.min_duration_s, "bench.min_duration_s")
+        self.timeout_s = _number(self.timeout_s, "bench.timeout_s")
+        if self.timeout_s <= 0:
+            raise ConfigError("bench.timeout_s must be positive")
+
+
+@dataclass
+class VariantConfig:
+    """One entry of a suite's ``variants:`` section: a backend variant declared in YAML.
+
+    Either ``base`` (an existing variant whose implementation, device and options it starts
+    from) or ``implementation`` (``torch``, ``onnxruntime``, ``tensorrt``, an entry-point name,
+    or ``package.module:Class``) with ``device``. ``options`` are checked against the
+    implementation's typed options (unknown keys fail with the valid ones listed).
+    """
+
+    base: Optional[str] = None
+    implementation: Optional[str] = None
+    device: Optional[str] = None
+    options: dict = field(default_factory=dict)
+    description: str = ""
+    timeout_s: Optional[float] = None  # this variant's time limit, instead of bench.timeout_s
+
+    def __post_init__(self):
+        if bool(self.base) == bool(self.implementation):
+            raise ConfigError("a variant needs exactly one of 'base' (an existing variant) or 'implementation'")
+        if self.device not in (None, "cpu", "cuda"):
+            raise ConfigError(f"variant device '{self.device}' is not one of cpu, cuda")
+        if not isinstance(self.options, dict):
+            raise ConfigError("variant options must be a mapping")
 
 
 @dataclass
@@ -186,25 +233,25 @@ class SuiteConfig:
     name: str = "default"
     description: str = ""
     data: DataConfig = field(default_factory=DataConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
     parity: ParityConfig = field(default_factory=ParityConfig)
+    variants: dict = field(default_factory=dict)  # {name: VariantConfig}
     models_dir: str = "models"
     results_dir: str = "results"
+    cache_dir: str = "cache"  # evaluation sets built once (see evalset.py)
 
     def __post_init__(self):
-        for name, cls in (("data", DataConfig), ("model", ModelConfig), ("train", TrainConfig),
-                          ("bench", BenchConfig), ("parity", ParityConfig)):
+        for name, cls in (("data", DataConfig), ("task", TaskConfig), ("model", ModelConfig),
+                          ("train", TrainConfig), ("bench", BenchConfig), ("parity", ParityConfig)):
             if isinstance(getattr(self, name), dict):
-                setattr(self, name, _build(cls, getattr(self, name), name))
-        if self.bench.reference not in self.bench.backends:
-            # The reference always runs first: parity and speedup are measured against it.
-            self.bench.backends = [self.bench.reference, *self.bench.backends]
-        elif self.bench.backends[0] != self.bench.reference:
-            self.bench.backends = [self.bench.reference] + [b for b in self.bench.backends if b != self.bench.reference]
-        if self.model.task == "nq" and self.data.source not in ("nq-jsonl", "nq-synthetic"):
-            raise ConfigError("model.task=nq needs data.source nq-jsonl or nq-synthetic")
+                setattr(self, name, build(cls, getattr(self, name), name))
+        self.variants = {k: v if isinstance(v, VariantConfig) else build(VariantConfig, v or {}, f"variants.{k}")
+                         for k, v in (self.variants or {}).items()}
+        # The reference always runs first: parity and speedup are measured against it.
+        self.bench.backends = [self.bench.reference] + [b for b in self.bench.backends if b != self.bench.reference]
 
     # Paths resolve against the project root so the CLI works from any directory.
     @property
@@ -212,8 +259,16 @@ class SuiteConfig:
         return resolve_path(self.models_dir) / self.model.name
 
     @property
+    def artifacts_root(self) -> Path:
+        return resolve_path(self.models_dir) / "artifacts" / self.model.name
+
+    @property
     def results_root(self) -> Path:
         return resolve_path(self.results_dir)
+
+    @property
+    def cache_root(self) -> Path:
+        return resolve_path(self.cache_dir)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -231,82 +286,44 @@ def resolve_path(p: str | os.PathLike) -> Path:
     return p if p.is_absolute() else PROJECT_ROOT / p
 
 
-def _build(cls, values: dict, where: str):
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = set(values) - known
+def _simple_types(hint) -> Optional[tuple]:
+    """(types...) a field accepts when its annotation is a plain scalar (or Optional of one)."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in args:
+        inner = [a for a in args if a is not type(None)]
+        got = _simple_types(inner[0]) if len(inner) == 1 else None
+        return None if got is None else got + (type(None),)
+    return (hint,) if hint in (bool, int, float, str) else None
+
+
+def _check_type(value, hint, where: str):
+    """Scalars are checked (a typo'd type fails here, not deep inside a run); ints pass for
+    floats and YAML-1.1 strings like "1e-4" become floats; nested dataclasses are built."""
+    inner = [a for a in typing.get_args(hint) if a is not type(None)]
+    target = inner[0] if len(inner) == 1 and typing.get_origin(hint) in (typing.Union, types.UnionType) else hint
+    if dataclasses.is_dataclass(target) and isinstance(value, dict):
+        return build(target, value, where)
+    accepted = _simple_types(hint)
+    if accepted is None or isinstance(value, accepted) and not (isinstance(value, bool) and bool not in accepted):
+        return value
+    if float in accepted and isinstance(value, (int, str)) and not isinstance(value, bool):
+        return _number(value, where)
+    names = " or ".join("null" if t is type(None) else t.__name__ for t in accepted)
+    raise ConfigError(f"{where} must be {names}, not {value!r}")
+
+
+def build(cls, values: dict, where: str):
+    """A dataclass from a mapping: unknown keys fail with the valid ones listed, scalar types are
+    checked, nested dataclass fields are built the same way; __post_init__ validates the rest."""
+    if not isinstance(values, dict):
+        raise ConfigError(f"{where} must be a mapping, not {values!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = set(values) - set(fields)
     if unknown:
-        raise ConfigError(f"{where}: unknown field(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(known))}")
+        raise ConfigError(f"{where}: unknown field(s) {', '.join(sorted(unknown))}; valid: {', '.join(sorted(fields))}")
+    hints = typing.get_type_hints(cls)
+    kwargs = {k: _check_type(v, hints.get(k), f"{where}.{k}") for k, v in values.items()}
     try:
-        return cls(**values)
+        return cls(**kwargs)
     except TypeError as e:
         raise ConfigError(f"{where}: {e}") from None
-
-
-def suite_path(name_or_path: str) -> Path:
-    p = Path(name_or_path)
-    if p.suffix in (".yaml", ".yml") and p.exists():
-        return p
-    candidate = BENCHMARKS_DIR / f"{name_or_path}.yaml"
-    if candidate.exists():
-        return candidate
-    known = sorted(x.stem for x in BENCHMARKS_DIR.glob("*.yaml"))
-    raise ConfigError(f"unknown suite '{name_or_path}'; suites in {BENCHMARKS_DIR}: {', '.join(known)}")
-
-
-def _parse_value(text: str):
-    value = yaml.safe_load(text)
-    if isinstance(value, str):
-        try:  # YAML 1.1 reads "8e-5" as a string; a number is what anyone typing it means
-            return float(value)
-        except ValueError:
-            pass
-    return value
-
-
-def apply_overrides(raw: dict, overrides: list[str]) -> dict:
-    """Apply ``a.b.c=value`` overrides (value parsed as YAML) to a nested dict."""
-    for item in overrides or []:
-        if "=" not in item:
-            raise ConfigError(f"override '{item}' must look like section.field=value")
-        key, value = item.split("=", 1)
-        node = raw
-        parts = key.strip().split(".")
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"override '{item}': '{part}' is not a section")
-        node[parts[-1]] = _parse_value(value)
-    return raw
-
-
-def _deep_merge(base: dict, top: dict) -> dict:
-    out = dict(base)
-    for k, v in top.items():
-        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
-def _read_raw(name_or_path: str, seen: tuple = ()) -> dict:
-    path = suite_path(name_or_path)
-    if path in seen:
-        raise ConfigError(f"{path}: 'extends' loops through {', '.join(map(str, seen))}")
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: top level must be a mapping")
-    raw.setdefault("name", path.stem)
-    # `extends: <suite>` reuses another suite and changes only what differs (same data, same model).
-    parent = raw.pop("extends", None)
-    if parent:
-        base = _read_raw(parent, seen + (path,))
-        base.pop("description", None)
-        raw = _deep_merge(base, raw)
-    return raw
-
-
-def load_suite(name_or_path: str = "default", overrides: Optional[list[str]] = None) -> SuiteConfig:
-    raw = _read_raw(name_or_path)
-    raw = apply_overrides(raw, overrides or [])
-    return _build(SuiteConfig, raw, str(suite_path(name_or_path)))

@@ -14,9 +14,9 @@ class DatasetFormatError(BenchError):
 
 
 class UnknownBackendError(BenchError):
-    def __init__(self, name, valid):
+    def __init__(self, name, valid, what: str = "backend"):
         self.name, self.valid = name, sorted(valid)
-        super().__init__(f"unknown backend '{name}'; valid backends: {', '.join(self.valid)}")
+        super().__init__(f"unknown {what} '{name}'; valid backends: {', '.join(self.valid)}")
 
 
 class MissingDependencyError(BenchError):

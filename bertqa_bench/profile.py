@@ -1,7 +1,8 @@
 """``bertqa-bench profile``: a torch.profiler trace and a top-kernels table for one backend.
 
-Profiles a few real batches after warm-up. On CUDA the table ranks device kernels by total
-device time (that is what limits throughput); on CPU it ranks operators by self CPU time.
+Profiles a few real batches of the suite's plan after prepare and warm-up. On CUDA the table
+ranks device kernels by total device time (that is what limits throughput); on CPU it ranks
+operators by self CPU time.
 Works for every backend, ONNX Runtime and TensorRT included, because their kernels show up
 in the CUDA activity stream even though their operators are not torch ops.
 """
@@ -11,38 +12,41 @@ import csv
 import time
 from pathlib import Path
 
-from . import backends as registry
+from .backends.variants import VariantTable
 from .config import SuiteConfig
 from .errors import BackendUnavailableError
-from .modeling import load_tokenizer
-from .runner import backend_context, batch_inputs, make_batches, warm_up
+from .evalset import load_evalset
+from .runner import make_context, materialize, warm_up
 from .tasks import get_task
 
 
 def profile_backend(cfg: SuiteConfig, name: str, *, n_batches: int = 5, top: int = 25) -> dict:
+    """Prepare and warm up one variant in this process, then profile ``n_batches`` real batches."""
     from torch.profiler import ProfilerActivity, profile
 
-    from .bench import ensure_model
+    from .bench import plan_for
+    from .train import ensure_model
 
-    spec = registry.get_spec(name)
-    reason = spec.unavailable_reason()
+    variant = VariantTable.for_suite(cfg).get(name)
+    reason = variant.unavailable_reason()
     if reason:
         raise BackendUnavailableError(f"{name}: {reason}")
-    task = get_task(cfg.model.task)
-    ensure_model(cfg, print, None)
-    examples = task.load_examples(cfg, "dev")
-    features = task.featurize(examples, load_tokenizer(str(cfg.model_dir)), cfg)
-    batches = make_batches(features, cfg.bench.batch_size, cfg.bench.padding)[:max(1, n_batches)]
-
-    backend = spec.create()
+    task = get_task(cfg.task.name)
+    model = ensure_model(cfg, print, None)
+    evalset = load_evalset(cfg, task, str(model.dir), log=print)
+    plan = plan_for(cfg, evalset)
+    batches = materialize(evalset.features.inputs(), plan)
+    ctx = make_context(model.dir, task.name, cfg.artifacts_root / name, task.output_names, plan, batches,
+                       evalset.features.seq_len)
+    backend = variant.create()
+    cuda = variant.device == "cuda"
     try:
-        backend.prepare(backend_context(cfg, name, cfg.model_dir, features, task.output_names, spec.device))
-        warm_up(backend, features, batches, cfg.bench.warmup_batches)
-        cuda = spec.device == "cuda"
+        backend.prepare(ctx)
+        warm_up(backend, plan, batches, cfg.bench.warmup_batches)
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         with profile(activities=acts, record_shapes=True) as prof:
-            for b in batches:
-                backend.predict(batch_inputs(features, b))
+            for x in batches[:max(1, n_batches)]:
+                backend.predict(x)
     finally:
         backend.close()
 

@@ -1,94 +1,121 @@
-"""Comparison tables and plots from a result bundle (results.csv)."""
+"""Views of a run bundle: summary.md, comparison.png and the committed reference tables.
+
+Everything here reads BackendResult / RunMeta records (``RunBundle.load``), never re-parses
+its own markdown.
+"""
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Optional
 
-from .results import atomic_write_text, read_csv
-
-
-def _num(v) -> Optional[float]:
-    try:
-        f = float(v)
-        return None if math.isnan(f) else f
-    except (TypeError, ValueError):
-        return None
-
+from .io import atomic_write_text
+from .results import BackendResult, RunBundle, RunMeta, rows_to_csv
 
 def _f(v, fmt: str, empty: str = "—") -> str:
-    x = _num(v)
-    return empty if x is None else format(x, fmt)
+    return empty if v is None else format(v, fmt)
 
 
-def metric_columns(rows: list[dict]) -> list[tuple[str, str]]:
-    """(column, header) of the accuracy columns: EM/F1 for SQuAD, long/short/micro F1 for NQ."""
-    keys = set().union(*(r.keys() for r in rows)) if rows else set()
-    if "micro_f1" in keys and any(_num(r.get("micro_f1")) is not None for r in rows):
-        return [("long_f1", "Long F1"), ("short_f1", "Short F1"), ("micro_f1", "Micro-F1")]
-    return [("exact_match", "EM"), ("f1", "F1")]
+def _time(r: BackendResult) -> str:
+    if r.n_passes and r.n_passes > 1:
+        return f"{r.predict_s:.3f} ({r.predict_min_s:.3f}–{r.predict_max_s:.3f})"
+    return _f(r.predict_s, ".3f")
 
 
-def markdown_table(rows: list[dict], reference: str, *, gpu_columns: bool = False) -> str:
-    metrics = metric_columns(rows)
-    head = ["Backend", "Precision", "Prediction time (s)", "% vs " + reference, "Speedup", "Features/s"]
-    if gpu_columns:
-        head.append("TFLOP/s")
-    head += [h for _, h in metrics] + ["Answer agreement", "Max |Δ logit|", "Parity", "Prepare (s)"]
+def _speedup(r: BackendResult) -> str:
+    if r.speedup is None:
+        return "—"
+    # "≈": the spread of timed passes straddles 1.0 — not distinguishable from the reference.
+    return f"{r.speedup:.2f}×" + (" ≈" if r.speedup_within_noise and r.pct_change_vs_ref != 0.0 else "")
+
+
+def _agreement(r: BackendResult) -> str:
+    if r.answer_agreement is None:
+        return "—"
+    ci = f" [{r.agreement_ci_low:.1%}–{r.agreement_ci_high:.1%}]" if r.agreement_ci_low is not None else ""
+    return f"{r.answer_agreement:.2%}{ci}" + (" ≈" if r.agreement_within_noise else "")
+
+
+def _memory(r: BackendResult) -> str:
+    host = _f(r.predict_host_peak_mb, ",.0f")
+    if r.device == "cuda":
+        dev = r.predict_device_used_mb if r.predict_device_used_mb is not None else r.predict_cuda_reserved_peak_mb
+        return f"{host} / {_f(dev, ',.0f')}"
+    return host
+
+
+def markdown_table(results: list[BackendResult], meta: RunMeta) -> str:
+    gpu = any(r.device == "cuda" for r in results)
+    metrics = list(meta.metric_names)
+    head = ["Backend", "Precision", "Batching", "Prediction time (s)", f"% vs {meta.reference}", "Speedup",
+            "Features/s"]
+    if gpu:
+        head += ["TFLOP/s (real)"]
+    head += [meta.metric_labels.get(m, m) for m in metrics] + ["Answer agreement [95% CI]", "Max |Δ logit|", "Parity",
+                                                    "Prepare (s)", "Peak MB (host / GPU)" if gpu else "Peak host MB"]
+    if gpu:
+        head += ["J / 1k features"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
-    for r in rows:
-        if r.get("status") != "ok":
-            cells = [r["backend"], r.get("precision", ""), f"{r.get('status', '')}: {r.get('error', '')}"]
+    for r in results:
+        if not r.ok:
+            cells = [r.backend, r.precision, r.batching, f"{r.status}: {r.error}"]
             cells += [""] * (len(head) - len(cells))
-            lines.append("| " + " | ".join(str(c).replace("|", "/") for c in cells) + " |")
+            lines.append("| " + " | ".join(str(c).replace("|", "/").replace("\n", " ") for c in cells) + " |")
             continue
-        pct = _num(r.get("pct_change_vs_ref"))
-        cells = [r["backend"], r.get("precision", ""), _f(r.get("predict_s"), ".3f"),
-                 "—" if pct is None else f"{pct:+.1f}%", _f(r.get("speedup"), ".2f") + "×",
-                 _f(r.get("features_per_s"), ",.0f")]
-        if gpu_columns:
-            cells.append(_f(r.get("achieved_tflops"), ".1f"))
-        cells += [_f(r.get(k), ".2f") for k, _ in metrics]
-        agr = _num(r.get("answer_agreement"))
-        cells += ["—" if agr is None else f"{agr:.2%}", _f(r.get("max_abs_logit_diff"), ".2e"),
-                  r.get("parity") or "—", _f(r.get("prepare_s"), ".1f")]
+        cells = [r.backend, r.precision, r.batching, _time(r),
+                 "—" if r.pct_change_vs_ref is None else f"{r.pct_change_vs_ref:+.1f}%", _speedup(r),
+                 _f(r.features_per_s, ",.0f")]
+        if gpu:
+            cells.append(f"{_f(r.achieved_tflops, '.0f')} ({_f(r.real_tflops, '.0f')})")
+        cells += [_f(r.scores.get(m), ".2f") for m in metrics]
+        cells += [_agreement(r), _f(r.max_abs_logit_diff, ".2e"), r.parity or "—", _f(r.prepare_s, ".1f"), _memory(r)]
+        if gpu:
+            cells.append(_f(r.energy_j_per_1k_features, ".1f"))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def summary_markdown(rows: list[dict], meta: dict) -> str:
-    reference = meta.get("reference", "eager-fp32")
-    gpu = any(r.get("device") == "cuda" for r in rows)
-    first_ok = next((r for r in rows if r.get("status") == "ok"), rows[0] if rows else {})
-    lines = [f"# {meta.get('suite', '')} — {meta.get('run_id', '')}", ""]
-    lines.append(f"- Model: `{meta.get('model', '')}` ({meta.get('model_note', '')})")
-    lines.append(f"- Device: {first_ok.get('device_name', meta.get('device', ''))}")
-    lines.append(f"- Batch size {first_ok.get('batch_size', '')}, max sequence length {first_ok.get('max_seq_len', '')}"
-                 f", padding {first_ok.get('padding', '')}; {first_ok.get('n_features', '')} features, "
-                 f"{first_ok.get('n_questions', '')} questions")
-    lines.append(f"- Prediction time: every feature, after warm-up, first batch in to last logits on the host. "
-                 f"Speedup and % change are against `{reference}` from this same run.")
-    if meta.get("command"):
-        lines.append(f"- Command: `{meta['command']}`")
-    if meta.get("verdict"):
-        lines.append(f"- Parity verdict: **{meta['verdict']}**")
-    lines += ["", markdown_table(rows, reference, gpu_columns=gpu), ""]
-    notes = [r for r in rows if r.get("status") not in ("ok", None)]
+def header_lines(meta: RunMeta, env: dict) -> list[str]:
+    card = env.get("gpu") if meta.device_name and not meta.device_name.startswith("cpu") else None
+    lines = [f"- Model: `{meta.model}` ({meta.model_note})"
+             + (f"; {meta.model_params:,} parameters" if meta.model_params else "")]
+    lines.append(f"- Device: {card or meta.device_name}" + (
+        f"; driver {env.get('driver')}, CUDA {env.get('cuda')}" if card else "")
+        + f"; torch {env.get('torch', '?')}, transformers {env.get('transformers', '?')}; commit "
+          f"{env.get('git_commit', '?')}")
+    lines.append(f"- Batching {meta.batching}, batch size {meta.batch_size}, max sequence length {meta.max_seq_len}; "
+                 f"{meta.n_features} features per pass, {meta.n_questions} questions")
+    lines.append(f"- Prediction time: every feature, after warm-up, first batch in to last logits on the host; the "
+                 f"median of the timed passes (min–max in brackets). Speedup and % change are against "
+                 f"`{meta.reference}` from this same run; ≈ marks a difference inside the spread of passes.")
+    if meta.command:
+        lines.append(f"- Command: `{meta.command}`")
+    lines.append(f"- Date: {meta.date}")
+    if meta.verdict:
+        lines.append(f"- Parity verdict: **{meta.verdict}**")
+    lines += [f"- {n}" for n in meta.notes]
+    return lines
+
+
+def summary_markdown(bundle: RunBundle) -> str:
+    meta, results = bundle.meta, bundle.results
+    lines = [f"# {meta.suite} — {meta.run_id}", "", *header_lines(meta, bundle.env()), "",
+             markdown_table(results, meta), ""]
+    notes = [r for r in results if not r.ok]
     if notes:
         lines.append("Backends not run or failed:")
-        lines += [f"- `{r['backend']}`: {r.get('status')} — {r.get('error', '')}" for r in notes]
+        lines += [f"- `{r.backend}`: {r.status} — {r.error}" for r in notes]
         lines.append("")
-    fails = [r for r in rows if r.get("parity") == "FAIL"]
+    fails = [r for r in results if r.parity == "FAIL"]
     if fails:
         lines.append("Parity failures:")
-        lines += [f"- `{r['backend']}`: {r.get('parity_failures', '')}" for r in fails]
+        lines += [f"- `{r.backend}`: {r.parity_failures}" for r in fails]
         lines.append("")
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], path: Path) -> Optional[Path]:
-    """Prediction time and the primary accuracy metric per backend, side by side."""
-    ok = [r for r in rows if r.get("status") == "ok"]
+def plot(results: list[BackendResult], meta: RunMeta, path: Path) -> Optional[Path]:
+    """Throughput and the primary accuracy metric per backend, side by side."""
+    ok = [r for r in results if r.ok]
     if not ok:
         return None
     import matplotlib
@@ -96,15 +123,16 @@ def plot(rows: list[dict], path: Path) -> Optional[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    metric, header = metric_columns(ok)[-1]
-    names = [r["backend"] for r in ok]
+    metric = meta.primary_metric
+    names = [r.backend for r in ok]
     fig, (a, b) = plt.subplots(1, 2, figsize=(max(8, 1.3 * len(names) + 4), 4))
-    a.bar(names, [float(r["predict_s"]) for r in ok], color="#4c72b0")
-    a.set_ylabel("full-dataset prediction time (s)")
-    a.set_title("Prediction time (lower is better)")
-    b.bar(names, [float(r.get(metric) or 0) for r in ok], color="#55a868")
-    b.set_ylabel(header)
-    b.set_title(f"{header} (parity vs reference)")
+    a.bar(names, [r.features_per_s for r in ok], color=["#c44e52" if r.parity == "FAIL" else "#4c72b0" for r in ok])
+    a.set_ylabel("features / s (median pass)")
+    a.set_title("Throughput (higher is better; red: parity FAIL)")
+    b.bar(names, [r.scores.get(metric, 0.0) for r in ok], color="#55a868")
+    label = meta.metric_labels.get(metric, metric)
+    b.set_ylabel(label)
+    b.set_title(f"{label} (parity vs {meta.reference})")
     for ax in (a, b):
         ax.tick_params(axis="x", rotation=35)
         for lbl in ax.get_xticklabels():
@@ -116,53 +144,32 @@ def plot(rows: list[dict], path: Path) -> Optional[Path]:
     return path
 
 
-def write_report(run_dir: Path, meta: dict) -> str:
-    rows = read_csv(Path(run_dir) / "results.csv")
-    md = summary_markdown(rows, meta)
-    atomic_write_text(Path(run_dir) / "summary.md", md)
-    plot(rows, Path(run_dir) / "comparison.png")
+def write_report(bundle: RunBundle) -> str:
+    md = summary_markdown(bundle)
+    atomic_write_text(bundle.dir / "summary.md", md)
+    plot(bundle.results, bundle.meta, bundle.dir / "comparison.png")
     return md
 
 
 def latest_run(results_root: Path) -> Optional[Path]:
-    runs = sorted(p.parent for p in Path(results_root).glob("*/results.csv") if p.parent.name != "reference")
+    runs = sorted(p.parent for p in Path(results_root).glob("*/run.json"))
     return runs[-1] if runs else None
 
 
 def reference_tables(run_dirs: list[Path], out_stem: Path, title: str, notes: str = "") -> str:
     """Merge result bundles (each with its own baseline) into a committed reference table
     ``<out_stem>.md`` + ``.csv`` that states card, driver, versions, commands and dates."""
-    import json
-
-    from .results import write_csv
-
-    sections, all_rows = [f"# {title}", ""], []
+    sections, rows = [f"# {title}", ""], []
     if notes:
         sections += [notes.strip(), ""]
     for d in map(Path, run_dirs):
-        rows = read_csv(d / "results.csv")
-        env = json.loads((d / "env.json").read_text()) if (d / "env.json").exists() else {}
-        cfg = json.loads((d / "config.json").read_text()) if (d / "config.json").exists() else {}
-        summary = (d / "summary.md").read_text() if (d / "summary.md").exists() else ""
-        command = next((ln.split("`")[1] for ln in summary.splitlines() if ln.startswith("- Command:")), "")
-        model_line = next((ln[2:] for ln in summary.splitlines() if ln.startswith("- Model:")), "")
-        reference = cfg.get("bench", {}).get("reference", rows[0]["backend"] if rows else "")
-        first = rows[0] if rows else {}
-        sections += [
-            f"## {cfg.get('name', d.name)} — run `{d.name}`", "",
-            f"- Card: {env.get('gpu', env.get('cpu', '?'))}; driver {env.get('driver', '?')}, CUDA {env.get('cuda', '?')}, "
-            f"torch {env.get('torch', '?')}, transformers {env.get('transformers', '?')}, onnxruntime-gpu "
-            f"{env.get('onnxruntime_gpu', '?')}, tensorrt {env.get('tensorrt', '?')}; commit {env.get('git_commit', '?')}",
-            f"- {model_line}" if model_line else "- Model: ?",
-            f"- Batch {first.get('batch_size', '?')}, sequence length {first.get('max_seq_len', '?')}, padding "
-            f"{first.get('padding', '?')}, {first.get('n_features', '?')} features / {first.get('n_questions', '?')} questions",
-            f"- Command: `{command}`", f"- Date: {d.name.split('-')[1] if d.name.startswith('device-') else d.name[:8]}",
-            f"- Speedup and % change are against `{reference}` measured in this same run.", "",
-            markdown_table(rows, reference, gpu_columns=any(r.get("device") == "cuda" for r in rows)), "",
-        ]
-        all_rows += [{"run_id": d.name, "suite": cfg.get("name", ""), "card": env.get("gpu", ""),
-                      "driver": env.get("driver", ""), **r} for r in rows]
+        bundle = RunBundle.load(d)
+        meta, env = bundle.meta, bundle.env()
+        sections += [f"## {meta.suite} — run `{meta.run_id}`", "", *header_lines(meta, env), "",
+                     markdown_table(bundle.results, meta), ""]
+        rows += [{"run_id": meta.run_id, "suite": meta.suite, "date": meta.date, "card": env.get("gpu") or env.get("cpu"),
+                  "driver": env.get("driver", ""), "command": meta.command, **r.to_row()} for r in bundle.results]
     md = "\n".join(sections)
     atomic_write_text(Path(str(out_stem) + ".md"), md)
-    write_csv(Path(str(out_stem) + ".csv"), all_rows)
+    atomic_write_text(Path(str(out_stem) + ".csv"), rows_to_csv(rows))
     return md

@@ -1,80 +1,221 @@
-"""A run's result bundle under results/<run-id>/, written atomically as each backend finishes."""
+"""The result record and the run bundle.
+
+``BackendResult`` is the one typed record of a backend in a run: identity (variant, device,
+precision, batching, model), timing, memory and energy, scores, parity, prepare facts.
+results.csv, the MLflow child run, summary.md and the reference tables are views of it, and a
+bundle loads back into the same records (``RunBundle.load``). ``RunMeta`` is the run's own
+record (suite, task, reference, command, model, verdict), kept as run.json.
+
+``results/<run-id>/`` holds: run.json, config.json, env.json, results.csv (rewritten
+atomically as each backend finishes, so a crash loses nothing already measured),
+predictions/<backend>.json, outputs/<reference>.npz (the reference's logits; every backend's
+with bench.keep_outputs), logs/<backend>.log, summary.md, comparison.png.
+"""
 from __future__ import annotations
 
 import csv
+import dataclasses
+import io
 import json
-import os
-import tempfile
+import math
+import typing
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
-# The columns every results.csv starts with, in this order; task metrics and extras follow.
-CORE_COLUMNS = [
-    "backend", "status", "precision", "parity_class", "device", "device_name", "batch_size", "max_seq_len",
-    "padding", "n_features", "n_questions", "prepare_s", "predict_s", "latency_p50_ms", "latency_p90_ms",
-    "latency_p99_ms", "features_per_s", "questions_per_s", "achieved_tflops", "speedup", "pct_change_vs_ref",
-    "exact_match", "f1", "em_delta", "f1_delta", "answer_agreement", "max_abs_logit_diff", "parity",
-]
+from .io import atomic_write_json, atomic_write_text
+from .parity import ParityResult
 
 
 def new_run_id(suite: str) -> str:
     return datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S") + f"-{suite}"
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+@dataclass
+class BackendResult:
+    # --- what ran
+    backend: str
+    status: str = "ok"  # ok | not run | failed
+    implementation: str = ""
+    precision: str = ""
+    parity_class: str = ""
+    device: str = ""
+    device_name: str = ""
+    batching: str = ""
+    batch_size: Optional[int] = None
+    max_seq_len: Optional[int] = None
+    n_shapes: Optional[int] = None
+    n_features: Optional[int] = None  # rows predicted per pass
+    n_questions: Optional[int] = None
+    model: str = ""
+    model_params: Optional[int] = None
+    model_dev_f1: Optional[float] = None  # the model's primary dev metric from training
+    task: str = ""
+    # --- time (seconds unless named otherwise)
+    prepare_s: Optional[float] = None
+    predict_s: Optional[float] = None  # median full pass
+    predict_min_s: Optional[float] = None
+    predict_max_s: Optional[float] = None
+    predict_stdev_s: Optional[float] = None
+    n_passes: Optional[int] = None
+    latency_p50_ms: Optional[float] = None
+    latency_p90_ms: Optional[float] = None
+    latency_p99_ms: Optional[float] = None
+    latency_mean_ms: Optional[float] = None
+    n_batches: Optional[int] = None
+    features_per_s: Optional[float] = None
+    questions_per_s: Optional[float] = None
+    achieved_tflops: Optional[float] = None  # at the shapes computed (padding included)
+    real_tflops: Optional[float] = None  # real tokens only
+    tokenize_s: Optional[float] = None
+    postprocess_s: Optional[float] = None
+    end_to_end_s: Optional[float] = None  # tokenize + predict + postprocess
+    speedup: Optional[float] = None  # reference median pass / this median pass
+    speedup_low: Optional[float] = None  # reference fastest / this slowest pass
+    speedup_high: Optional[float] = None  # reference slowest / this fastest pass
+    speedup_within_noise: Optional[bool] = None  # the spread of passes straddles 1.0
+    pct_change_vs_ref: Optional[float] = None
+    identical_passes: Optional[bool] = None
+    # --- memory and energy (measure.py)
+    prepare_host_peak_mb: Optional[float] = None
+    predict_host_peak_mb: Optional[float] = None
+    prepare_cuda_allocated_peak_mb: Optional[float] = None
+    predict_cuda_allocated_peak_mb: Optional[float] = None
+    predict_cuda_reserved_peak_mb: Optional[float] = None
+    predict_device_used_mb: Optional[float] = None
+    energy_j: Optional[float] = None
+    energy_j_per_1k_features: Optional[float] = None
+    avg_power_w: Optional[float] = None
+    energy_note: str = ""
+    # --- accuracy
+    scores: dict = field(default_factory=dict)  # the task's metrics, e.g. {"exact_match": .., "f1": ..}
+    parity: str = ""  # pass | FAIL | n/a | "" (not compared)
+    parity_failures: str = ""
+    primary_ratio: Optional[float] = None
+    min_f1_ratio: Optional[float] = None
+    min_agreement: Optional[float] = None
+    answer_agreement: Optional[float] = None
+    n_agree: Optional[int] = None
+    n_compared: Optional[int] = None
+    agreement_ci_low: Optional[float] = None
+    agreement_ci_high: Optional[float] = None
+    agreement_within_noise: Optional[bool] = None
+    start_argmax_agreement: Optional[float] = None
+    end_argmax_agreement: Optional[float] = None
+    max_abs_logit_diff: Optional[float] = None
+    mean_abs_logit_diff: Optional[float] = None
+    deltas: dict = field(default_factory=dict)  # {metric: backend - reference}
+    # --- what went wrong, what prepare did
+    error: str = ""
+    prepare_info: dict = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    def apply_parity(self, p: ParityResult, *, judged: bool = True) -> None:
+        """Copy a comparison in; ``judged=False`` keeps the numbers but no verdict (random weights)."""
+        for f in ("parity_class", "min_f1_ratio", "min_agreement", "primary_ratio", "answer_agreement", "n_agree",
+                  "n_compared", "agreement_ci_low", "agreement_ci_high", "start_argmax_agreement",
+                  "end_argmax_agreement", "max_abs_logit_diff", "mean_abs_logit_diff"):
+            setattr(self, f, getattr(p, f))
+        self.deltas = dict(p.metric_deltas)
+        self.agreement_within_noise = p.within_noise
+        self.parity = p.status if judged else "n/a"
+        self.parity_failures = "; ".join(p.failures) if judged else "random weights: timing only"
+
+    # --- the flat view (results.csv, MLflow) --------------------------------------------
+    def to_row(self) -> dict:
+        row: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            if f.name in ("scores", "deltas", "prepare_info"):
+                continue
+            row[f.name] = getattr(self, f.name)
+        row.update(self.scores)
+        row.update({f"{k}_delta": v for k, v in self.deltas.items()})
+        row["prepare_info"] = json.dumps(self.prepare_info, default=str, sort_keys=True) if self.prepare_info else ""
+        return row
+
+    @classmethod
+    def from_row(cls, row: dict, metric_names: typing.Sequence[str] = ()) -> "BackendResult":
+        hints = typing.get_type_hints(cls)
+        kwargs: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            if f.name in ("scores", "deltas", "prepare_info") or f.name not in row:
+                continue
+            kwargs[f.name] = _parse(row[f.name], hints[f.name])
+        r = cls(**kwargs)
+        r.scores = {m: float(row[m]) for m in metric_names if row.get(m) not in (None, "")}
+        r.deltas = {m: float(row[f"{m}_delta"]) for m in metric_names if row.get(f"{m}_delta") not in (None, "")}
+        if row.get("prepare_info"):
+            r.prepare_info = json.loads(row["prepare_info"])
+        return r
 
 
-def atomic_write_json(path: Path, obj: Any) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False, default=_json_default) + "\n")
+def _parse(value, hint):
+    if value is None or value == "" and hint is not str:
+        return None
+    if not isinstance(value, str):
+        return value
+    base = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+    t = base[0]
+    if t is bool:
+        return value.strip().lower() in ("true", "1", "yes")
+    if t is int:
+        return int(float(value))
+    if t is float:
+        return float(value)
+    return value
 
 
-def _json_default(o):
-    try:
-        import numpy as np
-
-        if isinstance(o, np.generic):
-            return o.item()
-    except ImportError:
-        pass
-    return str(o)
-
-
-def columns_for(rows: Iterable[dict]) -> list[str]:
-    cols = list(CORE_COLUMNS)
-    for r in rows:
-        for k in r:
-            if k not in cols:
-                cols.append(k)
-    return cols
-
-
-def write_csv(path: Path, rows: list[dict], columns: Optional[list[str]] = None) -> None:
-    import io
-
-    buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=columns or columns_for(rows), extrasaction="ignore", lineterminator="\n")
-    w.writeheader()
-    for r in rows:
-        w.writerow({k: _fmt(v) for k, v in r.items()})
-    atomic_write_text(path, buf.getvalue())
+@dataclass
+class RunMeta:
+    suite: str
+    run_id: str
+    task: str
+    metric_names: list
+    primary_metric: str
+    reference: str
+    metric_labels: dict = field(default_factory=dict)
+    command: str = ""
+    date: str = ""
+    model: str = ""
+    model_note: str = ""
+    model_params: Optional[int] = None
+    model_dev_metric: Optional[float] = None
+    timing_only: bool = False
+    batching: str = ""
+    batch_size: Optional[int] = None
+    max_seq_len: Optional[int] = None
+    n_features: Optional[int] = None
+    n_questions: Optional[int] = None
+    device_name: str = ""
+    verdict: str = ""
+    verdict_reasons: list = field(default_factory=list)
+    notes: list = field(default_factory=list)  # run-level facts (determinism, evaluation-set cache...)
 
 
 def _fmt(v):
     if isinstance(v, float):
-        return f"{v:.6g}"
+        return "" if math.isnan(v) else f"{v:.6g}"
+    if v is None:
+        return ""
     return v
+
+
+def rows_to_csv(rows: list[dict], columns: Optional[list[str]] = None) -> str:
+    cols = list(columns or [])
+    for r in rows:
+        for k in r:
+            if k not in cols:
+                cols.append(k)
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=cols, extrasaction="ignore", lineterminator="\n")
+    w.writeheader()
+    for r in rows:
+        w.writerow({k: _fmt(v) for k, v in r.items()})
+    return buf.getvalue()
 
 
 def read_csv(path: Path) -> list[dict]:
@@ -82,27 +223,59 @@ def read_csv(path: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
-class ResultBundle:
-    def __init__(self, root: Path, run_id: str):
-        self.run_id = run_id
-        self.dir = Path(root) / run_id
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.rows: list[dict] = []
+class RunBundle:
+    def __init__(self, run_dir: Path, meta: RunMeta, results: Optional[list] = None):
+        self.dir = Path(run_dir)
+        self.meta = meta
+        self.results: list[BackendResult] = list(results or [])
+
+    @classmethod
+    def create(cls, root: Path, meta: RunMeta, config: dict, env: dict) -> "RunBundle":
+        b = cls(Path(root) / meta.run_id, meta)
+        b.dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(b.dir / "config.json", config)
+        atomic_write_json(b.dir / "env.json", env)
+        b.write_meta()
+        return b
 
     @property
     def csv_path(self) -> Path:
         return self.dir / "results.csv"
 
-    def add_row(self, row: dict) -> None:
-        self.rows.append(row)
-        write_csv(self.csv_path, self.rows)
+    def path(self, *parts: str) -> Path:
+        return self.dir.joinpath(*parts)
+
+    def write_meta(self) -> None:
+        atomic_write_json(self.dir / "run.json", dataclasses.asdict(self.meta))
+
+    def add(self, result: BackendResult) -> None:
+        self.results.append(result)
+        self.write_csv()
+
+    def write_csv(self) -> None:
+        atomic_write_text(self.csv_path, rows_to_csv([r.to_row() for r in self.results]))
 
     def write_predictions(self, backend: str, predictions: Any) -> Path:
-        p = self.dir / "predictions" / f"{backend}.json"
-        atomic_write_json(p, predictions)
-        return p
+        return atomic_write_json(self.dir / "predictions" / f"{backend}.json", predictions, indent=None)
 
-    def write_json(self, name: str, obj: Any) -> Path:
-        p = self.dir / name
-        atomic_write_json(p, obj)
-        return p
+    def env(self) -> dict:
+        p = self.dir / "env.json"
+        return json.loads(p.read_text()) if p.exists() else {}
+
+    def config(self) -> dict:
+        p = self.dir / "config.json"
+        return json.loads(p.read_text()) if p.exists() else {}
+
+    @classmethod
+    def load(cls, run_dir: Path) -> "RunBundle":
+        run_dir = Path(run_dir)
+        meta_path = run_dir / "run.json"
+        if not meta_path.exists():
+            from .errors import BenchError
+
+            raise BenchError(f"{run_dir}: no run.json; pass a results/<run-id> folder written by bertqa-bench")
+        raw = json.loads(meta_path.read_text())
+        known = {f.name for f in dataclasses.fields(RunMeta)}
+        meta = RunMeta(**{k: v for k, v in raw.items() if k in known})
+        rows = read_csv(run_dir / "results.csv") if (run_dir / "results.csv").exists() else []
+        return cls(run_dir, meta, [BackendResult.from_row(r, meta.metric_names) for r in rows])

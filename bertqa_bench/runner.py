@@ -1,180 +1,168 @@
-"""The timing loop and the per-backend benchmark.
+"""One backend's lifecycle, in whatever process runs it: prepare, warm up, timed passes.
 
-For each backend: prepare (timed on its own), warm up on real batches (untimed), predict every
-feature in batches (timed: total wall time plus per-batch latencies), postprocess, score, and
-compare with the reference. Each backend's row is written the moment it finishes; a failing
-backend is recorded as failed and the others still run.
+* prepare (export / optimize / compile / build / capture) is timed on its own;
+* warm-up runs a real batch of every shape of the plan, then more batches up to
+  ``warmup_batches`` — untimed, never on zeros;
+* the timed prediction is whole passes over the plan, repeated until both ``min_passes`` and
+  ``min_duration_s`` are reached. A pass's time runs from the first batch handed to the
+  backend until the last logits are in the dataset-order arrays on the host (backends are
+  synchronous, so a host clock around them is honest); its batches' latencies are recorded too.
+  The median pass is the prediction time; min/max/stdev show the spread.
+
+Batch inputs are cut from the evaluation set before timing (the sample library's job, done
+once), outputs are scattered back to dataset order inside the timed region.
 """
 from __future__ import annotations
 
-import gc
+import statistics
 import time
-import traceback
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, field
+from typing import Mapping, Optional
 
 import numpy as np
 
-from . import backends as registry
 from .backends.base import Backend, BackendContext
-from .config import SuiteConfig
-from .data.types import Features
-from .errors import BackendUnavailableError, BenchError
-from .flops import qa_flops_per_sequence
-
-PAD_LOGIT = np.float32(-1e4)  # fills positions a trimmed batch never computed; postprocessing skips them
-
-
-@dataclass
-class Batch:
-    rows: slice
-    seq_len: int  # columns handed to the backend (== features.seq_len for max_length padding)
+from .progress import Progress
+from .schedule import Plan, batch_inputs, empty_outputs, scatter
 
 
 @dataclass
 class Timing:
-    predict_s: float
-    batch_ms: np.ndarray
-    n_features: int
-    flops: float  # matrix FLOPs of the timed work, at the shapes actually run
+    pass_s: list  # seconds per full pass over the plan
+    batch_ms: np.ndarray  # every batch of every pass
+    n_rows: int  # rows predicted per pass
+    n_batches: int  # batches per pass
+    flops_computed: float  # per pass, at the shapes run (padding included)
+    flops_real: float  # per pass, real tokens only
+    identical_passes: bool  # the first and last pass gave bit-identical outputs
+
+    @property
+    def predict_s(self) -> float:
+        return float(statistics.median(self.pass_s))
 
     def summary(self) -> dict:
-        ms = self.batch_ms
+        ms, p = self.batch_ms, self.predict_s
         return {
-            "predict_s": self.predict_s,
+            "predict_s": p,
+            "predict_min_s": float(min(self.pass_s)),
+            "predict_max_s": float(max(self.pass_s)),
+            "predict_stdev_s": float(statistics.stdev(self.pass_s)) if len(self.pass_s) > 1 else 0.0,
+            "n_passes": len(self.pass_s),
             "latency_p50_ms": float(np.percentile(ms, 50)),
             "latency_p90_ms": float(np.percentile(ms, 90)),
             "latency_p99_ms": float(np.percentile(ms, 99)),
             "latency_mean_ms": float(ms.mean()),
-            "n_batches": int(len(ms)),
-            "features_per_s": self.n_features / self.predict_s,
-            "achieved_tflops": self.flops / self.predict_s / 1e12,
+            "n_batches": self.n_batches,
+            "features_per_s": self.n_rows / p,
+            "achieved_tflops": self.flops_computed / p / 1e12,
+            "real_tflops": self.flops_real / p / 1e12,
+            "identical_passes": self.identical_passes,
         }
 
 
-def make_batches(features: Features, batch_size: int, padding: str, multiple: int = 8) -> list[Batch]:
-    """Consecutive batches in dataset order. ``longest`` trims each batch to its longest real
-    feature (rounded up to ``multiple`` for tensor-core friendly shapes), the "real length" case."""
-    n, full = len(features), features.seq_len
-    lengths = features.lengths() if padding == "longest" else None
-    out = []
-    for i in range(0, n, batch_size):
-        rows = slice(i, min(i + batch_size, n))
-        s = full
-        if lengths is not None:
-            s = min(full, int(-(-int(lengths[rows].max()) // multiple) * multiple))
-        out.append(Batch(rows, s))
-    return out
+def materialize(inputs: Mapping[str, np.ndarray], plan: Plan) -> list[dict[str, np.ndarray]]:
+    """Every batch's host arrays, built once before anything is timed."""
+    return [batch_inputs(inputs, b) for b in plan.batches]
 
 
-def batch_inputs(features: Features, b: Batch) -> dict:
-    return features.inputs(b.rows, trim_to=None if b.seq_len == features.seq_len else b.seq_len)
+def sample_batches(plan: Plan, batches: list, n: int = 8) -> tuple:
+    """Up to ``n`` real batches spread over the plan, one of the largest shape first (for export
+    checks, compile warm-up and calibration: several lengths, not one)."""
+    largest = plan.shapes[0]
+    first = next(i for i, b in enumerate(plan.batches) if b.shape == largest)
+    spread = np.linspace(0, len(batches) - 1, num=min(n, len(batches))).round().astype(int).tolist()
+    order = [first] + [i for i in dict.fromkeys(spread) if i != first]
+    return tuple(batches[i] for i in order[:n])
 
 
-def warm_up(backend: Backend, features: Features, batches: list[Batch], n: int) -> None:
-    # Real batches, never zeros; the distinct shapes come first so every shape is compiled/captured.
+def make_context(model_dir, task: str, artifacts_dir, output_names, plan: Plan, batches: list,
+                 max_seq_len: int) -> BackendContext:
+    """What a backend prepares from: the model, and the run's shapes and real batches."""
+    from pathlib import Path
+
+    return BackendContext(model_dir=Path(model_dir), task=task, artifacts_dir=Path(artifacts_dir),
+                          output_names=tuple(output_names), sample_batches=sample_batches(plan, batches),
+                          shapes=tuple(plan.shapes), max_batch_size=max(s[0] for s in plan.shapes),
+                          max_seq_len=int(max_seq_len))
+
+
+def warm_up(backend: Backend, plan: Plan, batches: list, n: int) -> int:
+    """A real batch of every shape, then more up to ``n`` batches; returns how many ran."""
     seen, order = set(), []
-    for b in batches:
-        key = (b.rows.stop - b.rows.start, b.seq_len)
-        if key not in seen:
-            seen.add(key)
-            order.append(b)
-    order += batches[: max(0, n - len(order))]
-    for b in order[: max(n, len(seen))]:
-        backend.predict(batch_inputs(features, b))
+    for i, b in enumerate(plan.batches):
+        if b.shape not in seen:
+            seen.add(b.shape)
+            order.append(i)
+    chosen = set(order)
+    order += [i for i in range(len(batches)) if i not in chosen][: max(0, n - len(order))]
+    for i in order:
+        backend.predict(batches[i])
+    return len(order)
 
 
-def timed_predict(backend: Backend, features: Features, batches: list[Batch], output_names: tuple[str, ...],
-                  config, *, progress: bool = True) -> tuple[dict, Timing]:
-    """Predict every feature; wall time from the first batch handed over until the last logits are on the host."""
-    from tqdm.auto import tqdm
-
-    n, s = len(features), features.seq_len
-    outputs: dict[str, np.ndarray] = {}
-    lat = np.empty(len(batches))
-    flops = 0.0
-    it = tqdm(batches, desc=f"predict {backend.name}", unit="batch", disable=not progress, leave=False)
-    start = time.perf_counter()
-    for i, b in enumerate(it):
-        t0 = time.perf_counter()
-        out = backend.predict(batch_inputs(features, b))  # synchronous: results are on the host
-        lat[i] = (time.perf_counter() - t0) * 1e3
-        for name in output_names:
-            o = out[name]
-            if name not in outputs:
-                shape = (n, s) if o.ndim == 2 and o.shape[1] == b.seq_len else (n, *o.shape[1:])
-                outputs[name] = np.full(shape, PAD_LOGIT, dtype=np.float32)
-            if outputs[name].ndim == 2 and outputs[name].shape[1] == s and o.ndim == 2:
-                outputs[name][b.rows, : o.shape[1]] = o
-            else:
-                outputs[name][b.rows] = o
-        flops += (b.rows.stop - b.rows.start) * qa_flops_per_sequence(config, b.seq_len)
-    predict_s = time.perf_counter() - start
-    return outputs, Timing(predict_s, lat, n, flops)
-
-
-def backend_context(cfg: SuiteConfig, name: str, model_dir: Path, features: Features,
-                    output_names: tuple[str, ...], device: str) -> BackendContext:
-    bs = min(cfg.bench.batch_size, len(features))
-    return BackendContext(
-        model_dir=Path(model_dir),
-        artifacts_dir=Path(model_dir).parent / "artifacts" / Path(model_dir).name / name,
-        output_names=tuple(output_names),
-        sample_batch=features.inputs(slice(0, bs)),
-        max_batch_size=cfg.bench.batch_size,
-        max_seq_len=features.seq_len,
-        device=device,
-        options=dict(cfg.bench.backend_options.get(name, {})),
-    )
+def timed_passes(backend: Backend, plan: Plan, batches: list, output_names: tuple, token_outputs: tuple,
+                 max_seq_len: int, *, min_passes: int = 1, min_duration_s: float = 0.0,
+                 flops: tuple[float, float] = (0.0, 0.0), progress: bool = False) -> tuple[dict, Timing]:
+    """Whole passes over the plan until both minimums are reached; outputs of the last pass."""
+    pass_s: list[float] = []
+    lat: list[np.ndarray] = []
+    first_out: Optional[dict] = None
+    outputs: dict = {}
+    started = time.perf_counter()
+    bar = Progress(min_passes * len(batches), f"predict {backend.name}", enabled=progress, unit="batch")
+    while len(pass_s) < min_passes or time.perf_counter() - started < min_duration_s:
+        outputs = {}
+        ms = np.empty(len(batches))
+        t_pass = time.perf_counter()
+        for i, (b, x) in enumerate(zip(plan.batches, batches)):
+            t0 = time.perf_counter()
+            out = backend.predict(x)  # synchronous: results are on the host
+            ms[i] = (time.perf_counter() - t0) * 1e3
+            if not outputs:
+                outputs = empty_outputs({n: out[n] for n in output_names}, plan.n_features, max_seq_len, token_outputs)
+            scatter(outputs, b, {n: out[n] for n in output_names})
+        pass_s.append(time.perf_counter() - t_pass)
+        lat.append(ms)
+        bar.update(len(batches))
+        if first_out is None:
+            first_out = {k: v.copy() for k, v in outputs.items()}
+    bar.close()
+    identical = all(np.array_equal(first_out[k], outputs[k], equal_nan=True) for k in outputs)
+    timing = Timing(pass_s, np.concatenate(lat), plan.n_rows, len(batches), flops[0], flops[1], identical)
+    return outputs, timing
 
 
 @dataclass
-class BackendRun:
-    """Everything one backend produced: timings, outputs and prepare facts."""
-
-    backend: Backend
+class RunOutput:
     prepare_s: float
+    warmup_batches: int
     timing: Timing
     outputs: dict
+    prepare_info: dict = field(default_factory=dict)
+    measures: dict = field(default_factory=dict)
 
 
-def run_backend(name: str, model_dir: Path, features: Features, output_names: tuple[str, ...],
-                cfg: SuiteConfig, *, progress: bool = True) -> BackendRun:
-    spec = registry.get_spec(name)
-    reason = spec.unavailable_reason()
-    if reason:
-        raise BackendUnavailableError(reason)
-    backend = spec.create()
+def run_backend(backend: Backend, ctx: BackendContext, plan: Plan, batches: list, *, token_outputs: tuple,
+                warmup_batches: int, min_passes: int, min_duration_s: float, flops: tuple[float, float] = (0.0, 0.0),
+                progress: bool = False, probe=None) -> RunOutput:
+    """Prepare, warm up and time one backend (already created); closes it either way."""
     try:
-        ctx = backend_context(cfg, name, model_dir, features, output_names, spec.device)
-        import transformers
-
-        config = transformers.AutoConfig.from_pretrained(str(model_dir))
         t0 = time.perf_counter()
         backend.prepare(ctx)
         prepare_s = time.perf_counter() - t0
-        batches = make_batches(features, cfg.bench.batch_size, cfg.bench.padding)
-        warm_up(backend, features, batches, cfg.bench.warmup_batches)
-        outputs, timing = timed_predict(backend, features, batches, output_names, config, progress=progress)
-        return BackendRun(backend, prepare_s, timing, outputs)
+        if probe is not None:
+            probe.end_phase("prepare")
+        n_warm = warm_up(backend, plan, batches, warmup_batches)
+        if probe is not None:
+            probe.end_phase("warmup")
+            probe.start_timed()
+        outputs, timing = timed_passes(backend, plan, batches, ctx.output_names, token_outputs, ctx.max_seq_len,
+                                       min_passes=min_passes, min_duration_s=min_duration_s, flops=flops,
+                                       progress=progress)
+        if probe is not None:
+            probe.end_timed(sum(timing.pass_s), timing.n_rows * len(timing.pass_s))
+            probe.end_phase("predict")
+        return RunOutput(prepare_s, n_warm, timing, outputs, dict(backend.prepare_info),
+                         dict(probe.values) if probe is not None else {})
     finally:
         backend.close()
-
-
-def free_memory() -> None:
-    gc.collect()
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    except ImportError:
-        pass
-
-
-def format_error(e: BaseException) -> str:
-    if isinstance(e, BenchError):
-        return str(e)
-    tb = traceback.extract_tb(e.__traceback__)
-    where = f" (at {tb[-1].filename.split('/')[-1]}:{tb[-1].lineno})" if tb else ""
-    return f"{type(e).__name__}: {e}{where}"

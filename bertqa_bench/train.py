@@ -1,9 +1,10 @@
-"""Fine-tune a BERT QA model (SQuAD span head, or the NQ BERT-joint head) and save it to models/<name>/.
+"""Fine-tune the suite's model (the task's head on a pretrained or random encoder) and save it.
 
 AdamW with a linear warmup/decay schedule, seeded, mixed precision on CUDA, and DDP when
-launched by ``torchrun`` with several processes. The saved directory holds the model, the
-tokenizer and ``train_metrics.json`` (dev EM/F1 from the same postprocessing and scorer the
-benchmark uses).
+launched by ``torchrun`` with several processes. Training features come from the evaluation-set
+cache (built once, split "train"); the saved directory holds the model, the tokenizer and
+``train_metrics.json`` with dev scores from the benchmark's own reference backend, batch
+plan, postprocessing and scorer. ``ensure_model`` trains only when models/ lacks the model.
 """
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import json
 import math
 import os
 import random
-import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -20,8 +21,9 @@ import numpy as np
 import torch
 
 from .config import SuiteConfig
-from .modeling import build_model, load_tokenizer
-from .tasks import get_task
+from .io import atomic_dir, atomic_write_json
+from .modeling import build_model, count_parameters, load_tokenizer
+from .tasks import Task, get_task
 
 METRICS_FILE = "train_metrics.json"
 
@@ -80,20 +82,20 @@ def train(cfg: SuiteConfig, *, log: Callable[[str], None] = print, tracker=None,
         torch.set_num_threads(tc.num_threads)
     seed_everything(tc.seed)
 
-    task = get_task(cfg.model.task)
+    from .evalset import load_evalset
+
+    task = get_task(cfg.task.name)
     tokenizer = load_tokenizer(cfg.model.base)
     t0 = time.perf_counter()
-    train_examples = task.load_examples(cfg, "train")
-    features = task.featurize(train_examples, tokenizer, cfg, train=True)
+    trainset = load_evalset(cfg, task, cfg.model.base, split="train", train=True, log=log if rank == 0 else None)
+    features = trainset.features
     featurize_s = time.perf_counter() - t0
-    labels = {"start_positions": features.start_positions, "end_positions": features.end_positions}
-    if hasattr(task, "train_labels"):
-        labels.update(task.train_labels(features))
+    labels = task.train_labels(features)
     if rank == 0:
-        log(f"train: {len(train_examples)} questions -> {len(features)} features "
-            f"(seq {features.seq_len}) in {featurize_s:.1f}s on {device}")
+        log(f"train: {trainset.n_questions} questions -> {len(features)} features "
+            f"(seq {features.seq_len}) on {device}")
 
-    model = build_model(cfg.model.task, cfg.model.base, random_init=cfg.model.random_init,
+    model = build_model(cfg.task.name, cfg.model.base, random_init=cfg.model.random_init,
                         config_overrides=cfg.model.config_overrides, seed=tc.seed).to(device)
     model.train()
     ddp_model = model
@@ -113,9 +115,9 @@ def train(cfg: SuiteConfig, *, log: Callable[[str], None] = print, tracker=None,
     gen = torch.Generator().manual_seed(tc.seed)
     step, seen, losses = 0, 0, []
     t_train = time.perf_counter()
-    from tqdm.auto import tqdm
+    from .progress import Progress
 
-    bar = tqdm(total=total_steps, desc="train", disable=rank != 0, unit="step")
+    bar = Progress(total_steps, "train", enabled=rank == 0, unit="step")
     while step < total_steps:
         order = torch.randperm(n, generator=gen).numpy()
         order = order[rank::world]  # each DDP rank gets a disjoint shard of the same permutation
@@ -141,15 +143,14 @@ def train(cfg: SuiteConfig, *, log: Callable[[str], None] = print, tracker=None,
             scheduler.step()
             losses.append(loss.item() * tc.grad_accum)
             step += 1
-            bar.update(1)
-            bar.set_postfix(loss=f"{np.mean(losses[-20:]):.3f}")
+            bar.update(1, postfix=f"loss={np.mean(losses[-20:]):.3f}")
             if step >= total_steps:
                 break
     bar.close()
     train_s = time.perf_counter() - t_train
 
     metrics = {
-        "train_questions": len(train_examples), "train_features": n, "train_steps": total_steps,
+        "train_questions": trainset.n_questions, "train_features": n, "train_steps": total_steps,
         "train_samples_per_s": seen * world / train_s, "train_s": train_s, "featurize_s": featurize_s,
         "final_loss": float(np.mean(losses[-20:])) if losses else float("nan"), "device": str(device),
         "world_size": world, "seed": tc.seed, "base": cfg.model.base, "random_init": cfg.model.random_init,
@@ -158,17 +159,14 @@ def train(cfg: SuiteConfig, *, log: Callable[[str], None] = print, tracker=None,
         torch.distributed.barrier()
     if rank == 0:
         out = Path(cfg.model_dir)
-        tmp = out.with_name(out.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        if evaluate:
-            metrics.update(_evaluate(cfg, task, tmp, device, log))
-        metrics["total_s"] = time.perf_counter() - t_all
-        (tmp / METRICS_FILE).write_text(json.dumps(metrics, indent=2))
-        # Swap in atomically so an interrupted run never leaves a half-written model behind.
-        shutil.rmtree(out, ignore_errors=True)
-        tmp.rename(out)
+        # Swapped in whole, so an interrupted run never leaves a half-written model behind.
+        with atomic_dir(out) as tmp:
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            if evaluate:
+                metrics.update(evaluate_model(cfg, task, tmp, device, log))
+            metrics["total_s"] = time.perf_counter() - t_all
+            atomic_write_json(tmp / METRICS_FILE, metrics)
         log(f"train: saved {out} " + json.dumps({k: metrics[k] for k in metrics if k.startswith("dev_")}))
         if tracker is not None:
             tracker.log_training(cfg, metrics, out)
@@ -177,15 +175,62 @@ def train(cfg: SuiteConfig, *, log: Callable[[str], None] = print, tracker=None,
     return metrics
 
 
-def _evaluate(cfg: SuiteConfig, task, model_dir: Path, device: torch.device, log) -> dict:
-    """Dev-set scores with the benchmark's own eager backend, postprocessing and scorer."""
-    from .runner import run_backend
+def evaluate_model(cfg: SuiteConfig, task: Task, model_dir: Path, device: torch.device, log) -> dict:
+    """Dev scores with the benchmark's own reference backend, batch plan, postprocessing and
+    scorer (in this process: the model was just trained here)."""
+    from .backends.variants import VariantTable
+    from .evalset import load_evalset
+    from .schedule import make_plan
+    from .worker import Job, execute
 
-    tokenizer = load_tokenizer(str(model_dir))
-    examples = task.load_examples(cfg, "dev")
-    features = task.featurize(examples, tokenizer, cfg)
-    name = "eager-fp32-cuda" if device.type == "cuda" else "eager-fp32"
-    outputs = run_backend(name, model_dir, features, task.output_names, cfg, progress=False).outputs
-    predictions = task.postprocess(examples, features, outputs, cfg)
-    scores = task.score(examples, predictions)
-    return {f"dev_{k}": float(v) for k, v in scores.items()} | {"dev_questions": len(examples)}
+    evalset = load_evalset(cfg, task, str(model_dir), log=log)
+    plan = make_plan(evalset.lengths(), batching="padded", batch_size=cfg.bench.batch_size,
+                     max_seq_len=evalset.features.seq_len)
+    variant = VariantTable.for_suite(cfg).get("eager-fp32-cuda" if device.type == "cuda" else "eager-fp32")
+    job = Job(variant=variant.to_dict(), model_dir=str(model_dir), task=task.name,
+              artifacts_dir=str(cfg.artifacts_root), evalset=str(evalset.path), plan="", outputs="", result="",
+              output_names=list(task.output_names), token_outputs=list(task.token_outputs),
+              max_seq_len=evalset.features.seq_len, warmup_batches=1)
+    record, outputs = execute(job, plan=plan, inputs=evalset.features.inputs())
+    if outputs is None:
+        raise RuntimeError(f"evaluation with {variant.name} did not run: {record.get('error')}")
+    predictions = task.postprocess(evalset.examples, evalset.features, outputs, cfg)
+    scores = task.score(evalset.examples, predictions, cfg)
+    return {f"dev_{k}": float(v) for k, v in scores.items()} | {"dev_questions": evalset.n_questions}
+
+
+@dataclass
+class ModelInfo:
+    dir: Path
+    params: Optional[int]
+    metrics: dict  # train_metrics.json
+    dev_primary: Optional[float]  # the model's primary dev metric (e.g. F1) from training
+    timing_only: bool
+    note: str
+
+
+def ensure_model(cfg: SuiteConfig, log: Callable[[str], None] = print, tracker=None) -> ModelInfo:
+    """The suite's model, trained first if models/ lacks it; random-weight timing models are just built."""
+    task = get_task(cfg.task.name)
+    model_dir = cfg.model_dir
+    if model_is_trained(model_dir):
+        log(f"model: reusing {model_dir}")
+    elif cfg.model.timing_only:
+        log(f"model: building {cfg.model.base} with random weights (timing only) in {model_dir}")
+        model = build_model(cfg.task.name, cfg.model.base, random_init=True,
+                            config_overrides=cfg.model.config_overrides, seed=cfg.train.seed)
+        with atomic_dir(model_dir) as tmp:
+            model.save_pretrained(tmp)
+            load_tokenizer(cfg.model.base).save_pretrained(tmp)
+            atomic_write_json(tmp / METRICS_FILE, {"random_init": True, "note": "timing only"})
+    else:
+        log(f"model: {model_dir} not found, fine-tuning {cfg.model.base} (suite {cfg.name})")
+        train(cfg, log=log, tracker=tracker)
+    metrics = json.loads((model_dir / METRICS_FILE).read_text())
+    primary = metrics.get(f"dev_{task.primary_metric}")
+    if cfg.model.timing_only:
+        note = "random weights: timing only, accuracy columns not meaningful"
+    else:
+        note = "fine-tuned by bertqa-bench train; dev " + ", ".join(
+            f"{k[4:]}={v:.2f}" for k, v in metrics.items() if k.startswith("dev_") and k != "dev_questions")
+    return ModelInfo(model_dir, count_parameters(model_dir), metrics, primary, cfg.model.timing_only, note)

@@ -43,12 +43,17 @@ def tiny_suite(tmp_path):
             "model": {"name": "tiny-qa", "base": "embedded:all-MiniLM-L6-v2", "random_init": True,
                       "config_overrides": dict(TINY_BERT)},
             "train": {"epochs": 1, "batch_size": 8, "learning_rate": 1e-3, "seed": 1},
-            "bench": {"backends": list(backends), "batch_size": 8, "warmup_batches": 1},
+            "bench": {"backends": list(backends), "batch_size": 8, "warmup_batches": 1, "min_passes": 2,
+                      "min_duration_s": 0},
             "models_dir": str(tmp_path / "models"),
             "results_dir": str(tmp_path / "results"),
+            "cache_dir": str(tmp_path / "cache"),
         }
         for k, v in sections.items():
-            raw.setdefault(k, {}).update(v)
+            if isinstance(v, dict):
+                raw.setdefault(k, {}).update(v)
+            else:
+                raw[k] = v
         p = tmp_path / "tiny.yaml"
         p.write_text(yaml.safe_dump(raw))
         return p

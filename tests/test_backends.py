@@ -1,4 +1,4 @@
-"""Backends on a tiny random BERT: registry contract, CPU parity, availability reasons, GPU parity.
+"""Backends on a tiny random BERT: the variant table's contract, CPU parity, availability reasons, GPU parity.
 
 CPU tests run everywhere (about half a minute on one core, most of it one tiny torch.compile);
 tests marked ``gpu`` skip with a reason when torch sees no CUDA device.
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from bertqa_bench.backends import BackendContext, create, get_spec, names, specs
+from bertqa_bench.backends import BackendContext, default_table
 from bertqa_bench.backends.onnx_export import (OnnxExportError, check_against_reference, model_fingerprint,
                                                validation_batches)
 from bertqa_bench.errors import UnknownBackendError
@@ -41,7 +41,10 @@ EXPECTED = {
     "ort-cuda-fp16": ("cuda", "fp16", "reduced"),
     "ort-cuda-fp16-graph": ("cuda", "fp16", "reduced"),
     "tensorrt-fp16": ("cuda", "fp16", "reduced"),
+    "torch-compile-fp16-graph": ("cuda", "fp16", "reduced"),
+    "torch-compile-fp8": ("cuda", "fp8", "reduced"),
 }
+TABLE = default_table()
 
 def _ort_fuses_transformers5_attention() -> bool:
     # onnxruntime's optimizer matches transformers 5's eager-attention mask only from 1.31 on.
@@ -96,18 +99,26 @@ def make_batch(b: int, s: int, seed: int = 0, pad_rows: int = 1) -> dict[str, np
     return {"input_ids": ids, "attention_mask": mask, "token_type_ids": types}
 
 
+# Two shapes that differ in batch and sequence length: the second is also a "last, smaller batch".
+SHAPES = [(MAX_BATCH, 48), (3, 32)]
+
+
+def context(model_dir: Path, artifacts: Path, shapes=SHAPES) -> BackendContext:
+    return BackendContext(model_dir=model_dir, task="squad", artifacts_dir=artifacts, output_names=OUTPUTS,
+                          sample_batches=(make_batch(MAX_BATCH, 48),), shapes=tuple(shapes),
+                          max_batch_size=MAX_BATCH, max_seq_len=MAX_SEQ)
+
+
 @pytest.fixture()
 def make_ctx(tiny_model, tmp_path):
-    def _make(device: str = "cpu", artifacts: Path | None = None, **options) -> BackendContext:
-        return BackendContext(model_dir=tiny_model, artifacts_dir=artifacts or tmp_path / "artifacts",
-                              output_names=OUTPUTS, sample_batch=make_batch(MAX_BATCH, 48), max_batch_size=MAX_BATCH,
-                              max_seq_len=MAX_SEQ, device=device, options=options)
+    def _make(artifacts: Path | None = None, shapes=SHAPES) -> BackendContext:
+        return context(tiny_model, artifacts or tmp_path / "artifacts", shapes)
 
     return _make
 
 
 def run(name: str, ctx: BackendContext, batches):
-    backend = create(name)
+    backend = TABLE.get(name).create()
     backend.prepare(ctx)
     try:
         return backend, [backend.predict(b) for b in batches]
@@ -126,15 +137,9 @@ def check_outputs(out, b: int, s: int) -> None:
         assert np.isfinite(out[n]).all()
 
 
-# Two shapes that differ in batch and sequence length: the second is also a "last, smaller batch".
-SHAPES = [(MAX_BATCH, 48), (3, 32)]
-
-
 @pytest.fixture(scope="module")
 def reference(tiny_model):
-    ctx = BackendContext(model_dir=tiny_model, artifacts_dir=tiny_model.parent / "ref-artifacts",
-                         output_names=OUTPUTS, sample_batch=make_batch(MAX_BATCH, 48), max_batch_size=MAX_BATCH,
-                         max_seq_len=MAX_SEQ)
+    ctx = context(tiny_model, tiny_model.parent / "ref-artifacts")
     batches = [make_batch(b, s, seed=i) for i, (b, s) in enumerate(SHAPES)]
     _, outs = run("eager-fp32", ctx, batches)
     return batches, outs
@@ -144,51 +149,47 @@ def reference(tiny_model):
 
 def test_unknown_backend_lists_valid_names():
     with pytest.raises(UnknownBackendError) as e:
-        get_spec("onnx-runtime-typo")
+        TABLE.get("onnx-runtime-typo")
     msg = str(e.value)
     assert "onnx-runtime-typo" in msg
     for valid in ("eager-fp32", "onnxruntime", "tensorrt-fp16"):
         assert valid in msg
-    with pytest.raises(UnknownBackendError):
-        create("nope")
 
 
-def test_every_registered_backend_declares_device_precision_and_parity_class():
-    registered = {s.name: s for s in specs()}
-    assert set(EXPECTED) <= set(registered), set(EXPECTED) - set(registered)
-    for spec in registered.values():
-        assert spec.device in ("cpu", "cuda"), spec.name
-        assert spec.cls.precision in PRECISIONS, spec.name
-        assert spec.cls.parity_class in ("fp32", "reduced"), spec.name
+def test_every_variant_declares_device_precision_and_parity_class():
+    variants = {v.name: v for v in TABLE.all()}
+    assert set(EXPECTED) <= set(variants), set(EXPECTED) - set(variants)
+    for v in variants.values():
+        assert v.device in ("cpu", "cuda"), v.name
+        assert v.precision in PRECISIONS, v.name
         # Anything below fp32 (TF32 aside) is compared with the reduced-precision tolerances.
-        assert (spec.cls.parity_class == "fp32") == (spec.cls.precision in FP32_CLASS_PRECISIONS), spec.name
-        backend = spec.create()
-        assert backend.name == spec.name and backend.device == spec.device
+        assert (v.parity_class == "fp32") == (v.precision in FP32_CLASS_PRECISIONS), v.name
+        backend = v.create()
+        assert backend.name == v.name and backend.device == v.device
     for name, (device, precision, parity) in EXPECTED.items():
-        spec = registered[name]
-        assert (spec.device, spec.cls.precision, spec.cls.parity_class) == (device, precision, parity), name
-    assert names() == sorted(registered)
+        v = variants[name]
+        assert (v.device, v.precision, v.parity_class) == (device, precision, parity), name
+    assert TABLE.names() == sorted(variants)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
 def test_cuda_variants_say_why_they_cannot_run_without_a_gpu():
-    for spec in specs():
-        reason = spec.unavailable_reason()
-        if spec.device == "cuda":
-            assert reason and isinstance(reason, str), spec.name
-            if spec.name.startswith("tensorrt"):
+    for v in TABLE.all():
+        reason = v.unavailable_reason()
+        if v.device == "cuda":
+            assert reason and isinstance(reason, str), v.name
+            if v.name.startswith("tensorrt"):
                 continue  # the missing package is reported first; see the next test
-            assert "CUDA" in reason, (spec.name, reason)
+            assert "CUDA" in reason, (v.name, reason)
         else:
-            assert reason is None, (spec.name, reason)
+            assert reason is None, (v.name, reason)
 
 
 def test_tensorrt_reports_the_missing_package():
-    pytest.importorskip("torch")
     try:
         import tensorrt  # noqa: F401
     except ImportError:
-        reason = get_spec("tensorrt-fp16").unavailable_reason()
+        reason = TABLE.get("tensorrt-fp16").unavailable_reason()
         assert reason == ("TensorRT backend needs the 'tensorrt' package "
                           "(pip install tensorrt --extra-index-url https://pypi.nvidia.com); not run")
     else:
@@ -197,9 +198,14 @@ def test_tensorrt_reports_the_missing_package():
 
 # --------------------------------------------------------------------------- export checks
 
-def test_validation_batches_cover_a_second_shape_with_padding():
+def test_validation_batches_cover_the_run_shapes_and_one_more_with_padding():
     sample = make_batch(MAX_BATCH, 48, pad_rows=0)
-    first, second = validation_batches(sample, MAX_BATCH, MAX_SEQ)
+    batches = validation_batches(sample, MAX_BATCH, MAX_SEQ, shapes=[(MAX_BATCH, 48), (2, 16), (3, 32), (1, 8)])
+    # the run's shapes first (at most three: largest, middle, shortest), then an off-plan shape
+    assert [b["input_ids"].shape for b in batches[:-1]] == [(MAX_BATCH, 48), (2, 16), (1, 8)]
+    for b in batches[:-1]:
+        assert b["input_ids"][:, 0].min() > 0  # real rows, never zeros
+    first, second = batches[0], batches[-1]
     assert first["input_ids"].shape == (MAX_BATCH, 48)
     b2, s2 = second["input_ids"].shape
     assert b2 != MAX_BATCH and s2 != 48 and b2 <= MAX_BATCH and s2 <= MAX_SEQ
@@ -272,34 +278,38 @@ def test_onnxruntime_int8_is_close(make_ctx, reference):
     assert_attention_fused(backend.prepare_info)
 
 
-def test_torch_compile_cpu_pads_the_last_batch_instead_of_recompiling(make_ctx, reference):
+def test_torch_compile_cpu_compiles_every_run_shape_in_prepare_and_never_while_predicting(make_ctx, reference):
+    from torch._dynamo.utils import counters
+
     batches, ref = reference
-    last = {n: a[:2] for n, a in batches[0].items()}  # smaller last batch at the run's sequence length
-    backend, outs = run("torch-compile", make_ctx(), [batches[0], last])
-    check_outputs(outs[0], MAX_BATCH, 48)
-    check_outputs(outs[1], 2, 48)
-    assert max_diff(outs[0], ref[0]) < 1e-4
-    assert max(float(np.abs(outs[1][n] - ref[0][n][:2]).max()) for n in OUTPUTS) < 1e-4
-    assert backend.prepare_info["compiled_shapes"] == 1
-    assert backend.prepare_info["compile_mode"] == "default" and backend.prepare_info["dynamic"] == "False"
+    backend = TABLE.get("torch-compile").create()
+    backend.prepare(make_ctx())
+    try:
+        graphs = counters["stats"]["unique_graphs"]
+        outs = [backend.predict(b) for b in batches + batches]
+        assert counters["stats"]["unique_graphs"] == graphs  # no recompilation at the run's shapes
+    finally:
+        backend.close()
+    for (b, s), out, r in zip(SHAPES, outs, ref):
+        check_outputs(out, b, s)
+        assert max_diff(out, r) < 1e-4
+    assert backend.prepare_info["prepared_shapes"] == 2 and backend.prepare_info["compile_mode"] == "default"
 
 
 # --------------------------------------------------------------------------- GPU backends
 
 def _gpu_run(name, make_ctx, batches):
-    why = get_spec(name).unavailable_reason()
+    why = TABLE.get(name).unavailable_reason()
     if why:
         pytest.skip(why)
-    return run(name, make_ctx("cuda"), batches)
+    return run(name, make_ctx(), batches)
 
 
 @pytest.fixture(scope="module")
 def cuda_reference(tiny_model, tmp_path_factory):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device (torch.cuda.is_available() is False)")
-    ctx = BackendContext(model_dir=tiny_model, artifacts_dir=tmp_path_factory.mktemp("cuda-ref"),
-                         output_names=OUTPUTS, sample_batch=make_batch(MAX_BATCH, 48), max_batch_size=MAX_BATCH,
-                         max_seq_len=MAX_SEQ, device="cuda")
+    ctx = context(tiny_model, tmp_path_factory.mktemp("cuda-ref"))
     batches = [make_batch(b, s, seed=i) for i, (b, s) in enumerate(SHAPES)]
     _, outs = run("eager-fp32-cuda", ctx, batches)
     return batches, outs
@@ -317,7 +327,7 @@ def test_eager_fp32_cuda_matches_cpu_reference(reference, cuda_reference):
 @pytest.mark.parametrize("name,atol", [
     ("eager-tf32", 0.02), ("eager-amp-fp16", 0.05), ("eager-fp16", 0.05), ("eager-bf16", 0.2),
     ("torch-compile-fp16", 0.05), ("torch-compile-fp16-cudagraphs", 0.05),
-    ("torch-compile-fp16-max-autotune", 0.05),
+    ("torch-compile-fp16-max-autotune", 0.05), ("torch-compile-fp16-graph", 0.05),
     ("ort-cuda-fp32", 1e-3), ("ort-cuda-fp16", 0.05), ("ort-cuda-fp16-graph", 0.05),
     ("tensorrt-fp16", 0.05),
 ])

@@ -3,9 +3,9 @@ import json
 import pytest
 
 from bertqa_bench.cli import main
-from bertqa_bench.data.types import Answer, QAExample
-from bertqa_bench.data.squad import write_squad_json
-from bertqa_bench.results import write_csv
+from bertqa_bench.tasks.squad.types import Answer, QAExample
+from bertqa_bench.tasks.squad.reader import write_squad_json
+from bertqa_bench.results import BackendResult, RunBundle, RunMeta
 
 
 def _dataset(tmp_path):
@@ -45,41 +45,57 @@ def test_unknown_suite_is_a_clear_error(capsys):
     assert "unknown suite 'nope'" in capsys.readouterr().err
 
 
-def test_backends_lists_every_registered_name(capsys):
-    from bertqa_bench import backends
+def test_backends_lists_every_variant(capsys):
+    from bertqa_bench.backends import default_table
 
     assert main(["backends"]) == 0
     out = capsys.readouterr().out
-    for name in backends.names():
+    for name in default_table().names():
         assert name in out
     assert "tensorrt" in out and "pip install tensorrt" in out  # the missing package is named
 
 
-def test_report_and_reference_tables(tmp_path, capsys):
+def _bundle(run_dir, suite="x", results=()):
+    meta = RunMeta(suite=suite, run_id=run_dir.name, task="squad", metric_names=["exact_match", "f1"],
+                   metric_labels={"exact_match": "EM", "f1": "F1"},
+                   primary_metric="f1", reference=results[0].backend, command="bertqa-bench bench --suite x",
+                   date="2026-01-01", model="m", batching="padded", batch_size=16, max_seq_len=192)
+    b = RunBundle.create(run_dir.parent, meta, {"name": suite}, {"gpu": "NVIDIA H100 80GB HBM3", "torch": "2.11"})
+    for r in results:
+        b.add(r)
+    return b
+
+
+def _ok(name, predict_s, speedup, pct, **kw):
+    return BackendResult(name, precision="fp32", device="cpu", batching="padded", predict_s=predict_s,
+                         speedup=speedup, pct_change_vs_ref=pct, features_per_s=100 / predict_s,
+                         scores={"exact_match": 60.0, "f1": 70.0}, answer_agreement=1.0, max_abs_logit_diff=0.0,
+                         parity="pass", prepare_s=0.1, **kw)
+
+
+def test_report_and_reference_tables_are_views_of_the_records(tmp_path, capsys):
     run = tmp_path / "20260101-000000-x"
-    rows = [{"backend": "eager-fp32", "status": "ok", "precision": "fp32", "device": "cpu", "predict_s": 2.0,
-             "speedup": 1.0, "pct_change_vs_ref": 0.0, "features_per_s": 50, "exact_match": 60, "f1": 70,
-             "answer_agreement": 1.0, "max_abs_logit_diff": 0.0, "parity": "pass", "prepare_s": 0.1},
-            {"backend": "onnxruntime", "status": "ok", "precision": "fp32", "device": "cpu", "predict_s": 1.0,
-             "speedup": 2.0, "pct_change_vs_ref": -50.0, "features_per_s": 100, "exact_match": 60, "f1": 70,
-             "answer_agreement": 1.0, "max_abs_logit_diff": 1e-5, "parity": "pass", "prepare_s": 3.0},
-            {"backend": "tensorrt-fp16", "status": "not run", "error": "needs tensorrt"}]
-    write_csv(run / "results.csv", rows)
+    b = _bundle(run, results=[_ok("eager-fp32", 2.0, 1.0, 0.0), _ok("onnxruntime", 1.0, 2.0, -50.0),
+                              BackendResult("tensorrt-fp16", status="not run", error="needs tensorrt")])
+    # the bundle loads back into the same records
+    back = RunBundle.load(run)
+    assert [r.backend for r in back.results] == ["eager-fp32", "onnxruntime", "tensorrt-fp16"]
+    assert back.results[1].scores == {"exact_match": 60.0, "f1": 70.0} and back.results[1].speedup == 2.0
+    assert back.results[2].status == "not run" and back.meta.command == b.meta.command
     assert main(["report", str(run)]) == 0
     md = (run / "summary.md").read_text()
-    assert "| onnxruntime | fp32 | 1.000 | -50.0% | 2.00× |" in md
+    assert "| onnxruntime | fp32 | padded | 1.000 | -50.0% | 2.00× |" in md
     assert "tensorrt-fp16" in md and "needs tensorrt" in md
+    assert "Command: `bertqa-bench bench --suite x`" in md  # from run.json, not parsed out of markdown
     assert main(["reference", str(run), "--out", str(tmp_path / "ref"), "--title", "T"]) == 0
     assert (tmp_path / "ref.csv").read_text().count("\n") == 4
+    assert "Date: 2026-01-01" in (tmp_path / "ref.md").read_text()
 
 
 def test_track_imports_a_bundle_made_without_mlflow(tmp_path, monkeypatch, capsys):
     run = tmp_path / "device-20260101-000000-gpu-timing"
-    rows = [{"backend": "eager-fp32-cuda", "status": "ok", "precision": "fp32", "predict_s": 20.0, "f1": 3.0},
-            {"backend": "ort-cuda-fp16", "status": "ok", "precision": "fp16", "predict_s": 2.0, "f1": 3.0}]
-    write_csv(run / "results.csv", rows)
-    (run / "config.json").write_text(json.dumps({"name": "gpu-timing"}))
-    (run / "env.json").write_text(json.dumps({"gpu": "NVIDIA H100 80GB HBM3"}))
+    _bundle(run, "gpu-timing", [BackendResult("eager-fp32-cuda", precision="fp32", predict_s=20.0, scores={"f1": 3.0}),
+                                BackendResult("ort-cuda-fp16", precision="fp16", predict_s=2.0, scores={"f1": 3.0})])
     uri = f"sqlite:///{tmp_path / 'ml.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     assert main(["track", str(run)]) == 0

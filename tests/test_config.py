@@ -1,14 +1,23 @@
 import pytest
 
-from bertqa_bench.config import SuiteConfig, apply_overrides, load_suite
-from bertqa_bench.errors import ConfigError
+from bertqa_bench.config import SuiteConfig, build
+from bertqa_bench.errors import ConfigError, UnknownBackendError
+from bertqa_bench.suite import apply_overrides, load_suite, suite_names
 
 
 def test_shipped_suites_load():
-    for name in ("default", "bert-base-squad", "ci"):
+    for name in suite_names():
         cfg = load_suite(name)
         assert cfg.name == name
         assert cfg.bench.backends[0] == cfg.bench.reference
+
+
+def test_gpu_suites_share_one_backend_list():
+    lists = {n: load_suite(n).bench.backends for n in ("gpu-backends", "gpu-timing", "gpu-parity", "bert-base-squad")}
+    assert len({tuple(v) for v in lists.values()}) == 1
+    # gpu-parity takes the default suite's data and the GPU list: extends is a list, merged left to right
+    cfg = load_suite("gpu-parity")
+    assert cfg.data.synthetic.seed == load_suite("default").data.synthetic.seed and cfg.data.max_seq_len == 384
 
 
 def test_reference_is_moved_first():
@@ -24,24 +33,42 @@ def test_overrides_parse_yaml_values():
     assert raw["bench"]["batch_size"] == 16
     assert raw["data"]["max_seq_len"] == 128
     assert raw["bench"]["backends"] == ["eager-fp32", "onnxruntime"]
-    cfg = load_suite("default", ["bench.batch_size=4"])
-    assert cfg.bench.batch_size == 4
+    cfg = load_suite("default", ["bench.batch_size=4", "task.n_best=5"])
+    assert cfg.bench.batch_size == 4 and cfg.task.options.n_best == 5
 
 
 @pytest.mark.parametrize("raw, match", [
     ({"bench": {"batch_size": 0}}, "batch_size"),
-    ({"bench": {"padding": "weird"}}, "padding"),
+    ({"bench": {"batching": "weird"}}, "batching"),
     ({"data": {"doc_stride": 500, "max_seq_len": 384}}, "doc_stride"),
     ({"data": {"source": "squad-json"}}, "dev_file"),
     ({"data": {"source": "nope"}}, "data.source"),
     ({"bench": {"warmup_batches": 0}}, "warm"),
+    ({"bench": {"min_passes": 0}}, "min_passes"),
     ({"bench": {"unknown_field": 1}}, "unknown field"),
+    ({"bench": {"batch_size": "sixteen"}}, "bench.batch_size must be int"),
     ({"parity": {"fp32": {"min_f1_ratio": 1.5, "min_agreement": 0.9}}}, "min_f1_ratio"),
     ({"model": {"timing_only": True}}, "timing_only"),
+    ({"variants": {"x": {"options": {}}}}, "exactly one of 'base'"),
 ])
 def test_invalid_configs_are_rejected_with_the_field(raw, match):
     with pytest.raises(ConfigError, match=match):
-        SuiteConfig(**raw)
+        build(SuiteConfig, raw, "suite")
+
+
+def test_task_options_are_the_tasks_own_and_checked():
+    with pytest.raises(ConfigError, match="unknown field.*n_bset.*valid: max_answer_len, n_best"):
+        load_suite("default", ["task.n_bset=3"])
+    with pytest.raises(ConfigError, match="not a source of task 'nq'"):
+        load_suite("default", ["task.name=nq"])
+    with pytest.raises(ConfigError, match="unknown task 'nqq'"):
+        load_suite("nq", ["task.name=nqq"])
+    assert load_suite("nq").task.options.long_non_null_threshold == 2
+
+
+def test_unknown_backend_in_a_suite_fails_at_load_with_the_valid_names():
+    with pytest.raises(UnknownBackendError, match="onnx-runtime.*valid backends: .*onnxruntime"):
+        load_suite("default", ["bench.backends=[eager-fp32, onnx-runtime]"])
 
 
 def test_unknown_suite_lists_known_ones():

@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-from bertqa_bench.data.features import answer_token_span, tokenize_examples, truncate_questions
-from bertqa_bench.data.types import Answer, QAExample
+from bertqa_bench.tasks.squad.features import answer_token_span, tokenize_examples, truncate_questions
+from bertqa_bench.tasks.squad.types import Answer, QAExample
 from bertqa_bench.modeling import load_tokenizer
 
 FILLER = "The old harbour was busy with boats and traders from many distant towns. "

@@ -1,17 +1,21 @@
-"""The FP8 backend (bertqa_bench/backends/torch_fp8.py): availability reasons, quantization math,
+"""FP8 (bertqa_bench/backends/torch_fp8.py + the torch backend's fp8 option): availability reasons, quantization math,
 module surgery on a tiny BERT (all on CPU: float8 dtypes and torch._scaled_mm exist in CPU
 torch), and GPU end-to-end checks marked ``gpu`` (skipped without CUDA)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import numpy as np
 import pytest
 import torch
 from torch import nn
 
-from bertqa_bench.backends import BackendContext, create, get_spec
+from bertqa_bench.backends import BackendContext, default_table, make_variant
+from bertqa_bench.backends import torch_backend
 from bertqa_bench.backends import torch_fp8 as fp8
+
+TABLE = default_table()
 
 OUTPUTS = ("start_logits", "end_logits")
 FP8_NAMES = ("torch-compile-fp8", "torch-compile-fp8-all", "torch-compile-fp8-rowwise")
@@ -79,42 +83,55 @@ def skip_without_cpu_scaling(scaling: str) -> None:
 
 # --------------------------------------------------------------------------- registry / availability
 
-def test_fp8_variants_are_registered_as_reduced_precision_cuda_backends():
+def test_fp8_variants_are_reduced_precision_cuda_backends():
     for name in FP8_NAMES:
-        spec = get_spec(name)
-        assert spec.device == "cuda", name
-        assert (spec.cls.precision, spec.cls.parity_class) == ("fp8", "reduced"), name
-        assert spec.description, name
-        backend = create(name)  # constructing needs no GPU
+        v = TABLE.get(name)
+        assert v.device == "cuda", name
+        assert (v.precision, v.parity_class) == ("fp8", "reduced"), name
+        assert v.description, name
+        backend = v.create()  # constructing needs no GPU
         assert backend.name == name and backend.device == "cuda"
-    assert get_spec("torch-compile-fp8").options["scaling"] == "tensor"
-    assert get_spec("torch-compile-fp8-rowwise").options["scaling"] == "rowwise"
-    assert fp8.parse_gemms(get_spec("torch-compile-fp8").options["fp8_gemms"]) == fp8.DEFAULT_GEMMS
-    assert fp8.parse_gemms(get_spec("torch-compile-fp8-all").options["fp8_gemms"]) == fp8.GEMM_KINDS
+    assert TABLE.get("torch-compile-fp8").options.fp8.scaling == "tensor"
+    assert TABLE.get("torch-compile-fp8-rowwise").options.fp8.scaling == "rowwise"
+    assert fp8.parse_gemms(TABLE.get("torch-compile-fp8").options.fp8.gemms) == fp8.DEFAULT_GEMMS
+    assert fp8.parse_gemms(TABLE.get("torch-compile-fp8-all").options.fp8.gemms) == fp8.GEMM_KINDS
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
 def test_unavailable_without_cuda_names_the_reason():
     for name in FP8_NAMES:
-        reason = get_spec(name).unavailable_reason()
-        assert reason and "FP8" in reason and "CUDA" in reason, reason
+        reason = TABLE.get(name).unavailable_reason()
+        assert reason and "fp8" in reason and "CUDA" in reason, reason
 
 
 def test_unavailable_on_a_gpu_older_than_sm89(monkeypatch):
-    monkeypatch.setattr(fp8, "cuda_unavailable_reason", lambda: None)
+    monkeypatch.setattr(torch_backend, "cuda_unavailable_reason", lambda: None)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100-SXM4-80GB")
-    reason = get_spec("torch-compile-fp8").unavailable_reason()
+    reason = TABLE.get("torch-compile-fp8").unavailable_reason()
     assert reason and "sm_89" in reason and "Hopper" in reason and "A100" in reason and "sm_80" in reason
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
-    assert get_spec("torch-compile-fp8").unavailable_reason() is None
+    assert TABLE.get("torch-compile-fp8").unavailable_reason() is None
 
 
 def test_unavailable_without_scaled_mm(monkeypatch):
-    monkeypatch.setattr(fp8, "cuda_unavailable_reason", lambda: None)
+    monkeypatch.setattr(torch_backend, "cuda_unavailable_reason", lambda: None)
     monkeypatch.delattr(torch, "_scaled_mm")
-    reason = get_spec("torch-compile-fp8").unavailable_reason()
+    reason = TABLE.get("torch-compile-fp8").unavailable_reason()
     assert reason and "_scaled_mm" in reason
+
+
+def test_fp8_options_are_checked_when_a_variant_is_declared():
+    from bertqa_bench.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="scaling 'per-block'"):
+        make_variant("x", "torch", "cuda", {"weights": "fp16", "fp8": {"scaling": "per-block"}})
+    with pytest.raises(ConfigError, match="unknown field.*act_marign"):
+        make_variant("x", "torch", "cuda", {"weights": "fp16", "fp8": {"act_marign": 3}})
+    with pytest.raises(ConfigError, match="16-bit weights"):
+        make_variant("x", "torch", "cuda", {"fp8": {}})
+    v = make_variant("x", "torch", "cuda", {"weights": "fp16", "fp8": {"keep_layers": "0, 11"}})
+    assert v.options.fp8.layers_kept() == (0, 11)
 
 
 # --------------------------------------------------------------------------- quantization math
@@ -290,13 +307,15 @@ def _gpu_ctx(tmp_path, b=4, s=64):
         types[:, ss // 3:] = 1
         return {"input_ids": ids, "attention_mask": mask, "token_type_ids": types}
 
-    ctx = BackendContext(model_dir=path, artifacts_dir=tmp_path / "art", output_names=OUTPUTS,
-                         sample_batch=batch(b, s, 0), max_batch_size=b, max_seq_len=s, device="cuda")
+    ctx = BackendContext(model_dir=path, task="squad", artifacts_dir=tmp_path / "art", output_names=OUTPUTS,
+                         sample_batches=(batch(b, s, 0),), shapes=((b, s), (3, 40)), max_batch_size=b, max_seq_len=s)
     return ctx, [batch(b, s, 1), batch(3, 40, 2)]
 
 
 def _run(name, ctx, batches, **over):
-    backend = create(name, **over)
+    base = TABLE.get(name)
+    options = {**dataclasses.asdict(base.options), **over}
+    backend = make_variant(name, base.implementation, base.device, options).create()
     backend.prepare(ctx)
     try:
         return backend.prepare_info, [backend.predict(b) for b in batches]
@@ -309,14 +328,14 @@ def _run(name, ctx, batches, **over):
                                        ("torch-compile-fp8-rowwise", {}),
                                        ("torch-compile-fp8", {"cuda_graph": "trees"})])
 def test_fp8_backend_tracks_fp32_on_gpu(tmp_path, name, over):
-    reason = get_spec(name).unavailable_reason()
+    reason = TABLE.get(name).unavailable_reason()
     if reason:
         pytest.skip(reason)
     ctx, batches = _gpu_ctx(tmp_path)
     _, refs = _run("eager-fp32-cuda", ctx, batches)
     info, outs = _run(name, ctx, batches, **over)
-    assert info["fp8_layers"] == 2 and info["fp8_fused_qkv"] is True
-    assert info["cuda_graph"] == ("inductor cudagraph trees" if over else "manual torch.cuda.CUDAGraph")
+    assert info["fp8_linears"] >= 2 * 3 and info["fp8_fused_qkv"] is True
+    assert info["cuda_graph"] == ("trees" if over else "manual") and info["prepared_shapes"] == 2
     for out, ref, b in zip(outs, refs, batches):
         bs, s = b["input_ids"].shape
         for n in OUTPUTS:
@@ -328,8 +347,8 @@ def test_fp8_backend_tracks_fp32_on_gpu(tmp_path, name, over):
 
 @pytest.mark.gpu
 def test_fp8_linear_on_gpu_matches_fp32():
-    if fp8.TorchCompileFp8Backend.unavailable_reason("cuda"):
-        pytest.skip(fp8.TorchCompileFp8Backend.unavailable_reason("cuda"))
+    if TABLE.get("torch-compile-fp8").unavailable_reason():
+        pytest.skip(TABLE.get("torch-compile-fp8").unavailable_reason())
     torch.manual_seed(3)
     lin = nn.Linear(768, 3072).cuda()
     x = torch.randn(512, 768, device="cuda")

@@ -2,11 +2,11 @@ import json
 
 import pytest
 
-from bertqa_bench.data.metrics import (evaluate_dataset, exact_match_score, f1_score, load_predictions,
+from bertqa_bench.tasks.squad.metrics import (evaluate_dataset, exact_match_score, f1_score, load_predictions,
                                        metric_max_over_ground_truths, normalize_answer, score_files,
                                        squad_evaluate)
-from bertqa_bench.data.squad import write_squad_json
-from bertqa_bench.data.types import Answer, QAExample
+from bertqa_bench.tasks.squad.reader import write_squad_json
+from bertqa_bench.tasks.squad.types import Answer, QAExample
 from bertqa_bench.errors import DatasetFormatError
 
 
@@ -98,7 +98,7 @@ def _official_evaluate(dataset, predictions):
 
 
 def test_evaluate_dataset_matches_official_and_squad_evaluate():
-    from bertqa_bench.data.squad import examples_to_squad_json
+    from bertqa_bench.tasks.squad.reader import examples_to_squad_json
 
     exs = _examples()
     dataset = examples_to_squad_json(exs)

@@ -2,7 +2,9 @@ import numpy as np
 import pytest
 
 from bertqa_bench.config import ParityConfig, Tolerance
-from bertqa_bench.parity import argmax_agreement, check_expected, compare, determinism, logit_diffs, tolerance_for
+from bertqa_bench.parity import (argmax_agreement, check_expected, compare, determinism, logit_diffs, tolerance_for,
+                                 verdict, wilson_interval)
+from bertqa_bench.results import BackendResult
 
 rng = np.random.default_rng(0)
 
@@ -33,9 +35,9 @@ def test_non_finite_logits_fail_parity():
     ref, mask = _outputs(), _mask()
     out = {k: v.copy() for k, v in ref.items()}
     out["end_logits"][0, 0] = np.nan
-    p = compare(backend="x", parity_class="fp32", tolerance=Tolerance(0.999, 0.99), primary_metric="f1",
+    p = compare(parity_class="fp32", tolerance=Tolerance(0.999, 0.99), primary_metric="f1",
                 ref_scores={"exact_match": 50.0, "f1": 60.0}, scores={"exact_match": 50.0, "f1": 60.0},
-                answer_agreement=1.0, ref_outputs=ref, outputs=out, attention_mask=mask)
+                agreement=(6, 6), ref_outputs=ref, outputs=out, attention_mask=mask)
     assert not p.passed and "non-finite" in p.failures[0]
 
 
@@ -67,14 +69,17 @@ def test_tolerances_by_class_and_override():
 def test_compare_applies_the_stated_tolerances(f1, agreement, cls, passed):
     ref = _outputs()
     cfg = ParityConfig()
-    p = compare(backend="b", parity_class=cls, tolerance=tolerance_for(cfg, "b", cls), primary_metric="f1",
+    p = compare(parity_class=cls, tolerance=tolerance_for(cfg, "b", cls), primary_metric="f1",
                 ref_scores={"exact_match": 70.0, "f1": 80.0}, scores={"exact_match": 70.0, "f1": f1},
-                answer_agreement=agreement, ref_outputs=ref, outputs=ref, attention_mask=_mask())
+                agreement=(round(agreement * 200), 200), ref_outputs=ref, outputs=ref, attention_mask=_mask())
     assert p.passed is passed
     assert p.metric_deltas["f1"] == pytest.approx(f1 - 80.0)
-    row = p.as_row()
+    r = BackendResult("b")
+    r.apply_parity(p)
+    row = r.to_row()
     assert row["parity"] == ("pass" if passed else "FAIL")
     assert row["f1_delta"] == pytest.approx(f1 - 80.0)
+    assert row["n_agree"] == round(agreement * 200) and row["n_compared"] == 200
 
 
 def test_determinism_report():
@@ -88,9 +93,48 @@ def test_determinism_report():
 
 
 def test_expected_scores_check():
-    rows = [{"backend": "eager-fp32", "status": "ok", "exact_match": 60.0, "f1": 70.0},
-            {"backend": "onnxruntime", "status": "ok", "exact_match": 58.0, "f1": 70.2}]
+    rows = [BackendResult("eager-fp32", scores={"exact_match": 60.0, "f1": 70.0}),
+            BackendResult("onnxruntime", scores={"exact_match": 58.0, "f1": 70.2})]
     expected = [{"backend": "eager-fp32", "exact_match": "60.1", "f1": "70.0"},
                 {"backend": "onnxruntime", "exact_match": "60.0", "f1": "70.0"}]
     fails = check_expected(rows, expected, ("exact_match", "f1"), 0.5)
     assert len(fails) == 1 and fails[0].startswith("onnxruntime: exact_match")
+
+
+def test_wilson_interval_brackets_the_share_and_narrows_with_n():
+    lo, hi = wilson_interval(195, 200)
+    assert lo < 0.975 < hi
+    assert hi - lo > wilson_interval(1950, 2000)[1] - wilson_interval(1950, 2000)[0]
+    assert wilson_interval(200, 200)[1] == 1.0 and wilson_interval(0, 0) == (0.0, 1.0)
+
+
+def test_agreement_within_noise_is_flagged():
+    # 97.5% agreement on 200 questions: the 97% tolerance is inside the 95% interval.
+    ref = _outputs()
+    p = compare(parity_class="reduced", tolerance=Tolerance(0.99, 0.97), primary_metric="f1",
+                ref_scores={"f1": 80.0}, scores={"f1": 80.0}, agreement=(195, 200), ref_outputs=ref, outputs=ref,
+                attention_mask=_mask())
+    assert p.passed and p.within_noise
+    p = compare(parity_class="reduced", tolerance=Tolerance(0.99, 0.97), primary_metric="f1",
+                ref_scores={"f1": 80.0}, scores={"f1": 80.0}, agreement=(1990, 2000), ref_outputs=ref,
+                outputs=ref, attention_mask=_mask())
+    assert p.passed and not p.within_noise
+
+
+def _r(name, status="ok", parity="pass", error=""):
+    return BackendResult(name, status=status, parity=parity, error=error,
+                         parity_failures="agreement low" if parity == "FAIL" else "")
+
+
+def test_one_verdict_rule_for_every_caller():
+    ref = _r("eager-fp32")
+    assert verdict([ref, _r("b")], "eager-fp32").status == "PASS"
+    assert verdict([ref, _r("b", parity="FAIL")], "eager-fp32").status == "FAIL"
+    # a crashed backend fails the run (it used to pass bench and fail the gate)
+    v = verdict([ref, _r("b", status="failed", parity="", error="SIGSEGV")], "eager-fp32")
+    assert v.status == "FAIL" and "SIGSEGV" in v.reasons[0]
+    # a backend that cannot run on this machine is reported, not failed
+    assert verdict([ref, _r("c", status="not run", parity="")], "eager-fp32").status == "PASS"
+    assert verdict([_r("eager-fp32", status="failed", parity="")], "eager-fp32").status == "NO REFERENCE"
+    assert verdict([ref], "eager-fp32", timing_only=True).status == "N/A"
+    assert verdict([ref], "eager-fp32", problems=["reference not deterministic"]).status == "FAIL"

@@ -1,8 +1,9 @@
 import numpy as np
 import pytest
 
-from bertqa_bench.data.postprocess import best_spans, nbest_for_example, postprocess_qa
-from bertqa_bench.data.types import Answer, Features, QAExample
+from bertqa_bench.tasks.squad.postprocess import best_spans, nbest_for_example, postprocess_qa
+from bertqa_bench.features import Features
+from bertqa_bench.tasks.squad.types import Answer, QAExample
 
 CONTEXT = "alpha beta gamma delta epsilon"
 #          0     6    11    17    23
@@ -103,7 +104,7 @@ def test_shape_mismatch_is_an_error():
 
 
 def test_vectorized_matches_loop_and_answer_is_context_slice():
-    from bertqa_bench.data.features import tokenize_examples
+    from bertqa_bench.tasks.squad.features import tokenize_examples
     from bertqa_bench.modeling import load_tokenizer
 
     tok = load_tokenizer("embedded:all-MiniLM-L6-v2")

@@ -1,50 +1,144 @@
+"""Batch plans (order round trip, token budgets, padding rows), the timing loop and warm-up."""
 import numpy as np
+import pytest
 
-from bertqa_bench.bench import overall_verdict, tile_features
-from bertqa_bench.data.types import Features
+from bertqa_bench.backends.base import Backend
 from bertqa_bench.flops import bert_flops_per_sequence
-from bertqa_bench.runner import make_batches
+from bertqa_bench.runner import Timing, materialize, timed_passes, warm_up
+from bertqa_bench.schedule import PAD_LOGIT, Plan, batch_inputs, empty_outputs, make_plan, scatter
+
+TOKEN = ("start_logits", "end_logits")
 
 
-def _features(lengths, s=32):
+def _inputs(lengths, s=64):
     n = len(lengths)
     mask = np.zeros((n, s), dtype=np.int64)
     for i, l in enumerate(lengths):
         mask[i, :l] = 1
-    ids = np.where(mask == 1, 7, 0).astype(np.int64)
-    return Features(ids, mask, np.zeros_like(ids), np.arange(n), [[None] * s for _ in range(n)])
+    ids = np.where(mask == 1, 100 + np.arange(n)[:, None], 0).astype(np.int64)  # row i holds token 100+i
+    return {"input_ids": ids, "attention_mask": mask, "token_type_ids": np.zeros_like(ids),
+            "example_index": np.arange(n)}
 
 
-def test_batches_cover_every_feature_once():
-    f = _features([5] * 21)
-    bs = make_batches(f, 8, "max_length")
-    assert [(b.rows.start, b.rows.stop) for b in bs] == [(0, 8), (8, 16), (16, 21)]
-    assert all(b.seq_len == 32 for b in bs)
+class Echo(Backend):
+    """Returns, for every token, the row's id token (so outputs say which row they came from)."""
+
+    def __init__(self, name="echo", sleep_s=0.0):
+        self.name, self.calls, self.shapes, self.sleep_s = name, 0, [], sleep_s
+        self.prepare_info = {}
+
+    def prepare(self, ctx):
+        pass
+
+    def predict(self, batch):
+        import time
+
+        time.sleep(self.sleep_s)
+        self.calls += 1
+        self.shapes.append(batch["input_ids"].shape)
+        ids = batch["input_ids"].astype(np.float32)
+        return {"start_logits": ids, "end_logits": -ids, "answer_type_logits": ids[:, :3]}
 
 
-def test_longest_padding_trims_to_multiple_of_8():
-    f = _features([3, 9, 4, 30, 2, 2])
-    bs = make_batches(f, 3, "longest")
-    assert [b.seq_len for b in bs] == [16, 32]
-    inputs = f.inputs(bs[0].rows, trim_to=bs[0].seq_len)
-    assert inputs["input_ids"].shape == (3, 16)
+@pytest.mark.parametrize("batching", ["padded", "trimmed", "sorted"])
+def test_every_feature_is_predicted_and_outputs_come_back_in_dataset_order(batching):
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(5, 64, size=53)
+    x = _inputs(lengths)
+    plan = make_plan(lengths, batching=batching, batch_size=8, max_seq_len=64, seq_multiple=16)
+    rows = np.concatenate([b.rows for b in plan.batches])
+    assert sorted(rows.tolist()) == list(range(53))  # each feature exactly once
+    for b in plan.batches:
+        assert b.n_real <= b.shape[0] and int(lengths[b.rows].max()) <= b.shape[1]
+    out, timing = timed_passes(Echo(), plan, materialize(x, plan), ("start_logits", "end_logits", "answer_type_logits"),
+                               TOKEN, 64)
+    for i, l in enumerate(lengths):
+        assert np.all(out["start_logits"][i, :l] == 100 + i), i  # row i's own outputs, at row i
+        assert out["answer_type_logits"][i, 0] == 100 + i
+    assert timing.n_rows == 53
 
 
-def test_tile_features_repeats_in_order():
-    f = _features([3, 4, 5])
-    t = tile_features(f, 7)
-    assert len(t) == 7
-    assert list(t.example_index) == [0, 1, 2, 0, 1, 2, 0]
-    assert tile_features(f, 2) is f
+def test_padded_plan_is_dataset_order_at_one_shape_with_the_last_batch_padded():
+    plan = make_plan(np.full(21, 5), batching="padded", batch_size=8, max_seq_len=32)
+    assert [b.rows.tolist() for b in plan.batches] == [list(range(0, 8)), list(range(8, 16)), list(range(16, 21))]
+    assert plan.shapes == [(8, 32)]
+    x = batch_inputs(_inputs([5] * 21, s=32), plan.batches[-1])
+    assert x["input_ids"].shape == (8, 32)
+    assert np.all(x["input_ids"][5:, 0] == x["input_ids"][0, 0])  # pad rows copy a real row, never zeros
+
+
+def test_trimmed_rounds_each_batch_to_its_longest_feature():
+    plan = make_plan(np.array([3, 9, 4, 30, 2, 2]), batching="trimmed", batch_size=3, max_seq_len=64, seq_multiple=8)
+    assert [b.shape for b in plan.batches] == [(3, 16), (3, 32)]
+
+
+def test_sorted_batches_hold_a_token_budget_per_length_bucket():
+    lengths = np.array([10] * 40 + [60] * 10 + [120] * 5)
+    plan = make_plan(lengths, batching="sorted", batch_size=4, max_seq_len=128, seq_multiple=32)
+    budget = 4 * 128
+    shapes = {b.shape for b in plan.batches}
+    assert shapes == {(16, 32), (8, 64), (4, 128)}  # rows = budget // seq
+    assert all(b.shape[0] * b.shape[1] <= budget for b in plan.batches)
+    assert plan.batches[0].shape == (4, 128)  # longest first
+    # sorted batching computes far fewer padding tokens than padded
+    padded = make_plan(lengths, batching="padded", batch_size=4, max_seq_len=128)
+    assert plan.computed_tokens <= 0.5 * padded.computed_tokens
+    assert plan.real_tokens(lengths) == padded.real_tokens(lengths) == int(lengths.sum())
+
+
+def test_tiling_repeats_features_to_a_target_size():
+    plan = make_plan(np.array([3, 4, 5]), batching="padded", batch_size=2, max_seq_len=8, target_rows=7)
+    rows = np.concatenate([b.rows for b in plan.batches]).tolist()
+    assert rows == [0, 1, 2, 0, 1, 2, 0] and plan.n_rows == 7 and plan.n_features == 3
+
+
+def test_plan_round_trips_through_its_file(tmp_path):
+    plan = make_plan(np.arange(1, 40), batching="sorted", batch_size=4, max_seq_len=64, seq_multiple=16)
+    back = Plan.load(plan.save(tmp_path / "plan.npz"))
+    assert back.batching == "sorted" and back.n_features == plan.n_features
+    assert [(b.rows.tolist(), b.shape) for b in back.batches] == [(b.rows.tolist(), b.shape) for b in plan.batches]
+
+
+def test_scatter_leaves_positions_a_short_batch_never_computed_at_pad_logit():
+    plan = make_plan(np.array([4, 4]), batching="trimmed", batch_size=2, max_seq_len=32, seq_multiple=8)
+    out = {"start_logits": np.ones((2, 8), np.float32)}
+    arrays = empty_outputs(out, 2, 32, TOKEN)
+    scatter(arrays, plan.batches[0], out)
+    assert np.all(arrays["start_logits"][:, :8] == 1) and np.all(arrays["start_logits"][:, 8:] == PAD_LOGIT)
+
+
+def test_warm_up_runs_every_shape_of_the_plan_before_timing():
+    lengths = np.array([10] * 40 + [60] * 10 + [120] * 5)
+    plan = make_plan(lengths, batching="sorted", batch_size=4, max_seq_len=128, seq_multiple=32)
+    echo = Echo()
+    n = warm_up(echo, plan, materialize(_inputs(lengths, 128), plan), 2)
+    assert set(echo.shapes) == set(plan.shapes) and n == len(plan.shapes)
+    echo2 = Echo()
+    assert warm_up(echo2, plan, materialize(_inputs(lengths, 128), plan), 7) == 7
+
+
+def test_timed_passes_repeat_until_both_minimums_are_met():
+    lengths = np.full(12, 5)
+    plan = make_plan(lengths, batching="padded", batch_size=4, max_seq_len=8)
+    batches = materialize(_inputs(lengths, 8), plan)
+    echo = Echo()
+    _, t = timed_passes(echo, plan, batches, TOKEN, TOKEN, 8, min_passes=3, min_duration_s=0.0)
+    assert len(t.pass_s) == 3 and echo.calls == 9 and len(t.batch_ms) == 9
+    slow = Echo(sleep_s=0.01)
+    _, t = timed_passes(slow, plan, batches, TOKEN, TOKEN, 8, min_passes=1, min_duration_s=0.2)
+    assert sum(t.pass_s) >= 0.2 and len(t.pass_s) >= 5  # ~0.03 s a pass
+    assert t.identical_passes
+
+
+def test_timing_summary_reports_the_median_pass_and_its_spread():
+    t = Timing([1.0, 3.0, 2.0], np.array([10.0, 20.0, 30.0]), n_rows=100, n_batches=1, flops_computed=4e12,
+               flops_real=2e12, identical_passes=True)
+    s = t.summary()
+    assert s["predict_s"] == 2.0 and s["predict_min_s"] == 1.0 and s["predict_max_s"] == 3.0
+    assert s["features_per_s"] == 50.0 and s["achieved_tflops"] == 2.0 and s["real_tflops"] == 1.0
+    assert s["predict_stdev_s"] == pytest.approx(1.0)
 
 
 def test_bert_base_flops_match_the_design_figure():
     # BERT-base at 384 tokens is ~70.7 GFLOP per sequence (DESIGN.md).
     assert abs(bert_flops_per_sequence(768, 12, 3072, 384) / 1e9 - 70.7) < 0.1
-
-
-def test_overall_verdict():
-    ok = {"backend": "eager-fp32", "status": "ok", "parity": "pass"}
-    assert overall_verdict([ok, {"backend": "b", "status": "ok", "parity": "pass"}], "eager-fp32") == "PASS"
-    assert overall_verdict([ok, {"backend": "b", "status": "ok", "parity": "FAIL"}], "eager-fp32") == "FAIL"
-    assert overall_verdict([{"backend": "eager-fp32", "status": "failed"}], "eager-fp32") == "NO REFERENCE"

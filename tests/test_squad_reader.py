@@ -1,12 +1,13 @@
 import copy
 import json
 import os
+from pathlib import Path
 
 import pytest
 
-from bertqa_bench.data import squad
-from bertqa_bench.data.squad import examples_to_squad_json, load_squad_hf, load_squad_json, write_squad_json
-from bertqa_bench.data.types import Answer, QAExample
+from bertqa_bench.tasks.squad import reader as squad
+from bertqa_bench.tasks.squad.reader import examples_to_squad_json, load_squad_hf, load_squad_json, write_squad_json
+from bertqa_bench.tasks.squad.types import Answer, QAExample
 from bertqa_bench.errors import DatasetFormatError, MissingDependencyError
 
 CTX1 = "Marisa Okafor was born in Teluma in 1874. She worked as a glass engraver."
@@ -58,10 +59,11 @@ def test_write_is_atomic_and_leaves_no_temp_files(tmp_path, monkeypatch):
     path = write_squad_json(_valid(), tmp_path / "d.json")
     before = path.read_bytes()
 
-    def boom(*_a, **_k):
+    def boom(self, data):
+        self.open("wb").write(data[:10])  # half a file, then the disk fills up
         raise OSError("disk full")
 
-    monkeypatch.setattr(squad.json, "dump", boom)
+    monkeypatch.setattr(Path, "write_bytes", boom)
     with pytest.raises(OSError):
         write_squad_json(_valid(), path)
     assert path.read_bytes() == before  # the old file is intact

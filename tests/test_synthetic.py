@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from bertqa_bench.config import SyntheticConfig
-from bertqa_bench.data import synthetic
-from bertqa_bench.data.squad import load_squad_json, validate_squad
+from bertqa_bench.tasks.squad import synthetic
+from bertqa_bench.tasks.squad.reader import load_squad_json, validate_squad
 
 CFG = SyntheticConfig(seed=5, n_train_contexts=40, n_dev_contexts=30, questions_per_context=4,
                       min_words=60, max_words=300, mean_words=120, long_context_fraction=0.1)
@@ -100,7 +100,7 @@ def test_entities_share_attribute_types_within_a_context():
 
 
 def test_long_contexts_need_several_windows_and_ask_deep_questions(files):
-    from bertqa_bench.data.features import tokenize_examples
+    from bertqa_bench.tasks.squad.features import tokenize_examples
     from bertqa_bench.modeling import load_tokenizer
 
     tok = load_tokenizer("embedded:all-MiniLM-L6-v2")

@@ -1,25 +1,66 @@
-"""The interface every inference backend implements.
+"""The Backend interface: a batch of model inputs in, the model's named outputs out.
 
-A backend maps a batch of model inputs (host numpy arrays) to the model's named
-outputs (host numpy float32 arrays). It knows nothing about datasets, tokenization,
-postprocessing or scoring: the runner owns those, so every backend is compared on
-identical features with identical postprocessing.
+A backend knows nothing about datasets, tokenization, postprocessing, scoring or timing:
+the evaluation set, the runner and the parity code own those, so every backend is compared
+on identical features with identical postprocessing. What a backend is — implementation,
+device, typed options — is a Variant (see variants.py); the class only implements it.
+
+To add a backend, subclass ``Backend``:
+
+* ``Options``: a dataclass of its settings (validated from YAML; unknown keys fail);
+* ``precision_of(options)``: the precision label the options give (fp32, fp16, int8, ...);
+* ``unavailable_reason(variant)``: why it cannot run here (missing package, no GPU), or None;
+* ``prepare(ctx)``: load / export / optimize / compile / capture — timed as prepare time;
+  ``ctx.shapes`` lists every (batch, sequence) shape the run will use, so per-shape work
+  (CUDA graphs, compiled shapes, engine profiles) happens here, not during timing;
+* ``predict(batch)``: one batch of host int64 arrays -> host float32 arrays, synchronously
+  (when it returns, the device is done and the logits are on the host);
+* ``close()``: free sessions and device memory.
+
+Then declare variants of it in a suite's ``variants:`` section (``implementation:
+package.module:Class``) or register it through the ``bertqa_bench.backends`` entry-point group.
 """
 from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping, Optional
 
 import numpy as np
 
-# Inputs every BERT QA backend receives, in this order (the ONNX/TensorRT input names too).
-INPUT_NAMES = ("input_ids", "attention_mask", "token_type_ids")
+from ..features import INPUT_NAMES
 
-# Parity classes decide which tolerances apply (see bertqa_bench/parity.py).
+# Parity classes decide which tolerances apply (see parity.py).
 FP32_CLASS = "fp32"
 REDUCED_CLASS = "reduced"
+DEVICES = ("cpu", "cuda")
+
+
+def parity_class_of(precision: str) -> str:
+    # TF32 keeps fp32 storage and accumulation (only matmul inputs are rounded to a 10-bit
+    # mantissa), so it is held to the FP32-class tolerances.
+    return FP32_CLASS if precision in ("fp32", "tf32") else REDUCED_CLASS
+
+
+def batch_at_shape(sample: Mapping[str, np.ndarray], b: int, s: int) -> dict[str, np.ndarray]:
+    """A batch of shape (b, s) cut and tiled from a real sample batch (never zeros: backends are
+    compiled, captured, calibrated and validated on real tokens). Columns past the sample's
+    length are padding."""
+    sb, ss = np.shape(sample["input_ids"])
+    rows = np.arange(b) % sb
+    out = {}
+    for n in INPUT_NAMES:
+        a = np.asarray(sample[n])[rows][:, :min(s, ss)]
+        if a.shape[1] < s:
+            a = np.concatenate([a, np.zeros((b, s - a.shape[1]), dtype=a.dtype)], axis=1)
+        out[n] = np.ascontiguousarray(a, dtype=np.int64)
+    return out
+
+
+@dataclass
+class NoOptions:
+    """For backends without settings."""
 
 
 @dataclass
@@ -27,43 +68,49 @@ class BackendContext:
     """What a backend may use to prepare itself."""
 
     model_dir: Path  # a saved HF model directory (config.json + weights + tokenizer)
-    artifacts_dir: Path  # where exported/compiled artifacts are cached (under models/)
+    task: str  # the task name: its model head class comes from tasks.get_task(task)
+    artifacts_dir: Path  # where exported/compiled artifacts are cached (under models/artifacts/)
     output_names: tuple[str, ...]  # e.g. ("start_logits", "end_logits")
-    sample_batch: Mapping[str, np.ndarray]  # a real batch at the run's shape, for export checks/warm-up
+    sample_batches: tuple[Mapping[str, np.ndarray], ...]  # real batches of the run (largest shape first)
+    shapes: tuple[tuple[int, int], ...]  # every (batch, seq) shape the run will hand to predict()
     max_batch_size: int
     max_seq_len: int
-    device: str = "cpu"  # "cpu" or "cuda" (resolved by the runner)
-    options: dict[str, Any] = field(default_factory=dict)  # per-backend options from the suite YAML
+
+    @property
+    def sample_batch(self) -> Mapping[str, np.ndarray]:
+        return self.sample_batches[0]
 
 
 class Backend(abc.ABC):
-    """One way of running the model. Subclasses set the class attributes."""
+    Options: ClassVar[type] = NoOptions
 
-    name: str = "?"
-    precision: str = "fp32"  # fp32 | tf32 | fp16 | bf16 | amp-fp16 | int8 | ...
-    parity_class: str = FP32_CLASS
-    device: str = "cpu"
-
-    def __init__(self, **options: Any):
-        self.options = dict(options)
-        self.prepare_info: dict[str, Any] = {}  # free-form facts logged as MLflow params (fusion counts, providers, ...)
+    def __init__(self, variant):  # a variants.Variant (not imported: variants.py imports this module)
+        self.variant = variant
+        self.name = variant.name
+        self.device = variant.device
+        self.options = variant.options
+        self.output_names: tuple[str, ...] = ()
+        self.prepare_info: dict[str, Any] = {}  # facts logged as MLflow params (fusions, providers, recipe...)
 
     @classmethod
-    def unavailable_reason(cls, device: str) -> str | None:
-        """Why this backend cannot run here (missing package, no GPU), or None if it can."""
+    def precision_of(cls, options) -> str:
+        return "fp32"
+
+    @classmethod
+    def unavailable_reason(cls, variant) -> Optional[str]:
         return None
 
     @abc.abstractmethod
     def prepare(self, ctx: BackendContext) -> None:
-        """Load / export / optimize / compile / build. Timed as prepare_s, never as prediction."""
+        """Load / export / optimize / compile / build / capture. Timed as prepare_s, never as prediction."""
 
     @abc.abstractmethod
     def predict(self, batch: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Run one batch; return outputs as host float32 numpy arrays once they are ready.
-
-        Must be synchronous: when it returns, the device work for this batch is finished
-        and the logits are on the host, so a host clock around it is honest.
-        """
+        """Run one batch; return outputs as host float32 numpy arrays once they are ready."""
 
     def close(self) -> None:
         """Free device memory and sessions."""
+
+
+__all__ = ["Backend", "BackendContext", "NoOptions", "INPUT_NAMES", "FP32_CLASS", "REDUCED_CLASS", "DEVICES",
+           "parity_class_of", "batch_at_shape"]

@@ -1,4 +1,4 @@
-"""Host <-> CUDA transfers shared by the GPU backends, and small option/availability helpers.
+"""Host <-> CUDA transfers shared by the GPU backends, and the CUDA availability check.
 
 Every GPU backend copies the same three int64 inputs per batch. Doing it through reused pinned
 host buffers and reused device buffers keeps the per-batch cost to two memcpys and gives
@@ -7,16 +7,11 @@ pointers for free.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
-from .base import INPUT_NAMES, BackendContext
-
-
-def merged_options(registered: Mapping[str, Any], ctx: BackendContext) -> dict[str, Any]:
-    """Registered variant options, overridden by the suite's per-backend options."""
-    return {**dict(registered), **dict(ctx.options or {})}
+from ..features import INPUT_NAMES
 
 
 def cuda_unavailable_reason() -> Optional[str]:
@@ -29,15 +24,6 @@ def cuda_unavailable_reason() -> Optional[str]:
     if not torch.cuda.is_available():
         return "needs a CUDA GPU; torch.cuda.is_available() is False on this machine"
     return None
-
-
-def resolve_device(backend_device: str, options: Mapping[str, Any]) -> str:
-    # The registered variant fixes the device; an explicit option may override it (e.g. to run
-    # the eager-fp32 reference on the GPU under the same name).
-    device = str(options.get("device") or backend_device or "cpu")
-    if device not in ("cpu", "cuda"):
-        raise ValueError(f"device must be cpu or cuda, not '{device}'")
-    return device
 
 
 def batch_shape(batch: Mapping[str, np.ndarray]) -> tuple[int, int]:
@@ -62,10 +48,7 @@ class CudaStaging:
         self.dev: dict[str, Any] = {}
         for n in self.names:
             dt = (dtypes or {}).get(n, torch.int64)
-            try:
-                self.host[n] = torch.empty(self.capacity, dtype=dt, pin_memory=True)
-            except RuntimeError:  # pinning can fail (locked-memory limits); pageable still works
-                self.host[n] = torch.empty(self.capacity, dtype=dt)
+            self.host[n] = pinned_empty(self.capacity, dt)
             self.dev[n] = torch.empty(self.capacity, dtype=dt, device=device)
 
     def to_device(self, batch: Mapping[str, np.ndarray], pad_to: Optional[tuple[int, int]] = None) -> dict[str, Any]:
@@ -93,10 +76,40 @@ class CudaStaging:
         return out
 
 
-def to_host(t, b: int, s: int, seq_axis: bool = True) -> np.ndarray:
-    """Slice padding off a device output and bring it to the host as float32 (synchronises)."""
-    t = t[:b, :s] if seq_axis and t.dim() >= 2 else t[:b]
-    return t.float().cpu().numpy()
+def pinned_empty(shape, dtype):
+    import torch
+
+    try:
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+    except RuntimeError:  # pinning can fail (locked-memory limits); pageable still works
+        return torch.empty(shape, dtype=dtype)
+
+
+class HostOutputs:
+    """Pinned host buffers the outputs of a batch are copied into, all under one synchronize.
+
+    ``fetch(names, tensors, b)`` copies device outputs (the first ``b`` rows) to pinned memory
+    asynchronously on the current stream, waits once, and returns numpy copies (the pinned
+    buffers are reused by the next batch).
+    """
+
+    def __init__(self):
+        self._bufs: dict[tuple, Any] = {}
+
+    def fetch(self, names: Sequence[str], tensors: Sequence[Any], b: int) -> dict[str, np.ndarray]:
+        import torch
+
+        staged = []
+        for n, t in zip(names, tensors):
+            t = t[:b]
+            key = (n, tuple(t.shape))
+            if key not in self._bufs:
+                self._bufs[key] = pinned_empty(tuple(t.shape), torch.float32)
+            h = self._bufs[key]
+            h.copy_(t, non_blocking=True)  # converts to fp32 on the way
+            staged.append((n, h))
+        torch.cuda.current_stream().synchronize()
+        return {n: h.numpy().copy() for n, h in staged}
 
 
 def gpu_info() -> dict[str, Any]:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +33,8 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 import numpy as np
 
 from ..errors import BenchError
-from .base import INPUT_NAMES
+from ..io import atomic_path
+from .base import INPUT_NAMES, batch_at_shape
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,12 @@ class OnnxExport:
     max_abs_diff: dict[str, float] = field(default_factory=dict)  # raw export vs PyTorch, worst shape
     seq_axis_outputs: tuple[str, ...] = ()  # outputs whose axis 1 is the sequence axis
     failed_exporters: dict[str, str] = field(default_factory=dict)
+    n_run_batches: int = 1  # batches[:n_run_batches] are at the run's own shapes
+
+    @property
+    def run_batches(self) -> tuple[list, list]:
+        """(batches, references) at the run's shapes: what a fixed-shape session (CUDA graphs) is checked at."""
+        return self.batches[:self.n_run_batches], self.references[:self.n_run_batches]
 
     def info(self, prefix: str = "onnx_") -> dict[str, Any]:
         out = {f"{prefix}exporter": self.exporter, f"{prefix}opset": self.opset,
@@ -109,15 +115,26 @@ def as_int64_batch(batch: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {n: np.ascontiguousarray(batch[n], dtype=np.int64) for n in INPUT_NAMES}
 
 
-def validation_batches(sample_batch: Mapping[str, np.ndarray], max_batch_size: int,
-                       max_seq_len: int) -> list[dict[str, np.ndarray]]:
-    """The run's sample batch plus one of another batch size and sequence length.
+def run_shape_subset(shapes: Sequence[tuple[int, int]], limit: int = 3) -> list[tuple[int, int]]:
+    """Up to ``limit`` of the run's shapes to validate at: the largest, the shortest, one between."""
+    ordered = sorted(set(shapes), key=lambda bs: (bs[1], bs[0]), reverse=True)
+    if len(ordered) <= limit:
+        return ordered
+    picks = [ordered[0], ordered[len(ordered) // 2], ordered[-1]]
+    return list(dict.fromkeys(picks))[:limit]
 
-    The second batch is cut from (or tiled out of) the sample's real rows, and its last row
-    gets padding, so masking is exercised at a shape the export was not traced at.
+
+def validation_batches(sample_batch: Mapping[str, np.ndarray], max_batch_size: int, max_seq_len: int,
+                       shapes: Sequence[tuple[int, int]] = ()) -> list[dict[str, np.ndarray]]:
+    """Real batches at (up to three of) the run's shapes, then one at a shape the run never uses.
+
+    The run's shapes are what the timed session must get right; the extra batch (another
+    batch size and sequence length, its last row padded) catches an export that baked the
+    traced shape in. Rows are cut from (or tiled out of) the sample's real rows: never zeros.
     """
     first = as_int64_batch(sample_batch)
     b, s = first["input_ids"].shape
+    run = [first] + [batch_at_shape(first, rb, rs) for rb, rs in run_shape_subset(shapes) if (rb, rs) != (b, s)]
     b2 = b - 1 if b > 1 else min(2, max_batch_size)  # stays inside a TensorRT profile's batch range
     if s >= 12:
         s2 = (s * 2) // 3
@@ -125,18 +142,12 @@ def validation_batches(sample_batch: Mapping[str, np.ndarray], max_batch_size: i
         s2 = s + 4
     else:
         s2 = max(1, s - 1)
-    rows = np.arange(b2) % b
-    second = {}
-    for n, arr in first.items():
-        a = arr[rows][:, :s2]
-        if a.shape[1] < s2:  # longer than the sample: extend as padding
-            a = np.concatenate([a, np.zeros((b2, s2 - a.shape[1]), dtype=np.int64)], axis=1)
-        second[n] = np.ascontiguousarray(a)
+    second = batch_at_shape(first, b2, s2)
     # Pad the tail of the last row so this batch has masked positions whatever the sample had.
     keep = max(1, s2 // 2)
     for n in INPUT_NAMES:
         second[n][-1, keep:] = 0
-    return [first, second]
+    return run + [second]
 
 
 def seq_axis_outputs(batches: Sequence[Mapping[str, np.ndarray]],
@@ -251,10 +262,10 @@ def _export_dynamo(module, example, path: Path, output_names, opset: int, max_po
                           external_data=False, verbose=False)
 
 
-def export_onnx(model_dir: str | Path, artifacts_dir: str | Path, output_names: Sequence[str],
+def export_onnx(model_dir: str | Path, task: str, artifacts_dir: str | Path, output_names: Sequence[str],
                 sample_batch: Mapping[str, np.ndarray], *, max_batch_size: int, max_seq_len: int,
-                exporter: str = "auto", opset: int = DEFAULT_OPSET, atol: float = FP32_ATOL,
-                validate_with_ort: bool = True) -> OnnxExport:
+                shapes: Sequence[tuple[int, int]] = (), exporter: str = "auto", opset: int = DEFAULT_OPSET,
+                atol: float = FP32_ATOL, validate_with_ort: bool = True) -> OnnxExport:
     """Export (or reuse) the fp32, eager-attention model as ONNX with dynamic batch and sequence.
 
     The file is cached under ``artifacts_dir/onnx`` keyed by the model's content, the exporter,
@@ -271,9 +282,9 @@ def export_onnx(model_dir: str | Path, artifacts_dir: str | Path, output_names: 
     out_dir.mkdir(parents=True, exist_ok=True)
 
     # Eager attention: onnxruntime's optimizer fuses Attention only in that graph (0 with SDPA).
-    module = load_inference_module(model_dir, attn_implementation="eager", dtype=torch.float32).float().cpu()
+    module = load_inference_module(model_dir, task, attn_implementation="eager", dtype=torch.float32).float().cpu()
     max_positions = int(getattr(module.model.config, "max_position_embeddings", max(max_seq_len, 512)))
-    batches = validation_batches(sample_batch, max_batch_size, min(max_seq_len, max_positions))
+    batches = validation_batches(sample_batch, max_batch_size, min(max_seq_len, max_positions), shapes)
     references = torch_reference(module, batches, output_names)
     seq_outputs = seq_axis_outputs(batches, references)
 
@@ -287,13 +298,13 @@ def export_onnx(model_dir: str | Path, artifacts_dir: str | Path, output_names: 
             cache_hit = path.exists()
             try:
                 if not cache_hit:
-                    tmp = path.with_suffix(f".tmp{os.getpid()}.onnx")
                     example = _export_example(batches[0])
-                    if name == "torchscript":
-                        _export_torchscript(module, example, tmp, output_names, seq_outputs, opset)
-                    else:
-                        _export_dynamo(module, example, tmp, output_names, opset, max_positions)
-                    os.replace(tmp, path)  # atomic: a killed export never leaves a half file in the cache
+                    # atomic: a killed export never leaves a half file in the cache
+                    with atomic_path(path, suffix=".onnx") as tmp:
+                        if name == "torchscript":
+                            _export_torchscript(module, example, tmp, output_names, seq_outputs, opset)
+                        else:
+                            _export_dynamo(module, example, tmp, output_names, opset, max_positions)
                 diffs: dict[str, float] = {}
                 if validate_with_ort:
                     diffs = check_against_reference(ort_cpu_runner(path, output_names), batches, references,
@@ -306,7 +317,8 @@ def export_onnx(model_dir: str | Path, artifacts_dir: str | Path, output_names: 
                 continue
             return OnnxExport(path=path, exporter=name, opset=opset if name == "torchscript" else max(opset, 18),
                               cache_hit=cache_hit, key=key, batches=batches, references=references,
-                              max_abs_diff=diffs, seq_axis_outputs=seq_outputs, failed_exporters=failed)
+                              max_abs_diff=diffs, seq_axis_outputs=seq_outputs, failed_exporters=failed,
+                              n_run_batches=len(batches) - 1)
     finally:
         del module
     details = "; ".join(f"{k}: {v}" for k, v in failed.items())

@@ -2,8 +2,8 @@
 
 The engine is built with the official ``tensorrt`` Python API: ``trt.OnnxParser`` on the raw
 (unfused: onnxruntime's contrib ops are not ONNX) export from ``onnx_export``, ``BuilderFlag.FP16``,
-one optimization profile for batch 1..max_batch_size and sequence 1..max_seq_len with the run's
-shape as the optimum, serialized and cached under ``artifacts_dir/tensorrt`` keyed by the ONNX,
+one optimization profile spanning the run's shapes (from the smallest batch and sequence to the
+largest, the largest as the optimum), serialized and cached under ``artifacts_dir/tensorrt`` keyed by the ONNX,
 the TensorRT version, the GPU and the build settings. Inference is ``execute_async_v3`` with
 ``set_input_shape``/``set_tensor_address`` on torch CUDA tensors and a torch CUDA stream.
 
@@ -18,11 +18,13 @@ from typing import Any, Mapping, Optional
 
 import numpy as np
 
-from ..errors import BackendUnavailableError, BenchError
-from .base import REDUCED_CLASS, Backend, BackendContext
-from .device_io import CudaStaging, batch_shape, cuda_unavailable_reason, gpu_info, merged_options, resolve_device
-from .onnx_export import cache_key, check_against_reference, export_onnx
-from .registry import register
+from dataclasses import dataclass
+
+from ..errors import BackendUnavailableError, BenchError, ConfigError
+from ..io import atomic_write_bytes
+from .base import Backend, BackendContext
+from .device_io import CudaStaging, HostOutputs, batch_shape, cuda_unavailable_reason, gpu_info
+from .onnx_export import EXPORTERS, cache_key, check_against_reference, export_onnx
 
 log = logging.getLogger(__name__)
 
@@ -50,19 +52,39 @@ def _torch_dtype(trt, dt):
     return table[dt]
 
 
-class TensorRTBackend(Backend):
-    precision = "fp16"
-    parity_class = REDUCED_CLASS
+@dataclass
+class TrtOptions:
+    workspace_gib: int = 4
+    builder_optimization_level: Optional[int] = None
+    layernorm_fp32: bool = True  # keep LayerNormalization in fp32 (its variance overflows in fp16)
+    exporter: str = "auto"
+    opset: int = 17
+    validate_atol: float = FP16_ATOL
 
-    def __init__(self, **options: Any):
-        super().__init__(**options)
+    def __post_init__(self):
+        if self.exporter not in EXPORTERS:
+            raise ConfigError(f"tensorrt option exporter '{self.exporter}' is not one of {', '.join(EXPORTERS)}")
+
+
+class TensorRTBackend(Backend):
+    Options = TrtOptions
+
+    @classmethod
+    def precision_of(cls, o: TrtOptions) -> str:
+        return "fp16"
+
+    def __init__(self, variant):
+        super().__init__(variant)
         self.engine = None
         self.context = None
         self._runtime = None
         self._stream = None
+        self._host = HostOutputs()
 
     @classmethod
-    def unavailable_reason(cls, device: str) -> Optional[str]:
+    def unavailable_reason(cls, variant) -> Optional[str]:
+        if variant.device != "cuda":
+            return "TensorRT runs on CUDA only"
         if _import_trt() is None:
             return MISSING_TENSORRT
         why = cuda_unavailable_reason()
@@ -71,7 +93,7 @@ class TensorRTBackend(Backend):
         return None
 
     # --- build -----------------------------------------------------------------------------
-    def _build(self, trt, onnx_path: Path, opts: Mapping[str, Any], shapes) -> bytes:
+    def _build(self, trt, onnx_path: Path, opts: TrtOptions, shapes) -> bytes:
         logger = self._logger
         builder = trt.Builder(logger)
         network = builder.create_network(0)  # TensorRT 10: networks are always explicit-batch
@@ -81,11 +103,11 @@ class TensorRTBackend(Backend):
             raise BenchError(f"TensorRT could not parse {onnx_path.name}: {errors}")
 
         config = builder.create_builder_config()
-        config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(opts.get("workspace_gib", 4)) << 30)
+        config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(opts.workspace_gib) << 30)
         config.set_flag(trt.BuilderFlag.FP16)
-        if opts.get("builder_optimization_level") is not None:
-            config.builder_optimization_level = int(opts["builder_optimization_level"])
-        if opts.get("layernorm_fp32", True):
+        if opts.builder_optimization_level is not None:
+            config.builder_optimization_level = int(opts.builder_optimization_level)
+        if opts.layernorm_fp32:
             pinned = 0
             for i in range(network.num_layers):
                 layer = network.get_layer(i)
@@ -112,24 +134,24 @@ class TensorRTBackend(Backend):
         import torch
 
         trt = _import_trt()
-        opts = merged_options(self.options, ctx)
-        if resolve_device(self.device, opts) != "cuda":
-            raise BackendUnavailableError(f"{self.name}: TensorRT runs on CUDA only")
-        why = self.unavailable_reason("cuda")
+        opts: TrtOptions = self.options
+        why = self.unavailable_reason(self.variant)
         if why:
             raise BackendUnavailableError(f"{self.name}: {why}")
         self._logger = trt.Logger(trt.Logger.WARNING)
         self.output_names = tuple(ctx.output_names)
 
-        export = export_onnx(ctx.model_dir, ctx.artifacts_dir, ctx.output_names, ctx.sample_batch,
-                             max_batch_size=ctx.max_batch_size, max_seq_len=ctx.max_seq_len,
-                             exporter=opts.get("exporter", "auto"), opset=int(opts.get("opset", 17)))
-        b, s = batch_shape(ctx.sample_batch)
-        shapes = ((1, 1), (min(b, ctx.max_batch_size), min(s, ctx.max_seq_len)), (ctx.max_batch_size, ctx.max_seq_len))
+        export = export_onnx(ctx.model_dir, ctx.task, ctx.artifacts_dir, ctx.output_names, ctx.sample_batch,
+                             max_batch_size=ctx.max_batch_size, max_seq_len=ctx.max_seq_len, shapes=ctx.shapes,
+                             exporter=opts.exporter, opset=opts.opset)
+        # One profile over every shape the run uses (and the validation batches inside it).
+        bs = [b for b, _ in ctx.shapes] + [b["input_ids"].shape[0] for b in export.batches]
+        ss = [s for _, s in ctx.shapes] + [b["input_ids"].shape[1] for b in export.batches]
+        largest = max(ctx.shapes, key=lambda x: x[0] * x[1])
+        shapes = ((min(bs), min(ss)), largest, (max(bs), max(ss)))
         info = gpu_info()
         key = cache_key(export.key, trt.__version__, info.get("gpu"), info.get("gpu_capability"), shapes, "fp16",
-                        opts.get("layernorm_fp32", True), opts.get("builder_optimization_level"),
-                        opts.get("workspace_gib", 4))
+                        opts.layernorm_fp32, opts.builder_optimization_level, opts.workspace_gib)
         engine_dir = Path(ctx.artifacts_dir) / "tensorrt"
         engine_dir.mkdir(parents=True, exist_ok=True)
         engine_path = engine_dir / f"engine-{key}.plan"
@@ -141,9 +163,7 @@ class TensorRTBackend(Backend):
             cache_hit = self.engine is not None  # a stale/corrupt plan deserializes to None: rebuild
         if self.engine is None:
             plan = self._build(trt, export.path, opts, shapes)
-            tmp = engine_path.with_suffix(".tmp")
-            tmp.write_bytes(plan)
-            tmp.replace(engine_path)
+            atomic_write_bytes(engine_path, plan)
             self.engine = self._runtime.deserialize_cuda_engine(plan)
             if self.engine is None:
                 raise BenchError("TensorRT could not deserialize the engine it just built")
@@ -157,11 +177,11 @@ class TensorRTBackend(Backend):
             raise BenchError(f"TensorRT engine lacks outputs {sorted(missing)} (has {names})")
         in_dtypes = {n: _torch_dtype(trt, self.engine.get_tensor_dtype(n)) for n in self._inputs}
         # Inputs are staged in the engine's own dtype (int32 if the parser narrowed int64).
-        self._staging = CudaStaging(ctx.max_batch_size, ctx.max_seq_len, device="cuda",
+        self._staging = CudaStaging(shapes[2][0], shapes[2][1], device="cuda",
                                     dtypes=in_dtypes, names=self._inputs)
         # Output buffers sized at the profile's max shape, reused for every batch.
         for n in self._inputs:
-            self.context.set_input_shape(n, (ctx.max_batch_size, ctx.max_seq_len))
+            self.context.set_input_shape(n, shapes[2])
         self._outbufs = {}
         for n in self.output_names:
             shape = tuple(self.context.get_tensor_shape(n))
@@ -174,7 +194,7 @@ class TensorRTBackend(Backend):
             profile_opt="x".join(map(str, shapes[1])), profile_max="x".join(map(str, shapes[2])),
             builder_flags="FP16", input_dtypes=",".join(f"{n}:{d}" for n, d in in_dtypes.items()), **info,
         )
-        atol = opts.get("validate_atol", FP16_ATOL)
+        atol = opts.validate_atol
         diffs = check_against_reference(self.predict, export.batches, export.references, atol,
                                         f"{self.name} engine")
         self.prepare_info["validation_max_abs_diff"] = max(diffs.values(), default=0.0)
@@ -199,8 +219,8 @@ class TensorRTBackend(Backend):
                 outs[n] = t
             if not ctx.execute_async_v3(self._stream.cuda_stream):
                 raise BenchError(f"{self.name}: execute_async_v3 failed at batch x seq = {b}x{s}")
-            # .cpu() on the engine's stream waits for it: the call is synchronous.
-            return {n: t.float().cpu().numpy() for n, t in outs.items()}
+            # Copied on the engine's stream, so it waits for it: the call is synchronous.
+            return self._host.fetch(list(outs), list(outs.values()), b)
 
     def close(self) -> None:
         self.context = None
@@ -215,7 +235,3 @@ class TensorRTBackend(Backend):
                 torch.cuda.empty_cache()
         except ImportError:  # pragma: no cover
             pass
-
-
-register("tensorrt-fp16", TensorRTBackend, device="cuda",
-         description="TensorRT 10 fp16 engine from the ONNX export (execute_async_v3)")

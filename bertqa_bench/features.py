@@ -1,4 +1,8 @@
-"""Plain data records shared by readers, featurizers, postprocessing and the runner."""
+"""Model inputs shared by every task and backend: one row per window ("feature").
+
+A leaf module (numpy only): tasks build Features, the scheduler slices them into batches,
+backends receive the named input arrays. Nothing here knows which task made them.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -6,29 +10,13 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ..backends.base import INPUT_NAMES
-
-
-@dataclass(frozen=True)
-class Answer:
-    text: str
-    answer_start: int  # character offset into the context
-
-
-@dataclass(frozen=True)
-class QAExample:
-    """One SQuAD-style question over one context."""
-
-    id: str
-    question: str
-    context: str
-    answers: tuple[Answer, ...] = ()
-    title: str = ""
+# Inputs every BERT QA backend receives, in this order (the ONNX/TensorRT input names too).
+INPUT_NAMES = ("input_ids", "attention_mask", "token_type_ids")
 
 
 @dataclass
 class Features:
-    """Tokenized model inputs: one row per window ("feature"), several windows per long context.
+    """Tokenized model inputs: one row per window, several windows per long context.
 
     ``example_index[i]`` is the index (into the examples list the features were made from)
     of the question that feature i belongs to. ``offsets[i][t]`` is the (start, end) character
@@ -36,7 +24,7 @@ class Features:
     (question, special tokens, padding) — postprocessing only ever picks context tokens.
     ``start_positions``/``end_positions`` are set for training features (0 = [CLS] when the
     answer is not inside that window). ``extra`` carries task-specific per-feature data
-    (e.g. NQ's token maps) without the runner needing to know it.
+    (e.g. NQ's token maps, training labels) without the runner needing to know it.
     """
 
     input_ids: np.ndarray  # int64 [N, S]

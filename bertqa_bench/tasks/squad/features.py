@@ -14,7 +14,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .types import Answer, Features, QAExample
+from ...features import Features
+from .types import Answer, QAExample
 
 _CHUNK = 1024  # examples per tokenizer call: batched for speed, bounded for memory
 

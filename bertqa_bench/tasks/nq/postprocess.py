@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ..data.types import Features
+from ...features import Features
 from .features import LONG, NO, YES
 from .reader import NQExample
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional, Union
 
-from ..errors import DatasetFormatError
+from ...errors import DatasetFormatError
 
 YES_NO_VALUES = ("NONE", "YES", "NO")
 

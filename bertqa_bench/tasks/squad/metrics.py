@@ -15,7 +15,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
-from ..errors import DatasetFormatError
+from ...errors import DatasetFormatError
 from .types import QAExample
 
 log = logging.getLogger(__name__)
@@ -117,7 +117,7 @@ def score_files(dataset_path, predictions_path) -> dict:
     Returns the official ``exact_match``/``f1`` plus counts that explain them: questions in the
     dataset, how many have a prediction, and predictions whose id is not in the dataset.
     """
-    from .squad import read_json, validate_squad
+    from .reader import read_json, validate_squad
 
     raw = read_json(dataset_path)
     examples = validate_squad(raw, dataset_path)

@@ -23,13 +23,12 @@ import dataclasses
 import gzip
 import hashlib
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from ..config import SyntheticConfig
+from ...config import SyntheticConfig
+from ...io import atomic_write_bytes
 
 GENERATOR_VERSION = 1
 TRAIN_NAME, DEV_NAME = "nq-train.jsonl.gz", "nq-dev.jsonl"
@@ -381,14 +380,7 @@ def _write_atomic(path: Path, records: list[dict], compress: bool) -> None:
     if compress:
         # mtime=0 and no file name in the header: the same config gives byte-identical files.
         data = gzip.compress(data, compresslevel=6, mtime=0)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        os.replace(tmp, path)  # readers never see a half-written file
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_bytes(path, data)  # readers never see a half-written file
 
 
 def ensure_nq_files(data_dir: Path, cfg: SyntheticConfig) -> tuple[Path, Path]:

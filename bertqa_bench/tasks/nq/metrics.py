@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence, Union
 
-from ..errors import DatasetFormatError
+from ...errors import DatasetFormatError
 from .reader import NQExample, YES_NO_VALUES, load_nq_jsonl
 
 SpanT = tuple[int, int]
@@ -120,10 +120,11 @@ def parse_predictions(obj: Any, source: Union[str, Path] = "<predictions>") -> d
     return out
 
 
-def _gold_flags(ex: NQExample) -> tuple[bool, bool]:
-    needed = min(2, len(ex.annotations))
-    return (sum(a.has_long for a in ex.annotations) >= needed,
-            sum(a.has_short for a in ex.annotations) >= needed)
+def _gold_flags(ex: NQExample, long_needed: int, short_needed: int) -> tuple[bool, bool]:
+    """Whether the gold has a long / short answer: at least that many non-null annotations
+    (the official evaluator's --long_non_null_threshold / --short_non_null_threshold, default 2)."""
+    return (sum(a.has_long for a in ex.annotations) >= long_needed,
+            sum(a.has_short for a in ex.annotations) >= short_needed)
 
 
 def _long_correct(ex: NQExample, p: NQPrediction) -> bool:
@@ -161,7 +162,8 @@ def best_threshold(stats: Sequence[tuple[bool, bool, bool, float]]) -> tuple[flo
 
 
 def nq_evaluate(gold_examples: Sequence[NQExample], predictions: Union[Mapping, list],
-                source: Union[str, Path] = "<predictions>") -> dict[str, float]:
+                source: Union[str, Path] = "<predictions>", *, long_non_null_threshold: int = 2,
+                short_non_null_threshold: int = 2) -> dict[str, float]:
     """Official long/short P/R/F1 (percent) with F1-optimal thresholds, plus Kaggle micro-F1.
 
     An example without a prediction counts as a null prediction; a prediction for an example
@@ -181,7 +183,7 @@ def nq_evaluate(gold_examples: Sequence[NQExample], predictions: Union[Mapping, 
 
     long_stats, short_stats = [], []
     for ex in gold_examples:
-        gold_long, gold_short = _gold_flags(ex)
+        gold_long, gold_short = _gold_flags(ex, long_non_null_threshold, short_non_null_threshold)
         p = preds.get(ex.key)
         if p is None:
             long_stats.append((gold_long, False, False, float("-inf")))
@@ -218,7 +220,8 @@ def _is_parsed(predictions) -> bool:
         isinstance(v, NQPrediction) for v in predictions.values())
 
 
-def score_nq_files(gold_path: Union[str, Path], predictions_path: Union[str, Path]) -> dict[str, float]:
+def score_nq_files(gold_path: Union[str, Path], predictions_path: Union[str, Path], *,
+                   long_non_null_threshold: int = 2, short_non_null_threshold: int = 2) -> dict[str, float]:
     """``bertqa-bench score-nq GOLD.jsonl[.gz] PREDICTIONS.json``: validate both files, then nq_evaluate."""
     gold_path, predictions_path = Path(gold_path), Path(predictions_path)
     gold = load_nq_jsonl(gold_path)
@@ -235,4 +238,5 @@ def score_nq_files(gold_path: Union[str, Path], predictions_path: Union[str, Pat
                                  f"not valid JSON: {e.msg} at column {e.colno}") from None
     except UnicodeDecodeError as e:
         raise DatasetFormatError(predictions_path, "(file)", "(file)", f"not UTF-8: {e.reason}") from None
-    return nq_evaluate(gold, parse_predictions(obj, predictions_path), source=predictions_path)
+    return nq_evaluate(gold, parse_predictions(obj, predictions_path), source=predictions_path,
+                       long_non_null_threshold=long_non_null_threshold, short_non_null_threshold=short_non_null_threshold)

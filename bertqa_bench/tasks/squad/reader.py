@@ -8,12 +8,11 @@ file without a debugger.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Union
 
-from ..errors import DatasetFormatError, MissingDependencyError
+from ...errors import DatasetFormatError, MissingDependencyError
+from ...io import atomic_write_text
 from .types import Answer, QAExample
 
 SQUAD_VERSION = "1.1"
@@ -159,23 +158,7 @@ def examples_to_squad_json(examples: Iterable[QAExample]) -> dict:
 
 def write_json_atomic(obj: Any, path) -> Path:
     """Write JSON so readers see either the old file or the whole new one, never a torn write."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(obj, f, ensure_ascii=False)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; data files are meant to be shared
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    return path
+    return atomic_write_text(path, json.dumps(obj, ensure_ascii=False))
 
 
 def write_squad_json(examples_or_dict: Union[dict, Iterable[QAExample]], path) -> Path:

@@ -22,8 +22,8 @@ import re
 from pathlib import Path
 from typing import Callable, Iterable
 
-from ..config import SyntheticConfig
-from .squad import SQUAD_VERSION, write_json_atomic, write_squad_json
+from ...config import SyntheticConfig
+from .reader import SQUAD_VERSION, write_json_atomic, write_squad_json
 
 GENERATOR_VERSION = 1
 

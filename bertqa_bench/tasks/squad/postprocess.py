@@ -14,7 +14,8 @@ from typing import Sequence
 
 import numpy as np
 
-from .types import Features, QAExample
+from ...features import Features
+from .types import QAExample
 
 _CHUNK = 4096  # windows scored at once: the [chunk, n_best, n_best] score tensor stays small
 

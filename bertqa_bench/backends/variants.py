@@ -1,0 +1,274 @@
+"""Backend variants: name -> implementation + device + typed options, declared, not coded.
+
+Three sources, one table:
+
+* the built-in variants below (``BUILTIN``);
+* installed packages that declare the entry-point group ``bertqa_bench.backends``: each entry
+  point names a Backend subclass, registered as an implementation under the entry point's
+  name; its ``variants`` class attribute (``{variant name: {"device": ..., "options": {...}}}``)
+  adds variants, and with none the entry-point name itself becomes a variant on
+  ``default_device``;
+* a suite's ``variants:`` section (``config.VariantConfig``): ``base:`` an existing variant
+  with some options changed, or ``implementation:`` + ``device:`` + ``options:``.
+
+Options are checked against the implementation's ``Options`` dataclass when the table is
+built, so a typo fails before any work with the valid keys listed. Precision and parity
+class follow from the options (``Backend.precision_of``), the device from the variant: one
+source of truth each.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.metadata
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Optional
+
+from ..config import SuiteConfig, build
+from ..errors import ConfigError, UnknownBackendError
+from .base import DEVICES, Backend, parity_class_of
+
+log = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "bertqa_bench.backends"
+
+# Implementation name -> "module:Class". Modules import their heavy packages lazily.
+IMPLEMENTATIONS = {
+    "torch": "bertqa_bench.backends.torch_backend:TorchBackend",
+    "onnxruntime": "bertqa_bench.backends.onnxruntime:OnnxRuntimeBackend",
+    "tensorrt": "bertqa_bench.backends.tensorrt:TensorRTBackend",
+}
+
+
+def import_object(target: str):
+    module, _, attr = target.partition(":")
+    if not module or not attr:
+        raise ConfigError(f"'{target}' is not an import path of the form package.module:Class")
+    try:
+        obj = importlib.import_module(module)
+    except ImportError as e:
+        raise ConfigError(f"cannot import {module} (for {target}): {e}") from None
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ConfigError(f"{module} has no attribute '{attr}' (for {target})") from None
+    return obj
+
+
+def _as_backend_class(obj, where: str) -> type[Backend]:
+    if not (isinstance(obj, type) and issubclass(obj, Backend)):
+        raise ConfigError(f"{where}: {obj!r} is not a subclass of bertqa_bench.backends.Backend")
+    return obj
+
+
+def options_dict(options) -> dict:
+    return dataclasses.asdict(options) if dataclasses.is_dataclass(options) else dict(options or {})
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One way of running the model, fully specified."""
+
+    name: str
+    implementation: str  # key of the implementation table, or package.module:Class
+    device: str
+    options: Any  # the implementation's Options dataclass instance
+    description: str = ""
+    source: str = "builtin"  # builtin | suite | entry point <dist>
+    timeout_s: Optional[float] = None  # overrides bench.timeout_s for this variant
+
+    @property
+    def backend_class(self) -> type[Backend]:
+        return _implementation_class(self.implementation)
+
+    @property
+    def precision(self) -> str:
+        return self.backend_class.precision_of(self.options)
+
+    @property
+    def parity_class(self) -> str:
+        return parity_class_of(self.precision)
+
+    def create(self) -> Backend:
+        return self.backend_class(self)
+
+    def unavailable_reason(self) -> Optional[str]:
+        return self.backend_class.unavailable_reason(self)
+
+    def to_dict(self) -> dict:
+        """Plain data (for a worker's job file and the results); ``from_dict`` reverses it."""
+        return {"name": self.name, "implementation": self.implementation, "device": self.device,
+                "options": options_dict(self.options), "description": self.description, "source": self.source,
+                "timeout_s": self.timeout_s}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "Variant":
+        return make_variant(d["name"], d["implementation"], d["device"], d.get("options") or {},
+                            d.get("description", ""), d.get("source", "builtin"), d.get("timeout_s"))
+
+
+_EXTRA_IMPLEMENTATIONS: dict[str, str] = {}  # from entry points
+_ENTRY_POINTS_READ = False
+
+
+def _implementation_class(name: str) -> type[Backend]:
+    target = IMPLEMENTATIONS.get(name) or _EXTRA_IMPLEMENTATIONS.get(name)
+    if target is None and ":" in name:
+        target = name
+    if target is None and not _ENTRY_POINTS_READ:  # e.g. in a worker process: read the plug-ins once
+        _entry_point_variants()
+        target = _EXTRA_IMPLEMENTATIONS.get(name)
+    if target is None:
+        known = sorted(IMPLEMENTATIONS) + sorted(_EXTRA_IMPLEMENTATIONS)
+        raise ConfigError(f"unknown backend implementation '{name}'; known: {', '.join(known)} "
+                          "(or an import path package.module:Class)")
+    return _as_backend_class(import_object(target), name)
+
+
+def make_variant(name: str, implementation: str, device: str, options: Mapping | Any = None,
+                 description: str = "", source: str = "builtin", timeout_s: Optional[float] = None) -> Variant:
+    if device not in DEVICES:
+        raise ConfigError(f"variant '{name}': device '{device}' is not one of {', '.join(DEVICES)}")
+    cls = _implementation_class(implementation)
+    if not dataclasses.is_dataclass(options) or isinstance(options, type):
+        options = build(cls.Options, dict(options or {}), f"variant '{name}' options")
+    return Variant(name, implementation, device, options, description, source, timeout_s)
+
+
+def _v(name: str, impl: str, device: str, description: str, **options) -> dict:
+    return {"name": name, "implementation": impl, "device": device, "options": options, "description": description}
+
+
+_FP8 = {"scaling": "tensor", "gemms": "qkv,ffn_in,ffn_out"}
+
+# The built-in variants. Each name means one thing in every results table.
+BUILTIN = (
+    _v("eager-fp32", "torch", "cpu", "PyTorch eager fp32 on CPU, SDPA attention (the CPU reference)"),
+    _v("eager-bf16-cpu", "torch", "cpu", "PyTorch eager with bf16 weights on CPU", weights="bf16"),
+    _v("torch-compile", "torch", "cpu", "torch.compile (inductor) fp32 on CPU", compile="default"),
+    _v("onnxruntime", "onnxruntime", "cpu", "ONNX Runtime CPU, fp32, fused BERT graph"),
+    # per_channel: measured on the CI model, per-tensor weight scales cost 13% of F1, per-channel 0.1%.
+    _v("onnxruntime-int8", "onnxruntime", "cpu",
+       "ONNX Runtime CPU, dynamic int8 (per-channel QInt8 weights) on the fused graph", graph="int8",
+       per_channel=True),
+    _v("eager-fp32-cuda", "torch", "cuda", "PyTorch eager fp32 on CUDA, TF32 off (the GPU reference)"),
+    _v("eager-tf32", "torch", "cuda", "PyTorch eager fp32 weights on CUDA with TF32 matmuls", tf32=True),
+    _v("eager-amp-fp16", "torch", "cuda", "PyTorch eager, fp32 weights, torch.autocast fp16", autocast="fp16"),
+    _v("eager-fp16", "torch", "cuda", "PyTorch eager with fp16 weights", weights="fp16"),
+    _v("eager-bf16", "torch", "cuda", "PyTorch eager with bf16 weights", weights="bf16"),
+    _v("torch-compile-fp16", "torch", "cuda", "torch.compile (inductor) with fp16 weights", weights="fp16",
+       compile="default"),
+    _v("torch-compile-fp16-max-autotune", "torch", "cuda", "torch.compile max-autotune (no CUDA graphs), fp16",
+       weights="fp16", compile="max-autotune-no-cudagraphs"),
+    _v("torch-compile-fp16-cudagraphs", "torch", "cuda",
+       "torch.compile with inductor's CUDA graph trees (mode reduce-overhead), fp16", weights="fp16",
+       compile="default", cuda_graph="trees"),
+    _v("torch-compile-fp16-graph", "torch", "cuda",
+       "torch.compile, one captured torch.cuda.CUDAGraph per shape of the run, fp16", weights="fp16",
+       compile="default", cuda_graph="manual"),
+    _v("torch-compile-fp8", "torch", "cuda",
+       "FP8 e4m3 GEMMs (_scaled_mm; fused QKV and the FFN; static activation scales calibrated in prepare), "
+       "fp16 elsewhere, torch.compile, one CUDA graph per shape", weights="fp16", compile="default",
+       cuda_graph="manual", fp8=_FP8),
+    _v("torch-compile-fp8-all", "torch", "cuda", "as torch-compile-fp8, with the attention output projection in FP8 too",
+       weights="fp16", compile="default", cuda_graph="manual", fp8={**_FP8, "gemms": "all"}),
+    _v("torch-compile-fp8-rowwise", "torch", "cuda",
+       "as torch-compile-fp8, with dynamic per-token x per-channel FP8 scales (bf16 GEMM output)",
+       weights="fp16", compile="default", cuda_graph="manual", fp8={**_FP8, "scaling": "rowwise"}),
+    _v("ort-cuda-fp32", "onnxruntime", "cuda", "ONNX Runtime CUDA EP, fp32 (TF32 off), IO binding"),
+    _v("ort-cuda-fp16", "onnxruntime", "cuda", "ONNX Runtime CUDA EP, fp16 fused graph, IO binding", graph="fp16"),
+    _v("ort-cuda-fp16-graph", "onnxruntime", "cuda", "ONNX Runtime CUDA EP, fp16, one CUDA graph per shape",
+       graph="fp16", cuda_graph=True),
+    _v("tensorrt-fp16", "tensorrt", "cuda", "TensorRT 10 fp16 engine from the ONNX export (execute_async_v3)"),
+)
+
+
+def _entry_point_variants() -> list[dict]:
+    global _ENTRY_POINTS_READ
+    _ENTRY_POINTS_READ = True
+    out = []
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        where = f"entry point '{ep.name}' ({ep.value})"
+        try:
+            cls = _as_backend_class(ep.load(), where)
+        except Exception as e:  # noqa: BLE001 - a broken plug-in must not take the built-in backends down
+            log.warning("skipping %s: %s", where, e)
+            continue
+        _EXTRA_IMPLEMENTATIONS[ep.name] = ep.value
+        declared = getattr(cls, "variants", None) or {
+            ep.name: {"device": getattr(cls, "default_device", "cpu")}}
+        dist = getattr(ep, "dist", None)
+        source = f"entry point {dist.name if dist else ep.name}"
+        for vname, spec in declared.items():
+            out.append({"name": vname, "implementation": ep.name, "device": spec.get("device", "cpu"),
+                        "options": spec.get("options", {}), "description": spec.get("description", cls.__doc__ or ""),
+                        "source": source})
+    return out
+
+
+class VariantTable:
+    """Every variant a suite can name, resolved and validated."""
+
+    def __init__(self, declared: Iterable[dict]):
+        self._raw: dict[str, dict] = {}
+        for d in declared:
+            self._raw[d["name"]] = d
+        self._resolved: dict[str, Variant] = {}
+
+    @classmethod
+    def for_suite(cls, cfg: Optional[SuiteConfig] = None) -> "VariantTable":
+        table = cls(list(BUILTIN) + _entry_point_variants())
+        for name, decl in ((cfg.variants if cfg else {}) or {}).items():
+            table._raw[name] = table._from_suite(name, decl)
+        for name in list(table._raw):  # validate everything now: a bad option fails before any work
+            table.get(name)
+        return table
+
+    def _from_suite(self, name: str, decl) -> dict:
+        if decl.base:
+            if decl.base not in self._raw:
+                raise UnknownBackendError(decl.base, self._raw, what=f"base of variant '{name}'")
+            base = self._raw[decl.base]
+            options = _merge(base.get("options") or {}, decl.options)
+            return {"name": name, "implementation": base["implementation"], "device": decl.device or base["device"],
+                    "options": options, "description": decl.description or f"{decl.base} with {decl.options}",
+                    "source": "suite", "timeout_s": decl.timeout_s}
+        return {"name": name, "implementation": decl.implementation, "device": decl.device or "cpu",
+                "options": decl.options, "description": decl.description, "source": "suite",
+                "timeout_s": decl.timeout_s}
+
+    def names(self) -> list[str]:
+        return sorted(self._raw)
+
+    def get(self, name: str) -> Variant:
+        if name not in self._resolved:
+            if name not in self._raw:
+                raise UnknownBackendError(name, self._raw)
+            d = self._raw[name]
+            self._resolved[name] = make_variant(d["name"], d["implementation"], d["device"], d.get("options"),
+                                                d.get("description", ""), d.get("source", "builtin"),
+                                                d.get("timeout_s"))
+        return self._resolved[name]
+
+    def require(self, names: Iterable[str]) -> list[Variant]:
+        return [self.get(n) for n in names]
+
+    def all(self) -> list[Variant]:
+        return [self.get(n) for n in self.names()]
+
+
+def _merge(base: Mapping, top: Mapping) -> dict:
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = _merge(out[k], v) if isinstance(v, Mapping) and isinstance(out.get(k), Mapping) else v
+    return out
+
+
+def default_table() -> VariantTable:
+    return VariantTable.for_suite(None)
+
+
+__all__ = ["BUILTIN", "ENTRY_POINT_GROUP", "IMPLEMENTATIONS", "Variant", "VariantTable", "default_table",
+           "import_object", "make_variant"]

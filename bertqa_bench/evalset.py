@@ -1,0 +1,121 @@
+"""The evaluation set, built once: examples, features, real lengths, feature -> question map.
+
+This plays the part of MLPerf's query sample library: every stage that needs the dev (or
+train) features — the benchmark, training's evaluation, the parity gate, the profiler and
+each backend's worker process — gets them from here. Building means reading the dataset and
+tokenizing it into windows; the result is cached on disk under ``<cache_dir>/evalsets/<key>``,
+keyed by the data (file contents, or the generator's config), the tokenizer's files, the
+windowing settings and the task's options, so a change to any of them builds a new entry and
+nothing else does.
+
+A cache entry holds the model inputs as ``.npy`` files (workers memory-map them without
+unpickling anything) and the examples, offsets and task extras in one pickle for the parent.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import pickle
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+
+from .config import SuiteConfig
+from .features import INPUT_NAMES, Features
+from .io import atomic_dir
+from .tasks import Task
+
+_ARRAYS = INPUT_NAMES + ("example_index",)
+
+
+@dataclass
+class EvalSet:
+    key: str
+    path: Path  # the cache entry
+    split: str
+    examples: list
+    features: Features
+    build_s: float  # reading + tokenizing, when the entry was built
+    cache_hit: bool
+
+    @property
+    def n_questions(self) -> int:
+        return len(self.examples)
+
+    @property
+    def n_features(self) -> int:
+        return len(self.features)
+
+    def lengths(self) -> np.ndarray:
+        return self.features.lengths()
+
+
+def _tokenizer_fingerprint(tokenizer_source: str) -> str:
+    from .modeling import resolve_base
+
+    d = Path(resolve_base(tokenizer_source))
+    if not d.is_dir():
+        return tokenizer_source  # a hub name
+    h = hashlib.sha256()
+    for name in ("tokenizer.json", "vocab.txt", "tokenizer_config.json", "special_tokens_map.json"):
+        if (d / name).exists():
+            h.update(name.encode())
+            h.update((d / name).read_bytes())
+    return h.hexdigest()
+
+
+def evalset_key(cfg: SuiteConfig, task: Task, tokenizer_source: str, split: str, train: bool) -> str:
+    d = cfg.data
+    options = dataclasses.asdict(cfg.task.options) if dataclasses.is_dataclass(cfg.task.options) else {}
+    parts = {"source": task.source_fingerprint(cfg, split), "tokenizer": _tokenizer_fingerprint(tokenizer_source),
+             "max_seq_len": d.max_seq_len, "doc_stride": d.doc_stride, "max_query_len": d.max_query_len,
+             "train": train, "task_options": options, "seed": cfg.train.seed if train else None}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def load_evalset(cfg: SuiteConfig, task: Task, tokenizer_source: str, *, split: str = "dev", train: bool = False,
+                 log: Optional[Callable[[str], None]] = None) -> EvalSet:
+    """The cached evaluation set for this suite and tokenizer, built first if missing."""
+    key = evalset_key(cfg, task, tokenizer_source, split, train)
+    path = cfg.cache_root / "evalsets" / f"{task.name}-{split}-{key}"
+    if (path / "meta.json").exists():
+        return _read(path, key, split)
+    from .modeling import load_tokenizer
+
+    t0 = time.perf_counter()
+    examples = task.load_examples(cfg, split)
+    features = task.featurize(examples, load_tokenizer(tokenizer_source), cfg, train=train)
+    build_s = time.perf_counter() - t0
+    if log:
+        log(f"data: {split} {len(examples)} questions -> {len(features)} features (seq {features.seq_len}) "
+            f"in {build_s:.1f}s; cached in {path}")
+    with atomic_dir(path) as tmp:
+        for name in _ARRAYS:
+            np.save(tmp / f"{name}.npy", np.ascontiguousarray(getattr(features, name), dtype=np.int64))
+        records = {"examples": examples, "offsets": features.offsets, "extra": features.extra,
+                   "start_positions": features.start_positions, "end_positions": features.end_positions}
+        with open(tmp / "records.pkl", "wb") as f:
+            pickle.dump(records, f, protocol=pickle.HIGHEST_PROTOCOL)
+        (tmp / "meta.json").write_text(json.dumps({"key": key, "task": task.name, "split": split, "train": train,
+                                                    "n_questions": len(examples), "n_features": len(features),
+                                                    "max_seq_len": features.seq_len, "build_s": build_s}))
+    return EvalSet(key, path, split, examples, features, build_s, cache_hit=False)
+
+
+def _read(path: Path, key: str, split: str) -> EvalSet:
+    meta = json.loads((path / "meta.json").read_text())
+    arrays = load_inputs(path, mmap=False)
+    with open(path / "records.pkl", "rb") as f:
+        r = pickle.load(f)
+    features = Features(*(arrays[n] for n in _ARRAYS), offsets=r["offsets"], start_positions=r["start_positions"],
+                        end_positions=r["end_positions"], extra=r["extra"])
+    return EvalSet(key, path, split, r["examples"], features, float(meta["build_s"]), cache_hit=True)
+
+
+def load_inputs(path: Path, mmap: bool = True) -> dict[str, np.ndarray]:
+    """The model-input arrays of a cache entry (memory-mapped by default: what a worker needs)."""
+    return {n: np.load(Path(path) / f"{n}.npy", mmap_mode="r" if mmap else None) for n in _ARRAYS}

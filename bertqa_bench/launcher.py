@@ -1,0 +1,139 @@
+"""Runs a backend variant in its own process, with a time limit, and says how it ended.
+
+Each variant is a fresh ``python -m bertqa_bench.worker JOB.json`` (spawned, never forked:
+nothing of the parent's CUDA context, TF32 switches or compile caches is inherited), in its
+own process group so a hung child and anything it started can be killed together. Its output
+goes to ``logs/<variant>.log`` in the run folder (and, when asked, to the parent's stderr).
+
+How a child ended becomes the variant's status:
+
+* result file with status ok / not run / failed — what the worker itself reported;
+* killed by a signal (segfault, abort, the OOM killer's SIGKILL) — ``failed`` with the signal
+  name and the last lines of its log;
+* still running at ``timeout_s`` — killed, ``failed`` with "timed out";
+* exited without a result file — ``failed`` with the exit code and the log's tail.
+
+The in-process mode calls the worker function directly (tests, debugging): same job, same
+result record, none of the isolation.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+from .io import atomic_write_json
+from .worker import Job, run_job_safely
+
+# NVLink multicast stays off in every process this suite starts: on shared multi-GPU hosts a
+# program that uses it can take the host's GPUs out of service (see the README's GPU section).
+SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+TAIL_LINES = 15
+
+
+def child_env(extra: Optional[dict] = None) -> dict:
+    from .config import PROJECT_ROOT
+
+    env = dict(os.environ)
+    env.update(SAFE_ENV)
+    # The child must import this same package, installed or not (a copied tree on a GPU machine).
+    path = env.get("PYTHONPATH", "")
+    root = str(PROJECT_ROOT)
+    if root not in path.split(os.pathsep):
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, path) if p)
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra or {})
+    return env
+
+
+def tail(path: Path, n: int = TAIL_LINES) -> str:
+    try:
+        lines = Path(path).read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    return "\n".join(lines[-n:])
+
+
+def _signal_name(code: int) -> str:
+    try:
+        return signal.Signals(code).name
+    except ValueError:
+        return f"signal {code}"
+
+
+def _pump(stream, log_path: Path, echo) -> None:
+    with open(log_path, "ab") as log:
+        for chunk in iter(lambda: stream.read1(65536) if hasattr(stream, "read1") else stream.read(65536), b""):
+            log.write(chunk)
+            log.flush()
+            if echo is not None:
+                echo.write(chunk.decode("utf-8", "replace"))
+                echo.flush()
+
+
+def launch(job: "Job", *, timeout_s: float, log_path: Path, echo: bool = False, isolation: str = "process") -> dict:
+    """Run ``job`` and return its result record (status ok | not run | failed, ...)."""
+    if isolation == "inprocess":
+        return run_job_safely(job)
+    result_path = Path(job.result)
+    job_path = result_path.with_suffix(".job.json")
+    atomic_write_json(job_path, job.to_dict())
+    result_path.unlink(missing_ok=True)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log_path.write_bytes(b"")
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "bertqa_bench.worker", str(job_path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=child_env(),
+                            start_new_session=True)
+    pump = threading.Thread(target=_pump, args=(proc.stdout, log_path, sys.stderr if echo else None), daemon=True)
+    pump.start()
+    timed_out = False
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        _kill_group(proc)
+    except BaseException:  # Ctrl-C in the parent: take the child down too, then stop
+        _kill_group(proc)
+        raise
+    pump.join(timeout=10)
+    elapsed = time.perf_counter() - t0
+    code = proc.returncode
+    if timed_out:
+        return _failed(f"timed out after {timeout_s:g} s (bench.timeout_s); killed", log_path, code, elapsed)
+    if result_path.exists():
+        try:
+            result = json.loads(result_path.read_text())
+            result.setdefault("exit_code", code)
+            result["wall_s"] = elapsed
+            if result.get("status") == "failed":
+                result["log_tail"] = tail(log_path)
+            return result
+        except (OSError, json.JSONDecodeError):
+            pass
+    if code is not None and code < 0:
+        name = _signal_name(-code)
+        hint = " (the out-of-memory killer sends SIGKILL)" if -code == signal.SIGKILL else ""
+        return _failed(f"crashed: killed by {name}{hint}", log_path, code, elapsed)
+    return _failed(f"exited with code {code} without a result", log_path, code, elapsed)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        proc.kill()
+    proc.wait()
+
+
+def _failed(reason: str, log_path: Path, code, elapsed: float) -> dict:
+    last = tail(log_path)
+    return {"status": "failed", "error": reason + (f"; last output: {last.splitlines()[-1][:300]}" if last else ""),
+            "exit_code": code, "log_tail": last, "wall_s": elapsed}

@@ -1,0 +1,122 @@
+"""What a backend's process costs beside time: peak memory and, on GPUs, energy.
+
+* Host: the kernel's peak resident set (VmHWM in /proc/self/status), reset between phases by
+  writing 5 to /proc/self/clear_refs, so prepare and prediction each get their own peak.
+* CUDA: PyTorch's allocator peaks (allocated / reserved; reset between phases) and the
+  device's used memory from NVML (``nvidia-ml-py``, imported only if installed). Allocations
+  outside PyTorch's allocator (ONNX Runtime's arena, TensorRT) show up only in NVML's number.
+* Energy: NVML's total-energy counter (millijoules since the driver loaded) read before and
+  after the timed passes — a measurement, on GPUs that have the counter. On a CPU no energy
+  is reported unless a RAPL counter is readable (/sys/class/powercap), and then it is the
+  package energy of the whole socket, said so in the note.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+_STATUS = Path("/proc/self/status")
+_CLEAR = Path("/proc/self/clear_refs")
+_RAPL = Path("/sys/class/powercap/intel-rapl:0/energy_uj")
+
+
+def _status_kb(field: str) -> Optional[int]:
+    try:
+        for line in _STATUS.read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def host_peak_mb() -> Optional[float]:
+    kb = _status_kb("VmHWM")
+    return None if kb is None else kb / 1024.0
+
+
+def reset_host_peak() -> bool:
+    """Reset VmHWM to the current RSS (Linux >= 4.0); False if not possible here."""
+    try:
+        _CLEAR.write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def _nvml_handle():
+    try:
+        import pynvml
+    except ImportError:
+        return None, None
+    try:
+        import torch
+
+        pynvml.nvmlInit()
+        index = torch.cuda.current_device()
+        return pynvml, pynvml.nvmlDeviceGetHandleByIndex(index)
+    except Exception:  # noqa: BLE001 - no NVML here: the other numbers still count
+        return None, None
+
+
+class Probe:
+    """Memory peaks per phase and energy over the timed region of one backend's process."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self.values: dict = {}
+        self._nvml, self._handle = _nvml_handle() if cuda else (None, None)
+        self._energy0: Optional[int] = None
+        self._rapl0: Optional[int] = None
+
+    def _cuda_peaks(self, phase: str) -> None:
+        import torch
+
+        torch.cuda.synchronize()
+        self.values[f"{phase}_cuda_allocated_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
+        self.values[f"{phase}_cuda_reserved_peak_mb"] = torch.cuda.max_memory_reserved() / 2**20
+        torch.cuda.reset_peak_memory_stats()
+        if self._handle is not None:
+            info = self._nvml.nvmlDeviceGetMemoryInfo(self._handle)
+            self.values[f"{phase}_device_used_mb"] = info.used / 2**20
+
+    def end_phase(self, phase: str) -> None:
+        """Record the peaks of the phase that just ended and start the next one from now."""
+        peak = host_peak_mb()
+        if peak is not None:
+            self.values[f"{phase}_host_peak_mb"] = peak
+        reset_host_peak()
+        if self.cuda:
+            self._cuda_peaks(phase)
+
+    def start_timed(self) -> None:
+        if self._handle is not None:
+            try:
+                self._energy0 = self._nvml.nvmlDeviceGetTotalEnergyConsumption(self._handle)
+            except Exception:  # noqa: BLE001 - older GPUs have no energy counter
+                self._energy0 = None
+        elif not self.cuda and _RAPL.exists():
+            try:
+                self._rapl0 = int(_RAPL.read_text())
+            except (OSError, ValueError):
+                self._rapl0 = None
+
+    def end_timed(self, seconds: float, n_rows: int) -> None:
+        joules, note = None, ""
+        if self._energy0 is not None:
+            joules = (self._nvml.nvmlDeviceGetTotalEnergyConsumption(self._handle) - self._energy0) / 1000.0
+            note = "NVML total-energy counter of the GPU"
+        elif self._rapl0 is not None:
+            try:
+                end = int(_RAPL.read_text())
+                joules = (end - self._rapl0) / 1e6 if end >= self._rapl0 else None
+                note = "RAPL package counter (whole CPU socket, other processes included)"
+            except (OSError, ValueError):
+                joules = None
+        if joules is None:
+            why = ("no NVML (pip install nvidia-ml-py) or no energy counter on this GPU" if self.cuda
+                   else "no readable RAPL counter on this CPU")
+            self.values["energy_note"] = f"not measured: {why}"
+            return
+        self.values.update(energy_j=joules, energy_j_per_1k_features=joules / max(n_rows, 1) * 1000.0,
+                           avg_power_w=joules / seconds if seconds > 0 else None, energy_note=note)

@@ -1,0 +1,48 @@
+"""Progress that suits where the output goes: a bar on a terminal, a plain line every few
+seconds in a log (CI, a device run's captured output), nothing when disabled."""
+from __future__ import annotations
+
+import sys
+import time
+from typing import Optional
+
+
+class Progress:
+    def __init__(self, total: int, desc: str, *, enabled: bool = True, unit: str = "it", every_s: float = 15.0,
+                 stream=None):
+        self.total, self.desc, self.unit, self.every_s = int(total), desc, unit, float(every_s)
+        self.stream = stream or sys.stderr
+        self.n, self.postfix = 0, ""
+        self._bar = None
+        self._enabled = enabled
+        self._t0 = self._last = time.perf_counter()
+        if enabled and getattr(self.stream, "isatty", lambda: False)():
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=total, desc=desc, unit=unit, leave=False, file=self.stream)
+
+    def update(self, n: int = 1, postfix: Optional[str] = None) -> None:
+        self.n += n
+        if postfix is not None:
+            self.postfix = postfix
+        if self._bar is not None:
+            self._bar.update(n)
+            if postfix is not None:
+                self._bar.set_postfix_str(postfix)
+            return
+        now = time.perf_counter()
+        if self._enabled and now - self._last >= self.every_s:
+            self._last = now
+            self._line(now)
+
+    def _line(self, now: float) -> None:
+        rate = self.n / max(now - self._t0, 1e-9)
+        extra = f" {self.postfix}" if self.postfix else ""
+        print(f"{self.desc}: {self.n}/{self.total} {self.unit} ({rate:.1f} {self.unit}/s){extra}", file=self.stream,
+              flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        elif self._enabled and self.n and time.perf_counter() - self._t0 >= self.every_s:
+            self._line(time.perf_counter())  # a last line for long runs; short ones stay quiet

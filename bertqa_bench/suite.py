@@ -1,0 +1,113 @@
+"""Loading a suite: YAML files in ``benchmarks/``, ``extends:``, ``--set`` overrides, and the
+checks that need the task and backend registries (task options, declared variants).
+
+``extends: <suite>`` (or a list, merged left to right) reuses other suites and changes only
+what differs; a suite family keeps its backend list in one file (e.g. ``gpu-backends``).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import yaml
+
+from .config import BENCHMARKS_DIR, SuiteConfig, TaskConfig, build
+from .errors import ConfigError
+
+
+def suite_path(name_or_path: str) -> Path:
+    p = Path(name_or_path)
+    if p.suffix in (".yaml", ".yml") and p.exists():
+        return p
+    candidate = BENCHMARKS_DIR / f"{name_or_path}.yaml"
+    if candidate.exists():
+        return candidate
+    raise ConfigError(f"unknown suite '{name_or_path}'; suites in {BENCHMARKS_DIR}: {', '.join(suite_names())}")
+
+
+def suite_names() -> list[str]:
+    return sorted(x.stem for x in BENCHMARKS_DIR.glob("*.yaml"))
+
+
+def _parse_value(text: str):
+    value = yaml.safe_load(text)
+    if isinstance(value, str):
+        try:  # YAML 1.1 reads "8e-5" as a string; a number is what anyone typing it means
+            return float(value)
+        except ValueError:
+            pass
+    return value
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """Apply ``a.b.c=value`` overrides (value parsed as YAML) to a nested dict."""
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' must look like section.field=value")
+        key, value = item.split("=", 1)
+        node = raw
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override '{item}': '{part}' is not a section")
+        node[parts[-1]] = _parse_value(value)
+    return raw
+
+
+def deep_merge(base: dict, top: dict) -> dict:
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def read_raw(name_or_path: str, seen: tuple = ()) -> dict:
+    path = suite_path(name_or_path)
+    if path in seen:
+        raise ConfigError(f"{path}: 'extends' loops through {', '.join(map(str, seen))}")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: top level must be a mapping")
+    raw.setdefault("name", path.stem)
+    parents = raw.pop("extends", None) or []
+    merged: dict = {}
+    for parent in [parents] if isinstance(parents, str) else parents:
+        base = read_raw(parent, seen + (path,))
+        base.pop("description", None)
+        base.pop("name", None)
+        merged = deep_merge(merged, base)
+    return deep_merge(merged, raw)
+
+
+def resolve_task(cfg: SuiteConfig) -> None:
+    """Fill ``cfg.task.options`` with the task's own typed options; check the data source."""
+    from .tasks import get_task
+
+    raw = cfg.task.options
+    if raw is not None and not isinstance(raw, dict):
+        return  # already resolved
+    task = get_task(cfg.task.name)
+    cfg.task = TaskConfig(cfg.task.name, build(task.Options, raw or {}, f"task ({task.name})"))
+    if cfg.data.source not in task.sources:
+        raise ConfigError(f"data.source '{cfg.data.source}' is not a source of task '{task.name}'; "
+                          f"its sources: {', '.join(task.sources)}")
+
+
+def load_suite(name_or_path: str = "default", overrides: Optional[list[str]] = None) -> SuiteConfig:
+    path = suite_path(name_or_path)
+    raw = apply_overrides(read_raw(name_or_path), overrides or [])
+    task = raw.get("task")
+    if isinstance(task, str):  # `task: nq` is short for `task: {name: nq}`
+        raw["task"] = task = {"name": task}
+    if isinstance(task, dict):  # the task's own options sit beside its name
+        raw["task"] = {"name": task.get("name", "squad"), "options": {k: v for k, v in task.items() if k != "name"}}
+    cfg = build(SuiteConfig, raw, str(path))
+    resolve_task(cfg)
+    from .backends.variants import VariantTable
+
+    VariantTable.for_suite(cfg).require(cfg.bench.backends)  # unknown names fail before any work
+    return cfg

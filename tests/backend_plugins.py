@@ -1,0 +1,53 @@
+"""Backends that break on purpose, for the end-to-end tests. They live in a module of their own
+so a worker process can import them (``implementation: tests.backend_plugins:Exploding`` in a
+suite, or through a test-made entry point)."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+
+from bertqa_bench.backends import Backend, make_variant
+
+
+class _Wrapping(Backend):
+    """Runs the eager fp32 CPU backend inside, then misbehaves."""
+
+    def prepare(self, ctx):
+        self.inner = make_variant("inner", "torch", "cpu").create()
+        self.inner.prepare(ctx)
+        self.output_names = self.inner.output_names
+
+    def close(self):
+        self.inner.close()
+
+
+class Exploding(_Wrapping):
+    def predict(self, batch):
+        raise RuntimeError("kaboom on purpose")
+
+
+class Perturbed(_Wrapping):
+    """Noise on the logits: answers move, the gate must notice."""
+
+    def predict(self, batch):
+        out = self.inner.predict(batch)
+        rng = np.random.default_rng(0)
+        return {k: (v + rng.normal(scale=5.0, size=v.shape).astype(np.float32)) for k, v in out.items()}
+
+
+class Segfault(_Wrapping):
+    """predict() kills its own process with SIGSEGV, as a crashing native kernel would."""
+
+    def predict(self, batch):
+        os.kill(os.getpid(), signal.SIGSEGV)
+
+
+class Hang(_Wrapping):
+    """predict() never returns, as a deadlocked kernel would."""
+
+    def predict(self, batch):
+        while True:
+            time.sleep(1)
