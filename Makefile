@@ -12,19 +12,20 @@ export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: help install bench-all bench train report parity-check test test-fast mlflow-ui clean
+.PHONY: help install bench-all bench train train-ddp sweep report parity-check test mlflow-ui clean
 
 help:
-	@echo "make bench-all [SUITE=default|bert-base-squad|nq] [ARGS='--set bench.batch_size=16']"
+	@echo "make bench-all [SUITE=default|gpu-bert-base|bert-base-squad|nq] [ARGS='--set bench.batch_size=16']"
 	@echo "make test | make parity-check | make mlflow-ui | make clean"
+	@echo "make train-ddp NPROC=4 SUITE=gpu-bert-base | make sweep SUITE=... ARGS='--batch-sizes 16,64,256'"
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-$(VENV)/.installed: $(BIN)/python pyproject.toml
+$(VENV)/.installed: $(BIN)/python pyproject.toml constraints.txt
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q -c constraints.txt -e ".[dev]"
 	touch $@
 
 install: $(VENV)/.installed
@@ -34,6 +35,17 @@ bench-all: install
 
 train: install
 	$(BIN)/bertqa-bench train --suite $(SUITE) $(ARGS)
+
+# Data-parallel training on NPROC GPUs of this host (torchrun + DDP over NCCL; gloo on CPUs).
+# Multi-node: the same command with torchrun's rendezvous arguments instead of --standalone.
+# NVLink multicast stays off in every process (shared multi-GPU hosts).
+NPROC ?= 2
+train-ddp: install
+	NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
+	  $(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) -m bertqa_bench.cli train --suite $(SUITE) $(ARGS)
+
+sweep: install
+	$(BIN)/bertqa-bench sweep --suite $(SUITE) $(ARGS)
 
 report: install
 	$(BIN)/bertqa-bench report $(ARGS)
@@ -48,8 +60,15 @@ test: install
 	$(MAKE) --no-print-directory parity-check
 	$(BIN)/python -m pytest -q -ra tests
 
+# MLflow 3.x opens experiments on its GenAI pages unless the sidebar switch says "Model training"
+# (kept per browser): the links printed first go straight to each suite's runs table.
 mlflow-ui: install
+	@MLFLOW_TRACKING_URI= $(BIN)/python -c "from bertqa_bench.tracking import ui_links; print('\n'.join(ui_links('results')))" 2>/dev/null || true
 	$(BIN)/mlflow ui --backend-store-uri sqlite:///results/mlflow.db --default-artifact-root results/mlruns --host 127.0.0.1 --port 5000
 
+# Everything generated: the venv, run bundles, trained models and exported artifacts
+# (models/artifacts/), generated data, the evaluation-set cache and device-run leftovers.
 clean:
-	rm -rf $(VENV) results/20* models/*/artifacts
+	rm -rf $(VENV) results/20* results/device-* results/profiles results/mlflow.db results/mlruns \
+	  data cache device-out
+	find models -mindepth 1 -maxdepth 1 ! -name README.md -exec rm -rf {} +

@@ -24,7 +24,7 @@ from .launcher import launch
 from .parity import Verdict, compare, determinism, tolerance_for, verdict
 from .report import write_report
 from .results import BackendResult, RunBundle, RunMeta, new_run_id
-from .schedule import Plan, make_plan
+from .schedule import Plan, make_plan, mask_padding
 from .tasks import Task, get_task
 from .tracking import Tracker
 from .train import ModelInfo, ensure_model
@@ -57,12 +57,25 @@ class BenchOutcome:
         return self.bundle.results
 
 
-def plan_for(cfg: SuiteConfig, evalset: EvalSet) -> Plan:
+def plan_key(cfg: SuiteConfig, variant: Optional[Variant] = None) -> tuple[str, int]:
+    """(batching, batch size) a variant runs with: its own, else the bench section's."""
     b = cfg.bench
-    return make_plan(evalset.lengths(), batching=b.batching, batch_size=b.batch_size,
+    return ((variant.batching if variant and variant.batching else b.batching),
+            (variant.batch_size if variant and variant.batch_size else b.batch_size))
+
+
+def plan_for(cfg: SuiteConfig, evalset: EvalSet, key: Optional[tuple[str, int]] = None) -> Plan:
+    b = cfg.bench
+    batching, batch_size = key or plan_key(cfg)
+    tokens = b.tokens_per_batch * batch_size // b.batch_size if b.tokens_per_batch else None
+    return make_plan(evalset.lengths(), batching=batching, batch_size=batch_size,
                      max_seq_len=evalset.features.seq_len, seq_multiple=b.seq_multiple,
-                     tokens_per_batch=b.tokens_per_batch, max_batch_rows=b.max_batch_rows,
+                     tokens_per_batch=tokens, max_batch_rows=b.max_batch_rows,
                      target_rows=cfg.data.target_eval_features)
+
+
+def plan_path(bundle: RunBundle, key: tuple[str, int]) -> Path:
+    return bundle.path("plans", f"{key[0]}-b{key[1]}.npz")
 
 
 def make_job(cfg: SuiteConfig, task: Task, variant: Variant, model: ModelInfo, evalset: EvalSet, bundle: RunBundle,
@@ -71,7 +84,7 @@ def make_job(cfg: SuiteConfig, task: Task, variant: Variant, model: ModelInfo, e
     b = cfg.bench
     return Job(variant=variant.to_dict(), model_dir=str(model.dir), task=task.name,
                artifacts_dir=str(cfg.artifacts_root / variant.name), evalset=str(evalset.path),
-               plan=str(bundle.path("plan.npz")), outputs=str(bundle.path("outputs", f"{name}.npz")),
+               plan=str(plan_path(bundle, plan_key(cfg, variant))), outputs=str(bundle.path("outputs", f"{name}.npz")),
                result=str(bundle.path("workers", f"{name}.json")), output_names=list(task.output_names),
                token_outputs=list(task.token_outputs), max_seq_len=evalset.features.seq_len,
                warmup_batches=b.warmup_batches, min_passes=b.min_passes, min_duration_s=b.min_duration_s,
@@ -83,8 +96,8 @@ def identity(cfg: SuiteConfig, task: Task, variant: Variant, model: ModelInfo, e
     return BackendResult(
         backend=variant.name, implementation=variant.implementation, precision=variant.precision,
         parity_class=variant.parity_class, device=variant.device, device_name=device_name(variant.device),
-        batching=plan.batching, batch_size=cfg.bench.batch_size, max_seq_len=evalset.features.seq_len,
-        n_shapes=len(plan.shapes), n_features=plan.n_rows, n_questions=evalset.n_questions, model=cfg.model.name,
+        batching=plan.batching, batch_size=plan_key(cfg, variant)[1], max_seq_len=evalset.features.seq_len,
+        n_shapes=len(plan.shapes), n_devices=variant.devices or 1, n_features=plan.n_rows, n_questions=evalset.n_questions, model=cfg.model.name,
         model_params=model.params, model_dev_f1=model.dev_primary, task=task.name)
 
 
@@ -117,11 +130,15 @@ def run_bench(cfg: SuiteConfig, *, backends: Optional[list[str]] = None, run_id:
     task = get_task(cfg.task.name)
     model = ensure_model(cfg, log, tracker)
     evalset = load_evalset(cfg, task, str(model.dir), log=log)
-    plan = plan_for(cfg, evalset)
+    # One plan per (batching, batch size) among the variants: each is made once and every
+    # variant that shares it runs exactly the same batches.
+    plans = {k: plan_for(cfg, evalset, k) for k in dict.fromkeys(plan_key(cfg, v) for v in variants)}
+    plan = plans[plan_key(cfg, variants[0])]  # the reference's
     tiling = plan.n_rows / plan.n_features
-    log(f"data: {evalset.n_questions} questions -> {evalset.n_features} features (seq {evalset.features.seq_len}); "
-        f"{plan.batching} batching: {len(plan.batches)} batches, {len(plan.shapes)} shape(s), "
-        f"{plan.n_rows} rows per pass; evaluation set {'from cache' if evalset.cache_hit else 'built'}")
+    log(f"data: {evalset.n_questions} questions -> {evalset.n_features} features (seq {evalset.features.seq_len}), "
+        f"evaluation set {'from cache' if evalset.cache_hit else 'built'}; " + "; ".join(
+            f"{k[0]} batching at {k[1]}: {len(p.batches)} batches, {len(p.shapes)} shape(s), {p.n_rows} rows per pass"
+            for k, p in plans.items()))
 
     env = environment()
     meta = RunMeta(suite=cfg.name, run_id=run_id or new_run_id(cfg.name), task=task.name,
@@ -133,7 +150,8 @@ def run_bench(cfg: SuiteConfig, *, backends: Optional[list[str]] = None, run_id:
                    max_seq_len=evalset.features.seq_len, n_features=plan.n_rows, n_questions=evalset.n_questions,
                    device_name=device_name(variants[0].device))
     bundle = RunBundle.create(cfg.results_root, meta, cfg.to_dict(), env)
-    plan.save(bundle.path("plan.npz"))
+    for k, p in plans.items():
+        p.save(plan_path(bundle, k))
     env_tags = {f"env.{k}": v for k, v in env.items()}
     tracker.start_bench(meta, tags=env_tags | {"results_dir": str(bundle.dir)})
 
@@ -141,18 +159,29 @@ def run_bench(cfg: SuiteConfig, *, backends: Optional[list[str]] = None, run_id:
     problems: list[str] = []
     features = evalset.features
     for variant in variants:
-        r = identity(cfg, task, variant, model, evalset, plan)
-        log(f"[{variant.name}] prepare, warm-up and {cfg.bench.min_passes}+ timed passes ...")
-        rec = launch(make_job(cfg, task, variant, model, evalset, bundle, progress=progress),
-                     timeout_s=variant.timeout_s or cfg.bench.timeout_s,
-                     log_path=bundle.path("logs", f"{variant.name}.log"),
-                     echo=progress, isolation=cfg.bench.isolation)
+        r = identity(cfg, task, variant, model, evalset, plans[plan_key(cfg, variant)])
+        why = variant.backend_class.batching_reason(variant.options, r.batching)
+        if why:
+            r.status, r.error = "not run", why
+            _log_row(log, task, r)
+            bundle.add(r)
+            tracker.log_backend(meta, r, env_tags)
+            continue
+        log(f"[{variant.name}] prepare, warm-up and {cfg.bench.min_passes}+ timed passes"
+            + (f" on {variant.devices} GPUs" if (variant.devices or 1) > 1 else "") + " ...")
+        job = make_job(cfg, task, variant, model, evalset, bundle, progress=progress)
+        timeout = variant.timeout_s or cfg.bench.timeout_s
+        if (variant.devices or 1) > 1:
+            rec = run_data_parallel(job, variant.devices, timeout, bundle, plans[plan_key(cfg, variant)], model, evalset)
+        else:
+            rec = launch(job, timeout_s=timeout, log_path=bundle.path("logs", f"{variant.name}.log"), echo=progress,
+                         isolation=cfg.bench.isolation)
         r.status = rec["status"]
         r.error = rec.get("error", "")
         pred_path = None
         if r.ok:
             try:
-                outputs = load_outputs(rec["outputs"])
+                outputs = mask_padding(load_outputs(rec["outputs"]), features.attention_mask, task.token_outputs)
                 _fill_timing(r, rec, tiling, evalset.n_questions)
                 t0 = time.perf_counter()
                 predictions = task.postprocess(evalset.examples, features, outputs, cfg)
@@ -194,6 +223,69 @@ def run_bench(cfg: SuiteConfig, *, backends: Optional[list[str]] = None, run_id:
     return BenchOutcome(bundle, summary, v, evalset, ref, problems)
 
 
+def run_data_parallel(job: Job, n: int, timeout_s: float, bundle: RunBundle, plan: Plan, model: ModelInfo,
+                      evalset: EvalSet) -> dict:
+    """``n`` workers, one GPU each (CUDA_VISIBLE_DEVICES), each with a length-balanced share of
+    the plan; they meet at a barrier after warm-up so their timed passes overlap. Returns one
+    record as a single worker would: outputs merged in dataset order, a pass lasting as long as
+    its slowest shard, memory peaks per GPU, energy summed over GPUs."""
+    import dataclasses
+
+    from .flops import model_dims, plan_flops
+    from .launcher import launch_all
+    from .worker import save_outputs
+
+    barrier = bundle.path("barriers", job.name)
+    barrier.mkdir(parents=True, exist_ok=True)
+    for f in barrier.glob("ready-*"):
+        f.unlink()
+    jobs = [dataclasses.replace(job, shard_index=i, shard_count=n, barrier_dir=str(barrier),
+                                outputs=job.outputs.replace(".npz", f".shard{i}.npz"),
+                                result=job.result.replace(".json", f".shard{i}.json")) for i in range(n)]
+    recs = launch_all(jobs, timeout_s=timeout_s, log_paths=[bundle.path("logs", f"{job.name}.shard{i}.log")
+                                                             for i in range(n)],
+                      envs=[{"CUDA_VISIBLE_DEVICES": str(i)} for i in range(n)])
+    bad = [(i, r) for i, r in enumerate(recs) if r["status"] != "ok"]
+    if bad:
+        i, r = bad[0]
+        status = "failed" if any(x["status"] == "failed" for _, x in bad) else "not run"
+        return {"status": status, "error": f"data-parallel shard {i} of {n}: {r.get('error')}"}
+    merged: dict = {}
+    for r in recs:
+        part = load_outputs(r["outputs"])
+        rows = np.asarray(r["rows"], dtype=np.int64)
+        for k, v in part.items():
+            merged.setdefault(k, v.copy())[rows] = v[rows]
+        Path(r["outputs"]).unlink(missing_ok=True)
+    save_outputs(job.outputs, merged)
+    passes = min(len(r["pass_s"]) for r in recs)
+    pass_s = [max(r["pass_s"][k] for r in recs) for k in range(passes)]
+    flops = plan_flops(model_dims(model.dir), plan, evalset.lengths())
+    ms = np.concatenate([np.asarray(r["batch_ms"]) for r in recs])
+    p = float(np.median(pass_s))
+    timing = {"predict_s": p, "predict_min_s": min(pass_s), "predict_max_s": max(pass_s),
+              "predict_stdev_s": float(np.std(pass_s, ddof=1)) if len(pass_s) > 1 else 0.0, "n_passes": passes,
+              "latency_p50_ms": float(np.percentile(ms, 50)), "latency_p90_ms": float(np.percentile(ms, 90)),
+              "latency_p99_ms": float(np.percentile(ms, 99)), "latency_mean_ms": float(ms.mean()),
+              "n_batches": len(plan.batches), "features_per_s": plan.n_rows / p,
+              "achieved_tflops": flops[0] / p / 1e12, "real_tflops": flops[1] / p / 1e12,
+              "identical_passes": all(r["timing"]["identical_passes"] for r in recs)}
+    measures: dict = {}
+    for r in recs:
+        for k, v in r.get("measures", {}).items():
+            if isinstance(v, (int, float)):
+                measures[k] = measures.get(k, 0.0) + v if k.startswith("energy") else max(measures.get(k, 0.0), v)
+            else:
+                measures.setdefault(k, v)
+    if "energy_j" in measures:  # energy adds up over GPUs; per 1k features and power follow from the sum
+        measures["energy_j_per_1k_features"] = measures["energy_j"] / (plan.n_rows * passes) * 1000.0
+        measures["avg_power_w"] = measures["energy_j"] / sum(pass_s)
+    info = dict(recs[0].get("prepare_info") or {})
+    info["data_parallel"] = f"{n} processes, one GPU each, length-balanced shards, start barrier"
+    return {"status": "ok", "prepare_s": max(r["prepare_s"] for r in recs), "prepare_info": info, "timing": timing,
+            "pass_s": pass_s, "measures": measures, "outputs": job.outputs}
+
+
 def _determinism(cfg, task, variant, model, evalset, bundle, ref: Reference, r: BackendResult, log) -> list[str]:
     """The reference a second time, in a fresh process: identical logits and answers, or the
     differences of every backend below that noise are not the backend's fault."""
@@ -201,7 +293,7 @@ def _determinism(cfg, task, variant, model, evalset, bundle, ref: Reference, r: 
                  log_path=bundle.path("logs", f"{variant.name}-again.log"), isolation=cfg.bench.isolation)
     if rec["status"] != "ok":
         return [f"reference {variant.name} failed on its second run: {rec.get('error')}"]
-    again = load_outputs(rec["outputs"])
+    again = mask_padding(load_outputs(rec["outputs"]), evalset.features.attention_mask, task.token_outputs)
     Path(rec["outputs"]).unlink(missing_ok=True)
     preds = task.postprocess(evalset.examples, evalset.features, again, cfg)
     det = determinism(ref.outputs, again, evalset.features.attention_mask, ref.predictions, preds)

@@ -54,8 +54,32 @@ def cmd_bench(a) -> int:
     print(out.summary)
     print(f"results: {out.run_dir}")
     print(f"verdict: {out.verdict}")
-    if tracker.active:
-        print(f"MLflow: {tracker.uri} (experiment bertqa-{cfg.name}); `make mlflow-ui` to compare")
+    if tracker.active and tracker.experiment_id:
+        print(f"MLflow: {tracker.uri}, experiment bertqa-{cfg.name}; `make mlflow-ui`, then "
+              f"{tracker.ui_url(tracker.experiment_id)}")
+    return 0
+
+
+def cmd_sweep(a) -> int:
+    from .bench import run_bench
+    from .suite import load_suite
+    from .sweep import expand, write_sweep_report
+    from .tracking import Tracker
+
+    cfg = load_suite(a.suite, a.overrides)
+    _threads(cfg)
+    ints = [int(x) for x in a.batch_sizes.split(",") if x.strip()]
+    names = expand(cfg, _backend_list(a.backends) or [b for b in cfg.bench.backends if b != cfg.bench.reference],
+                   ints, [x.strip() for x in a.batchings.split(",") if x.strip()],
+                   [int(x) for x in a.devices.split(",") if x.strip()])
+    tracker = Tracker(cfg.results_root, enabled=not a.no_mlflow)
+    out = run_bench(cfg, backends=names, run_id=a.run_id, tracker=tracker, progress=not a.no_progress,
+                    command=_command_line())
+    md = write_sweep_report(out.bundle)
+    if tracker.active and tracker.parent_id:  # the sweep's own views beside the bench's, on its parent run
+        tracker._try(tracker.artifacts, tracker.parent_id, [out.run_dir / "sweep.md", out.run_dir / "sweep.png"])
+    print(md)
+    print(f"results: {out.run_dir}")
     return 0
 
 
@@ -165,6 +189,18 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-progress", action="store_true")
     b.set_defaults(fn=cmd_bench)
 
+    sw = sub.add_parser("sweep", help="backend x batch size x batching in one run (one MLflow parent), with the best "
+                                      "configuration per backend at parity and a throughput plot")
+    _suite_args(sw)
+    sw.add_argument("--backends", help="comma-separated variants (default: the suite's list, reference excluded)")
+    sw.add_argument("--batch-sizes", default="16,32,64,128,256")
+    sw.add_argument("--batchings", default="padded", help="comma-separated: padded, trimmed, sorted, packed")
+    sw.add_argument("--devices", default="1", help="comma-separated GPU counts for data-parallel prediction, e.g. 1,2,4")
+    sw.add_argument("--run-id")
+    sw.add_argument("--no-mlflow", action="store_true")
+    sw.add_argument("--no-progress", action="store_true")
+    sw.set_defaults(fn=cmd_sweep)
+
     r = sub.add_parser("report", help="rebuild summary.md and the plot of a result bundle")
     r.add_argument("run_dir", nargs="?", help="results/<run-id> (default: the latest)")
     r.set_defaults(fn=cmd_report)
@@ -219,8 +255,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    from .progress import quiet_library_bars
+
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args = build_parser().parse_args(argv)
+    quiet_library_bars()
     try:
         return args.fn(args)
     except BenchError as e:

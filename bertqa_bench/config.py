@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -21,11 +22,14 @@ from .errors import ConfigError
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS_DIR = PROJECT_ROOT / "benchmarks"
 
+_IMPORT_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+
 DATA_SOURCES = ("synthetic", "squad-json", "hf", "nq-jsonl", "nq-synthetic")
 # padded: every feature at max_seq_len, dataset order (the classic table); trimmed: dataset
 # order, each batch cut to its longest feature; sorted: features sorted by length, batches of
-# a token budget per length bucket (see schedule.py).
-BATCHINGS = ("padded", "trimmed", "sorted")
+# a token budget per length bucket; packed: real tokens only (a token budget of real tokens,
+# for backends that compute no padding at all). See schedule.py.
+BATCHINGS = ("padded", "trimmed", "sorted", "packed")
 ISOLATIONS = ("process", "inprocess")
 
 
@@ -41,8 +45,18 @@ class SyntheticConfig:
     max_words: int = 300
     mean_words: int = 120
     long_context_fraction: float = 0.02  # share of contexts longer than one 384-token window
+    # SQuAD generator only (tasks/squad/synthetic.py): "hard" adds namesake distractors,
+    # paraphrased questions, references across sentences and inconsistent answer boundaries;
+    # `ambiguity` is the share of facts that a second source contradicts (the gold answer is
+    # either claim), the knob the hard preset is calibrated with.
+    difficulty: str = "standard"  # standard | hard
+    ambiguity: float = 0.0
 
     def __post_init__(self):
+        if self.difficulty not in ("standard", "hard"):
+            raise ConfigError(f"synthetic.difficulty '{self.difficulty}' is not one of standard, hard")
+        if not 0.0 <= self.ambiguity <= 1.0:
+            raise ConfigError("synthetic.ambiguity must be in [0, 1]")
         if self.n_train_contexts < 0 or self.n_dev_contexts < 1:
             raise ConfigError("synthetic: n_train_contexts must be >= 0 and n_dev_contexts >= 1")
         if not (0 < self.min_words <= self.mean_words <= self.max_words):
@@ -51,6 +65,16 @@ class SyntheticConfig:
             raise ConfigError("synthetic: long_context_fraction must be in [0, 1]")
         if self.questions_per_context < 1:
             raise ConfigError("synthetic: questions_per_context must be >= 1")
+
+    def identity(self) -> dict:
+        """The fields that decide the generated files (defaults of later-added knobs left out, so
+        existing data sets keep their names)."""
+        d = dataclasses.asdict(self)
+        if d["difficulty"] == "standard":
+            d.pop("difficulty")
+        if d["ambiguity"] == 0.0:
+            d.pop("ambiguity")
+        return d
 
 
 @dataclass
@@ -95,8 +119,16 @@ class ModelConfig:
     # timing_only: use the (random) weights as built, without fine-tuning (BERT-base timing shapes).
     timing_only: bool = False
     config_overrides: dict = field(default_factory=dict)
+    # grow_from: build `base`'s architecture with its encoder grown (widened + stacked, grow.py)
+    # from this smaller pretrained encoder, e.g. embedded:all-MiniLM-L6-v2 -> the BERT-base shape.
+    grow_from: Optional[str] = None
+    grow_stack: str = "repeat"  # repeat ([0..5, 0..5]) | interleave ([0, 0, 1, 1, ...])
 
     def __post_init__(self):
+        if self.grow_from and self.random_init:
+            raise ConfigError("model: grow_from and random_init exclude each other")
+        if self.grow_stack not in ("repeat", "interleave"):
+            raise ConfigError(f"model.grow_stack '{self.grow_stack}' is not one of repeat, interleave")
         if self.timing_only and not self.random_init:
             raise ConfigError("model.timing_only needs model.random_init (pretrained weights should be fine-tuned)")
 
@@ -110,8 +142,12 @@ class TrainConfig:
     weight_decay: float = 0.01
     seed: int = 42
     mixed_precision: str = "auto"  # auto (fp16 on CUDA) | fp16 | bf16 | no
+    # batch_size is the GLOBAL batch: under torchrun it is split over the processes (and over
+    # grad_accum micro-steps), so 1, 2 and 4 GPUs take the same optimizer steps at the same
+    # learning rate. To give each GPU more rows, raise batch_size (and the learning rate) for all.
     grad_accum: int = 1
     num_threads: Optional[int] = None
+    compile: bool = False  # torch.compile the training step (dynamic shapes)
 
     def __post_init__(self):
         if self.mixed_precision is False:  # YAML reads a bare `no` as false
@@ -157,6 +193,9 @@ class BenchConfig:
     def __post_init__(self):
         if not self.backends:
             raise ConfigError("bench.backends is empty")
+        bad = [b for b in self.backends if not isinstance(b, str)]
+        if bad:
+            raise ConfigError(f"bench.backends must be a list of variant names, not {bad[0]!r}")
         if self.batch_size < 1:
             raise ConfigError("bench.batch_size must be >= 1")
         if self.batching not in BATCHINGS:
@@ -191,10 +230,27 @@ class VariantConfig:
     options: dict = field(default_factory=dict)
     description: str = ""
     timeout_s: Optional[float] = None  # this variant's time limit, instead of bench.timeout_s
+    # this variant's batching / batch size, instead of the bench section's (e.g. a sorted
+    # variant in a padded suite: both rows in one table, against one reference)
+    batching: Optional[str] = None
+    batch_size: Optional[int] = None
+    # data-parallel prediction: this many GPUs, one worker process each, every one taking a
+    # length-balanced share of the plan; logits gathered back in dataset order
+    devices: Optional[int] = None
 
     def __post_init__(self):
+        if self.devices is not None and self.devices < 1:
+            raise ConfigError("variant devices must be >= 1")
+        if self.batching is not None and self.batching not in BATCHINGS:
+            raise ConfigError(f"variant batching '{self.batching}' is not one of {', '.join(BATCHINGS)}")
+        if self.batch_size is not None and self.batch_size < 1:
+            raise ConfigError("variant batch_size must be >= 1")
         if bool(self.base) == bool(self.implementation):
             raise ConfigError("a variant needs exactly one of 'base' (an existing variant) or 'implementation'")
+        if self.implementation and ":" in self.implementation and not _IMPORT_PATH.match(self.implementation):
+            # importlib would fail with TypeError/ValueError on e.g. '.:x' or 'a..b:C'
+            raise ConfigError(f"variant implementation '{self.implementation}' is not an import path "
+                              "of the form package.module:Class")
         if self.device not in (None, "cpu", "cuda"):
             raise ConfigError(f"variant device '{self.device}' is not one of cpu, cuda")
         if not isinstance(self.options, dict):
@@ -218,14 +274,18 @@ class ParityConfig:
     reduced: Tolerance = field(default_factory=lambda: Tolerance(0.99, 0.97))
     overrides: dict = field(default_factory=dict)  # {backend-name: {min_f1_ratio, min_agreement}}
     expected_file: Optional[str] = None  # benchmarks/expected/<suite>.csv
-    expected_tolerance: float = 0.5  # allowed |EM/F1 - expected| in points
+    # Allowed |score - expected|: in questions (each worth 100/n_questions points; a model
+    # retrained on another CPU moves by a question or two), or else in points.
+    expected_tolerance_questions: Optional[int] = None
+    expected_tolerance: float = 0.5
 
     def __post_init__(self):
         if isinstance(self.fp32, dict):
             self.fp32 = Tolerance(**self.fp32)
         if isinstance(self.reduced, dict):
             self.reduced = Tolerance(**self.reduced)
-        self.overrides = {k: (v if isinstance(v, Tolerance) else Tolerance(**v)) for k, v in self.overrides.items()}
+        self.overrides = {k: (v if isinstance(v, Tolerance) else build(Tolerance, v, f"parity.overrides.{k}"))
+                          for k, v in (self.overrides or {}).items()}
 
 
 @dataclass
@@ -248,6 +308,9 @@ class SuiteConfig:
                           ("train", TrainConfig), ("bench", BenchConfig), ("parity", ParityConfig)):
             if isinstance(getattr(self, name), dict):
                 setattr(self, name, build(cls, getattr(self, name), name))
+        bad = [k for k in (self.variants or {}) if not isinstance(k, str)]
+        if bad:
+            raise ConfigError(f"variants: variant names must be strings, not {bad[0]!r}")
         self.variants = {k: v if isinstance(v, VariantConfig) else build(VariantConfig, v or {}, f"variants.{k}")
                          for k, v in (self.variants or {}).items()}
         # The reference always runs first: parity and speedup are measured against it.
@@ -277,8 +340,8 @@ class SuiteConfig:
 def _number(value, where: str) -> float:
     try:  # YAML 1.1 reads "1e-4" (no dot) as a string
         return float(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{where} must be a number, not {value!r}") from None
+    except (TypeError, ValueError, OverflowError):  # OverflowError: an int past float range (10**400)
+        raise ConfigError(f"{where} must be a number, not {value!r:.80}") from None
 
 
 def resolve_path(p: str | os.PathLike) -> Path:
@@ -300,9 +363,18 @@ def _check_type(value, hint, where: str):
     """Scalars are checked (a typo'd type fails here, not deep inside a run); ints pass for
     floats and YAML-1.1 strings like "1e-4" become floats; nested dataclasses are built."""
     inner = [a for a in typing.get_args(hint) if a is not type(None)]
-    target = inner[0] if len(inner) == 1 and typing.get_origin(hint) in (typing.Union, types.UnionType) else hint
-    if dataclasses.is_dataclass(target) and isinstance(value, dict):
-        return build(target, value, where)
+    optional = len(inner) == 1 and typing.get_origin(hint) in (typing.Union, types.UnionType)
+    target = inner[0] if optional else hint
+    if dataclasses.is_dataclass(target):
+        if isinstance(value, dict):
+            return build(target, value, where)
+        if isinstance(value, target) or (value is None and optional):
+            return value
+        # e.g. `data: [1]` or `data:` (null): would crash later as an AttributeError on the list
+        raise ConfigError(f"{where} must be a mapping, not {value!r:.80}")
+    if target in (dict, list) and value is not None and not isinstance(value, target):
+        # null passes as before (`variants:` with every entry commented out)
+        raise ConfigError(f"{where} must be a {'mapping' if target is dict else 'list'}, not {value!r:.80}")
     accepted = _simple_types(hint)
     if accepted is None or isinstance(value, accepted) and not (isinstance(value, bool) and bool not in accepted):
         return value
@@ -320,7 +392,9 @@ def build(cls, values: dict, where: str):
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = set(values) - set(fields)
     if unknown:
-        raise ConfigError(f"{where}: unknown field(s) {', '.join(sorted(unknown))}; valid: {', '.join(sorted(fields))}")
+        # YAML keys need not be strings (`1: x`, `null: x`): sort and show them as text
+        raise ConfigError(f"{where}: unknown field(s) {', '.join(sorted(k if isinstance(k, str) else repr(k) for k in unknown))}; "
+                          f"valid: {', '.join(sorted(fields))}")
     hints = typing.get_type_hints(cls)
     kwargs = {k: _check_type(v, hints.get(k), f"{where}.{k}") for k, v in values.items()}
     try:

@@ -71,7 +71,13 @@ def _tokenizer_fingerprint(tokenizer_source: str) -> str:
 def evalset_key(cfg: SuiteConfig, task: Task, tokenizer_source: str, split: str, train: bool) -> str:
     d = cfg.data
     options = dataclasses.asdict(cfg.task.options) if dataclasses.is_dataclass(cfg.task.options) else {}
+    import tokenizers
+    import transformers
+
+    # The library versions too: the same tokenizer files gave different overflow windows under
+    # transformers 5.17 and 5.24 (924 vs 1,091 training features of the ci suite).
     parts = {"source": task.source_fingerprint(cfg, split), "tokenizer": _tokenizer_fingerprint(tokenizer_source),
+             "libraries": [transformers.__version__, tokenizers.__version__],
              "max_seq_len": d.max_seq_len, "doc_stride": d.doc_stride, "max_query_len": d.max_query_len,
              "train": train, "task_options": options, "seed": cfg.train.seed if train else None}
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]

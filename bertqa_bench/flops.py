@@ -26,7 +26,10 @@ def model_dims(model_dir: str | Path) -> tuple[int, int, int]:
 
 
 def plan_flops(dims: tuple[int, int, int], plan, lengths: np.ndarray) -> tuple[float, float]:
-    """(FLOPs at the computed shapes, FLOPs of the real tokens) for one pass over the plan."""
-    computed = sum(b.shape[0] * bert_flops_per_sequence(*dims, b.shape[1]) for b in plan.batches)
+    """(FLOPs at the computed shapes, FLOPs of the real tokens) for one pass over the plan; a
+    packed plan computes real tokens only."""
     real = sum(float(np.sum(bert_flops_per_sequence(*dims, lengths[b.rows]))) for b in plan.batches)
+    if plan.batching == "packed":
+        return real, real
+    computed = sum(b.shape[0] * bert_flops_per_sequence(*dims, b.shape[1]) for b in plan.batches)
     return float(computed), float(real)

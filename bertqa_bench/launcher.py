@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 from .io import atomic_write_json
 from .worker import Job, run_job_safely
@@ -78,51 +78,85 @@ def _pump(stream, log_path: Path, echo) -> None:
                 echo.flush()
 
 
+class _Child:
+    """One worker process: started with its job file, its log pumped, its end explained."""
+
+    def __init__(self, job: "Job", log_path: Path, echo: bool, env: Optional[dict] = None):
+        self.job, self.log_path = job, Path(log_path)
+        self.result_path = Path(job.result)
+        job_path = self.result_path.with_suffix(".job.json")
+        atomic_write_json(job_path, job.to_dict())
+        self.result_path.unlink(missing_ok=True)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.log_path.write_bytes(b"")
+        self.t0 = time.perf_counter()
+        self.proc = subprocess.Popen([sys.executable, "-m", "bertqa_bench.worker", str(job_path)],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env=child_env(env), start_new_session=True)
+        self.pump = threading.Thread(target=_pump, args=(self.proc.stdout, self.log_path, sys.stderr if echo else None),
+                                     daemon=True)
+        self.pump.start()
+        self.timed_out = False
+
+    def wait(self, deadline: float) -> None:
+        try:
+            self.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.timed_out = True
+            _kill_group(self.proc)
+
+    def kill(self) -> None:
+        _kill_group(self.proc)
+
+    def result(self, timeout_s: float) -> dict:
+        self.pump.join(timeout=10)
+        elapsed, code = time.perf_counter() - self.t0, self.proc.returncode
+        if self.timed_out:
+            return _failed(f"timed out after {timeout_s:g} s (bench.timeout_s); killed", self.log_path, code, elapsed)
+        if self.result_path.exists():
+            try:
+                result = json.loads(self.result_path.read_text())
+                result.setdefault("exit_code", code)
+                result["wall_s"] = elapsed
+                if result.get("status") == "failed":
+                    result["log_tail"] = tail(self.log_path)
+                return result
+            except (OSError, json.JSONDecodeError):
+                pass
+        if code is not None and code < 0:
+            name = _signal_name(-code)
+            hint = " (the out-of-memory killer sends SIGKILL)" if -code == signal.SIGKILL else ""
+            return _failed(f"crashed: killed by {name}{hint}", self.log_path, code, elapsed)
+        return _failed(f"exited with code {code} without a result", self.log_path, code, elapsed)
+
+
+def launch_all(jobs: Sequence["Job"], *, timeout_s: float, log_paths: Sequence[Path], echo: bool = False,
+               envs: Optional[Sequence[Optional[dict]]] = None) -> list[dict]:
+    """Run jobs side by side (data-parallel shards), each in its own process; one time limit for all."""
+    envs = envs or [None] * len(jobs)
+    children = []
+    try:
+        for job, log_path, env in zip(jobs, log_paths, envs):
+            children.append(_Child(job, log_path, echo, env))
+        deadline = time.monotonic() + timeout_s
+        for c in children:
+            c.wait(deadline)
+            if c.proc.returncode not in (0, None) or c.timed_out:
+                for other in children:  # one shard died: the others would wait at the barrier forever
+                    if other.proc.poll() is None:
+                        other.kill()
+    except BaseException:  # Ctrl-C in the parent: take the children down too, then stop
+        for c in children:
+            c.kill()
+        raise
+    return [c.result(timeout_s) for c in children]
+
+
 def launch(job: "Job", *, timeout_s: float, log_path: Path, echo: bool = False, isolation: str = "process") -> dict:
     """Run ``job`` and return its result record (status ok | not run | failed, ...)."""
     if isolation == "inprocess":
         return run_job_safely(job)
-    result_path = Path(job.result)
-    job_path = result_path.with_suffix(".job.json")
-    atomic_write_json(job_path, job.to_dict())
-    result_path.unlink(missing_ok=True)
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    log_path.write_bytes(b"")
-    t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "bertqa_bench.worker", str(job_path)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=child_env(),
-                            start_new_session=True)
-    pump = threading.Thread(target=_pump, args=(proc.stdout, log_path, sys.stderr if echo else None), daemon=True)
-    pump.start()
-    timed_out = False
-    try:
-        proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        _kill_group(proc)
-    except BaseException:  # Ctrl-C in the parent: take the child down too, then stop
-        _kill_group(proc)
-        raise
-    pump.join(timeout=10)
-    elapsed = time.perf_counter() - t0
-    code = proc.returncode
-    if timed_out:
-        return _failed(f"timed out after {timeout_s:g} s (bench.timeout_s); killed", log_path, code, elapsed)
-    if result_path.exists():
-        try:
-            result = json.loads(result_path.read_text())
-            result.setdefault("exit_code", code)
-            result["wall_s"] = elapsed
-            if result.get("status") == "failed":
-                result["log_tail"] = tail(log_path)
-            return result
-        except (OSError, json.JSONDecodeError):
-            pass
-    if code is not None and code < 0:
-        name = _signal_name(-code)
-        hint = " (the out-of-memory killer sends SIGKILL)" if -code == signal.SIGKILL else ""
-        return _failed(f"crashed: killed by {name}{hint}", log_path, code, elapsed)
-    return _failed(f"exited with code {code} without a result", log_path, code, elapsed)
+    return launch_all([job], timeout_s=timeout_s, log_paths=[log_path], echo=echo)[0]
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

@@ -50,10 +50,17 @@ def _nvml_handle():
     except ImportError:
         return None, None
     try:
+        import os
+
         import torch
 
         pynvml.nvmlInit()
         index = torch.cuda.current_device()
+        # NVML counts every GPU of the host; torch only those in CUDA_VISIBLE_DEVICES (a
+        # data-parallel worker sees its one GPU as device 0): map torch's index to the host's.
+        visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+        if visible and all(v.isdigit() for v in visible):
+            index = int(visible[index])
         return pynvml, pynvml.nvmlDeviceGetHandleByIndex(index)
     except Exception:  # noqa: BLE001 - no NVML here: the other numbers still count
         return None, None
@@ -120,3 +127,36 @@ class Probe:
             return
         self.values.update(energy_j=joules, energy_j_per_1k_features=joules / max(n_rows, 1) * 1000.0,
                            avg_power_w=joules / seconds if seconds > 0 else None, energy_note=note)
+
+
+class UtilizationSampler:
+    """The GPU's utilization (NVML's share of time a kernel ran) sampled twice a second in a
+    thread, for training's metrics; a no-op without a GPU or NVML."""
+
+    def __init__(self, device, every_s: float = 0.5):
+        import threading
+
+        self.samples: list[int] = []
+        self._stop = threading.Event()
+        self._nvml, self._handle = (None, None)
+        if getattr(device, "type", "cpu") == "cuda":
+            self._nvml, self._handle = _nvml_handle()
+        if self._handle is None:
+            return
+
+        def run():
+            while not self._stop.wait(every_s):
+                try:
+                    self.samples.append(int(self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu))
+                except Exception:  # noqa: BLE001 - a missed sample is not worth a training
+                    pass
+
+        self._t = threading.Thread(target=run, daemon=True)
+        self._t.start()
+
+    def stop(self) -> dict:
+        self._stop.set()
+        if self._handle is None:
+            return {}  # no GPU or no NVML: nothing measured, nothing claimed
+        mean = sum(self.samples) / len(self.samples) if self.samples else None
+        return {"gpu_utilization_mean_pct": mean, "gpu_utilization_samples": len(self.samples)}

@@ -46,18 +46,28 @@ def load_tokenizer(path_or_name: str):
 
 
 def build_model(task: str, base: str, *, random_init: bool = False, config_overrides: Optional[dict] = None,
-                seed: int = 0):
-    """A trainable QA model: pretrained encoder + fresh task head, or fully random (timing only)."""
+                seed: int = 0, grow_from: Optional[str] = None, grow_stack: str = "repeat"):
+    """A trainable QA model: pretrained encoder + fresh task head; or ``base``'s architecture with
+    the encoder grown from the smaller pretrained ``grow_from`` (grow.py); or fully random.
+    Returns (model, facts about how it was made)."""
     from transformers import AutoConfig
 
     cls = get_task(task).model_class()
     src = resolve_base(base)
     config = AutoConfig.from_pretrained(src, **(config_overrides or {}))
-    if random_init:
+    if random_init or grow_from:
         torch.manual_seed(seed)
-        return cls(config)
+        model = cls(config)
+        if not grow_from:
+            return model, {"init": "random"}
+        from .grow import grow_encoder
+
+        encoder, info = grow_encoder(resolve_base(grow_from), config, stack=grow_stack)
+        own = model.bert.state_dict()
+        model.bert.load_state_dict({k: v for k, v in encoder.state_dict().items() if k in own}, strict=True)
+        return model, {"init": f"grown from {grow_from}", **{k: str(v) for k, v in info.items() if k != "grown_from"}}
     # fp32 master weights whatever the checkpoint's storage dtype; autocast handles mixed precision.
-    return cls.from_pretrained(src, config=config, dtype=torch.float32)
+    return cls.from_pretrained(src, config=config, dtype=torch.float32), {"init": f"pretrained {base}"}
 
 
 class QAModule(torch.nn.Module):

@@ -43,6 +43,12 @@ def parity_table(results: list[BackendResult], metric: str) -> str:
     return "\n".join(lines)
 
 
+def expected_tolerance(cfg: SuiteConfig, evalset) -> float:
+    """The allowed drift from the expected scores, in points."""
+    q = cfg.parity.expected_tolerance_questions
+    return 100.0 * q / evalset.n_questions if q is not None else cfg.parity.expected_tolerance
+
+
 def read_expected(path: Path) -> list[dict]:
     if not path.exists():
         return []
@@ -60,13 +66,14 @@ def run_parity_check(cfg: SuiteConfig, *, backends: Optional[list[str]] = None, 
     exp_path = expected_path(cfg)
     if update_expected:
         cols = ["backend", "precision", *task.metric_names]
-        keep = [{"backend": r.backend, "precision": r.precision, **r.scores} for r in results if r.ok]
+        keep = [{"backend": r.backend, "precision": r.precision, **{m: r.scores.get(m) for m in task.metric_names}}
+                for r in results if r.ok]
         atomic_write_text(exp_path, rows_to_csv(keep, cols))
         log(f"expected scores written to {exp_path}")
     else:
         expected = read_expected(exp_path)
         if expected:
-            problems += check_expected(results, expected, task.metric_names, cfg.parity.expected_tolerance)
+            problems += check_expected(results, expected, task.metric_names, expected_tolerance(cfg, out.evalset))
         else:
             log(f"note: no expected-results file at {exp_path}; create it with --update-expected")
 

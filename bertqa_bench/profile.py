@@ -9,6 +9,7 @@ in the CUDA activity stream even though their operators are not torch ops.
 from __future__ import annotations
 
 import csv
+import json
 import time
 from pathlib import Path
 
@@ -24,7 +25,7 @@ def profile_backend(cfg: SuiteConfig, name: str, *, n_batches: int = 5, top: int
     """Prepare and warm up one variant in this process, then profile ``n_batches`` real batches."""
     from torch.profiler import ProfilerActivity, profile
 
-    from .bench import plan_for
+    from .bench import plan_for, plan_key
     from .train import ensure_model
 
     variant = VariantTable.for_suite(cfg).get(name)
@@ -34,7 +35,7 @@ def profile_backend(cfg: SuiteConfig, name: str, *, n_batches: int = 5, top: int
     task = get_task(cfg.task.name)
     model = ensure_model(cfg, print, None)
     evalset = load_evalset(cfg, task, str(model.dir), log=print)
-    plan = plan_for(cfg, evalset)
+    plan = plan_for(cfg, evalset, plan_key(cfg, variant))
     batches = materialize(evalset.features.inputs(), plan)
     ctx = make_context(model.dir, task.name, cfg.artifacts_root / name, task.output_names, plan, batches,
                        evalset.features.seq_len)
@@ -69,5 +70,38 @@ def profile_backend(cfg: SuiteConfig, name: str, *, n_batches: int = 5, top: int
         w = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["name"])
         w.writeheader()
         w.writerows(rows[:top])
+    idle = gpu_idle_fraction(trace) if cuda else None
+    if idle is not None:
+        table += (f"\nGPU busy {idle['busy_ms']:.1f} ms of {idle['window_ms']:.1f} ms profiled: idle fraction "
+                  f"{idle['idle_fraction']:.1%} (time between kernels: host work, copies waited on, launch gaps)\n")
+        (out / "gpu_idle.json").write_text(json.dumps(idle, indent=1))
     (out / "top_kernels.txt").write_text(table)
-    return {"dir": out, "trace": trace, "top_csv": top_csv, "table": table, "rows": rows[:top]}
+    return {"dir": out, "trace": trace, "top_csv": top_csv, "table": table, "rows": rows[:top], "gpu_idle": idle}
+
+
+def busy_time(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals."""
+    total, cur_s, cur_e = 0.0, None, None
+    for s, e in sorted(intervals):
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    return total + (cur_e - cur_s if cur_e is not None else 0.0)
+
+
+def gpu_idle_fraction(trace_path: Path) -> dict | None:
+    """From a Chrome trace: the share of the profiled window in which no GPU kernel or copy ran."""
+    events = json.loads(Path(trace_path).read_text()).get("traceEvents", [])
+    gpu = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in events
+           if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    if not gpu:
+        return None
+    host = [float(e["ts"]) for e in events if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation")]
+    start = min(min(host, default=gpu[0][0]), min(s for s, _ in gpu))
+    end = max(e for _, e in gpu)
+    window = end - start
+    busy = busy_time(gpu)
+    return {"window_ms": window / 1e3, "busy_ms": busy / 1e3, "idle_fraction": 1.0 - busy / window if window else 0.0}

@@ -46,3 +46,20 @@ class Progress:
             self._bar.close()
         elif self._enabled and self.n and time.perf_counter() - self._t0 >= self.every_s:
             self._line(time.perf_counter())  # a last line for long runs; short ones stay quiet
+
+
+def quiet_library_bars(stream=None) -> None:
+    """When output is not a terminal, silence the progress bars of transformers and the hub
+    (one line per update in a log: "Loading weights", "Writing model shards")."""
+    stream = stream or sys.stderr
+    if getattr(stream, "isatty", lambda: False)():
+        return
+    import os
+
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except ImportError:  # pragma: no cover - transformers is a hard dependency
+        pass

@@ -46,6 +46,7 @@ class BackendResult:
     batch_size: Optional[int] = None
     max_seq_len: Optional[int] = None
     n_shapes: Optional[int] = None
+    n_devices: Optional[int] = None  # GPUs (data-parallel workers) the prediction ran on
     n_features: Optional[int] = None  # rows predicted per pass
     n_questions: Optional[int] = None
     model: str = ""

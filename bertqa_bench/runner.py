@@ -144,7 +144,7 @@ class RunOutput:
 
 def run_backend(backend: Backend, ctx: BackendContext, plan: Plan, batches: list, *, token_outputs: tuple,
                 warmup_batches: int, min_passes: int, min_duration_s: float, flops: tuple[float, float] = (0.0, 0.0),
-                progress: bool = False, probe=None) -> RunOutput:
+                progress: bool = False, probe=None, before_timing=None) -> RunOutput:
     """Prepare, warm up and time one backend (already created); closes it either way."""
     try:
         t0 = time.perf_counter()
@@ -153,6 +153,8 @@ def run_backend(backend: Backend, ctx: BackendContext, plan: Plan, batches: list
         if probe is not None:
             probe.end_phase("prepare")
         n_warm = warm_up(backend, plan, batches, warmup_batches)
+        if before_timing is not None:
+            before_timing()
         if probe is not None:
             probe.end_phase("warmup")
             probe.start_timed()

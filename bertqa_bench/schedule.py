@@ -9,6 +9,9 @@ all of them run exactly the same shapes on exactly the same rows:
 * ``sorted`` — features sorted by real length into buckets of ``seq_multiple`` tokens; within a
   bucket, batches hold ``tokens_per_batch // seq`` rows (at most ``max_batch_rows``), so short
   features travel in large batches and padding nearly vanishes. Shapes: one per bucket.
+* ``packed`` — for backends that compute real tokens only (padding-free kernels): features
+  sorted by length, each batch filled up to ``tokens_per_batch`` *real* tokens. The arrays still
+  carry padding (up to the batch's longest row) but the backend never computes it.
 
 The last batch of a bucket is padded with extra rows up to the bucket's batch size (copies of
 a real row, never zeros; their outputs are dropped), so the set of shapes is small and known
@@ -119,9 +122,35 @@ def make_plan(lengths: np.ndarray, *, batching: str, batch_size: int, max_seq_le
             b = max(1, min(cap, budget // s))
             for i in range(0, len(bucket), b):
                 batches.append(Batch(bucket[i:i + b], (b, int(s))))
+    elif batching == "packed":
+        budget = int(tokens_per_batch or batch_size * max_seq_len)
+        order = np.argsort(-lengths[rows], kind="stable")
+        rows = rows[order]
+        start, used = 0, 0
+        for i, length in enumerate(lengths[rows].tolist() + [None]):
+            if length is None or (used + length > budget and i > start) or \
+                    (max_batch_rows and i - start >= max_batch_rows):
+                chunk = rows[start:i]
+                batches.append(Batch(chunk, (len(chunk), int(min(max_seq_len, _round_up(lengths[chunk].max(), 8))))))
+                start, used = i, 0
+            if length is not None:
+                used += length
     else:
-        raise ValueError(f"unknown batching '{batching}'; valid: padded, trimmed, sorted")
+        raise ValueError(f"unknown batching '{batching}'; valid: padded, trimmed, sorted, packed")
     return Plan(batching, batches, n)
+
+
+def shard_plan(plan: Plan, n: int) -> list[Plan]:
+    """Split a plan's batches over ``n`` workers with equal work: batches go, largest first, to
+    the worker with the fewest computed tokens so far (every batch to exactly one worker)."""
+    if n < 1:
+        raise ValueError("n must be >= 1")
+    loads, shards = [0] * n, [[] for _ in range(n)]
+    for i in sorted(range(len(plan.batches)), key=lambda i: -plan.batches[i].shape[0] * plan.batches[i].shape[1]):
+        w = loads.index(min(loads))
+        shards[w].append(i)
+        loads[w] += plan.batches[i].shape[0] * plan.batches[i].shape[1]
+    return [Plan(plan.batching, [plan.batches[i] for i in sorted(idx)], plan.n_features) for idx in shards]
 
 
 def batch_inputs(features: Mapping[str, np.ndarray], batch: Batch) -> dict[str, np.ndarray]:
@@ -152,3 +181,20 @@ def scatter(outputs: dict[str, np.ndarray], batch: Batch, out: Mapping[str, np.n
             dst[batch.rows] = o[:k]
         else:  # a token axis shorter than max_seq_len (trimmed / sorted batches)
             dst[batch.rows, : o.shape[1]] = o[:k]
+
+
+def mask_padding(outputs: dict[str, np.ndarray], attention_mask: np.ndarray, token_outputs: tuple[str, ...]) -> dict:
+    """Set token outputs at padding positions to PAD_LOGIT, in place.
+
+    What a backend computes at a padding position depends on how much padding its batch had, and
+    postprocessing's n-best (run_qa's rule: candidates are ranked before invalid ones are
+    dropped) would let those values take candidate slots — so the answers of a padded and a
+    length-sorted run could differ with identical logits on every real token. Blanking them
+    makes postprocessing depend on real tokens only, for every backend and batching alike.
+    """
+    pad = np.asarray(attention_mask) == 0
+    for name in token_outputs:
+        if name in outputs:
+            o = outputs[name]
+            o[pad[:, : o.shape[1]]] = PAD_LOGIT
+    return outputs

@@ -6,6 +6,7 @@ what differs; a suite family keeps its backend list in one file (e.g. ``gpu-back
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -15,12 +16,21 @@ from .config import BENCHMARKS_DIR, SuiteConfig, TaskConfig, build
 from .errors import ConfigError
 
 
+def _is_file(p: Path) -> bool:
+    try:  # a name too long for the file system is an OSError, not "no such suite"
+        return p.is_file()
+    except OSError:
+        return False
+
+
 def suite_path(name_or_path: str) -> Path:
+    if not isinstance(name_or_path, (str, os.PathLike)) or name_or_path == "":
+        raise ConfigError(f"a suite is named by a non-empty string, not {name_or_path!r:.80}")
     p = Path(name_or_path)
-    if p.suffix in (".yaml", ".yml") and p.exists():
+    if p.suffix in (".yaml", ".yml") and _is_file(p):
         return p
     candidate = BENCHMARKS_DIR / f"{name_or_path}.yaml"
-    if candidate.exists():
+    if _is_file(candidate):
         return candidate
     raise ConfigError(f"unknown suite '{name_or_path}'; suites in {BENCHMARKS_DIR}: {', '.join(suite_names())}")
 
@@ -67,15 +77,29 @@ def read_raw(name_or_path: str, seen: tuple = ()) -> dict:
     if path in seen:
         raise ConfigError(f"{path}: 'extends' loops through {', '.join(map(str, seen))}")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text: {e}") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e}") from None
+    try:
+        raw = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    except RecursionError:  # PyYAML's composer recurses once per nesting level
+        raise ConfigError(f"{path}: not usable YAML: nested too deeply") from None
+    except ValueError as e:  # e.g. an integer past Python's 4300-digit conversion limit
+        raise ConfigError(f"{path}: not usable YAML: {e}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: top level must be a mapping")
     raw.setdefault("name", path.stem)
     parents = raw.pop("extends", None) or []
+    if isinstance(parents, str):
+        parents = [parents]
+    if not isinstance(parents, list) or not all(isinstance(x, str) for x in parents):
+        raise ConfigError(f"{path}: 'extends' must be a suite name or a list of suite names, not {parents!r:.80}")
     merged: dict = {}
-    for parent in [parents] if isinstance(parents, str) else parents:
+    for parent in parents:
         base = read_raw(parent, seen + (path,))
         base.pop("description", None)
         base.pop("name", None)

@@ -2,10 +2,20 @@
 
 The child run is a view of the BackendResult: choices (variant, device, precision, batching,
 model) are params, numbers are metrics, status/parity/error are tags, predictions and the
-backend's log are artifacts. The parent carries the run's own record and ends FINISHED or
-FAILED with the verdict. The store is a local SQLite file under results/ unless
-MLFLOW_TRACKING_URI says otherwise. Tracking problems are reported and never lose the result
-bundle, which is written first.
+backend's log are artifacts. The parent carries the run's own record, the comparison table
+(``comparison.json``, an MLflow table: select two bench runs and compare them in the UI's
+artifact view) and ends FINISHED or FAILED with the verdict. Training is logged live
+(``Tracker.training``): the run starts and ends with the training, with loss and samples/s per
+optimizer step. The store is a local SQLite file under results/ unless MLFLOW_TRACKING_URI says
+otherwise. Tracking problems are reported and never lose the result bundle, which is written
+first, nor stop a training.
+
+The suite's experiment is tagged ``mlflow.experimentKind=custom_model_development`` (a
+"Machine learning" experiment, not a GenAI one): MLflow 3.x UIs that read the kind open it on the
+runs table. MLflow 3.17's UI no longer does: its sidebar switch "GenAI | Model training" decides
+(the ``workflowType`` URL parameter, else the browser's last choice, GenAI at first), so
+``ui_url``/``ui_links`` (printed by ``make mlflow-ui``) link to the runs table with
+``workflowType=machine_learning``.
 """
 from __future__ import annotations
 
@@ -22,6 +32,14 @@ from .results import BackendResult, RunBundle, RunMeta
 PARAM_FIELDS = ("backend", "implementation", "precision", "parity_class", "device", "device_name", "batching",
                 "batch_size", "max_seq_len", "model", "task", "status")
 TAG_FIELDS = ("status", "parity", "parity_failures", "error", "energy_note")
+# MLflow's experiment "kind" (set_experiment_tag; the UI's kind selector writes the same tag):
+# genai_development opens on traces, custom_model_development ("Machine learning") on the runs table
+# in UIs that read it; 3.17 goes by its GenAI / Model training switch instead (see ui_url).
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"
+COMPARISON_TABLE = "comparison.json"
+# Live training: at most about this many points per metric, whatever the number of steps.
+TRAIN_LOG_POINTS = 200
 
 
 def default_tracking_uri(results_root: Path) -> str:
@@ -90,9 +108,19 @@ class Tracker:
         name = f"bertqa-{suite}"
         exp = self._client.get_experiment_by_name(name)
         if exp is not None:
+            # Experiments made before the tag existed get it once; a kind someone chose is kept.
+            if not exp.tags.get(EXPERIMENT_KIND_TAG):
+                self._client.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
             return exp.experiment_id
         artifacts = (self.results_root / "mlruns").resolve().as_uri() if "MLFLOW_TRACKING_URI" not in os.environ else None
-        return self._client.create_experiment(name, artifact_location=artifacts)
+        return self._client.create_experiment(name, artifact_location=artifacts,
+                                              tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
+
+    @staticmethod
+    def ui_url(experiment_id: str, base: str = "http://127.0.0.1:5000") -> str:
+        """The experiment's runs table in ``mlflow ui``; without workflowType, MLflow 3.17 opens a
+        browser's first visit on its GenAI overview."""
+        return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs?workflowType=machine_learning"
 
     def log(self, run_id: str, metrics: dict, params: dict, tags: dict, step: int = 0) -> None:
         from mlflow.entities import Metric, Param, RunTag
@@ -147,25 +175,164 @@ class Tracker:
             self.log(self.parent_id, metrics, {}, tags)
             self.artifacts(self.parent_id, [bundle.dir / "summary.md", bundle.csv_path, bundle.dir / "comparison.png",
                                             bundle.dir / "run.json"])
+            self._try(self.log_comparison, self.parent_id, bundle)  # a table problem keeps the run's status
             self._client.set_terminated(self.parent_id, "FINISHED" if verdict.ok else "FAILED")
 
         if self.active and self.parent_id:
             self._try(go)
 
+    def log_comparison(self, run_id: str, bundle: RunBundle) -> None:
+        """The bench's comparison table (one row per backend, the results.csv columns) as an MLflow
+        table artifact, so two benches can be put side by side in the UI's artifact view."""
+        self._client.log_table(run_id, data=comparison_frame(bundle), artifact_file=COMPARISON_TABLE)
+
     # --- training ---------------------------------------------------------------------------
-    def log_training(self, cfg, metrics: dict, model_dir: Path) -> None:
+    def training(self, cfg) -> "TrainingRun":
+        """A live training run, started now: params now, ``step()`` while training, ``finish()``
+        (FINISHED) or ``fail()`` at the end. Used as a context manager, an exception ends it FAILED.
+        Without a working store every call is a no-op."""
         def go():
             exp = self.experiment(cfg.name)
             run = self._client.create_run(exp, run_name=f"train {cfg.model.name}", tags={"kind": "train"})
             params = {f"train.{k}": v for k, v in vars(cfg.train).items()} | {
                 "model": cfg.model.name, "base": cfg.model.base, "task": cfg.task.name,
                 "max_seq_len": cfg.data.max_seq_len, "doc_stride": cfg.data.doc_stride, "data": cfg.data.source}
-            self.log(run.info.run_id, numeric(metrics), params, {"model_dir": str(model_dir)})
-            self.artifacts(run.info.run_id, [Path(model_dir) / "train_metrics.json"])
-            self._client.set_terminated(run.info.run_id, "FINISHED")
+            self.log(run.info.run_id, {}, params, {"model_dir": str(cfg.model_dir)})
+            return run.info.run_id
 
+        return TrainingRun(self, self._try(go) if self.active else None)
+
+
+def ui_links(results_root: Path, base: str = "http://127.0.0.1:5000") -> list[str]:
+    """'<experiment>: <url of its runs table>' for every bertqa experiment of the store (``make mlflow-ui``)."""
+    root = Path(results_root)
+    if not os.environ.get("MLFLOW_TRACKING_URI") and not (root / "mlflow.db").exists():
+        return []
+    tracker = Tracker(root)
+    if not tracker.active:
+        return []
+    exps = tracker._try(tracker._client.search_experiments, filter_string="name LIKE 'bertqa-%'") or []
+    return [f"{e.name}: {Tracker.ui_url(e.experiment_id, base)}" for e in sorted(exps, key=lambda e: e.name)]
+
+
+def comparison_frame(bundle: RunBundle):
+    """results.csv as a DataFrame for ``MlflowClient.log_table``: one row per backend, the
+    backend first and the headline numbers next (MLflow's artifact view groups by the first
+    column and compares the second across the selected runs), then every other column; floats
+    to 4 significant digits (results.csv keeps them whole)."""
+    import pandas as pd
+
+    primary = bundle.meta.primary_metric
+    lead = ["backend", "features_per_s", "speedup", "predict_s", primary, "parity", "status"]
+    rows = []
+    for r in bundle.results:
+        row = r.to_row()
+        rows.append({k: _table_value(row.get(k)) for k in [*dict.fromkeys(lead), *row]})
+    return pd.DataFrame(rows, columns=list(rows[0]) if rows else lead)
+
+
+def _table_value(v):
+    if isinstance(v, bool) or v is None or isinstance(v, (int, str)):
+        return v
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return str(v)
+    return float(f"{f:.4g}") if math.isfinite(f) else None
+
+
+class TrainingRun:
+    """The live MLflow run of one training (rank 0 only). Every call is guarded: a tracking
+    problem prints a warning and never reaches the training; after a failed step it stops
+    logging steps (a dead server would otherwise stall every step on retries)."""
+
+    def __init__(self, tracker: Tracker, run_id: Optional[str]):
+        self.tracker = tracker
+        self.run_id = run_id
+        self.every = 1
+        self._ended = False
+        self._steps_off = False
+        self._last_step = 0
+        self._last_t = time.perf_counter()
+        self._last_seen = 0
+        self._losses: list[float] = []
+
+    @property
+    def active(self) -> bool:
+        return self.run_id is not None and not self._ended
+
+    def plan(self, total_steps: int, params: Optional[dict] = None) -> int:
+        """Once the number of optimizer steps is known: log every ``every`` steps, so that a long
+        training logs at most about TRAIN_LOG_POINTS points. Returns ``every``."""
+        self.every = max(1, math.ceil(total_steps / TRAIN_LOG_POINTS))
         if self.active:
-            self._try(go)
+            extra = dict(params or {}) | {"total_steps": total_steps, "log_every_steps": self.every}
+            self.tracker._try(self.tracker.log, self.run_id, {}, extra, {})
+        self._last_t = time.perf_counter()
+        return self.every
+
+    def step(self, step: int, loss: float, seen: int, total_steps: Optional[int] = None, **extra) -> None:
+        """Called after optimizer steps (each one, or every few) with the loss and the samples seen
+        so far (all ranks); logs ``train_loss`` (mean of the losses passed since the last point),
+        ``samples_per_s`` (since the last point) and ``extra`` at least ``every`` steps apart and
+        at the last step."""
+        if not self.active or self._steps_off:
+            return
+        self._losses.append(float(loss))
+        # At least ``every`` steps apart, whatever the caller's own cadence, and the last step.
+        if step - self._last_step < self.every and step != total_steps:
+            return
+        self._last_step = step
+        dt = time.perf_counter() - self._last_t
+        metrics = {"train_loss": sum(self._losses) / len(self._losses)} | extra
+        if dt > 0 and seen > self._last_seen:
+            metrics["samples_per_s"] = (seen - self._last_seen) / dt
+        self._losses, self._last_seen = [], seen
+
+        def go():
+            self.tracker.log(self.run_id, numeric(metrics), {}, {}, step=step)
+            return True
+
+        if not self.tracker._try(go):
+            print("warning: MLflow: no more per-step training metrics after this failure", file=sys.stderr)
+            self._steps_off = True  # the final metrics and the run's end are still tried
+        self._last_t = time.perf_counter()  # the next interval's samples/s leaves this logging out
+
+    def finish(self, metrics: dict, model_dir: Path) -> None:
+        """The final metrics and train_metrics.json, then the run ends FINISHED (now)."""
+        if not self.active:
+            return
+        t = self.tracker
+
+        def go():
+            # step 0, like the bench's metrics: one value per run, which the UI charts as bars.
+            t.log(self.run_id, numeric(metrics), {}, {"model_dir": str(model_dir)})
+            t.artifacts(self.run_id, [Path(model_dir) / "train_metrics.json"])
+
+        t._try(go)
+        self._end("FINISHED")
+
+    def fail(self, error: Optional[BaseException] = None) -> None:
+        if not self.active:
+            return
+        if error is not None:
+            self.tracker._try(self.tracker.log, self.run_id, {}, {},
+                              {"error": f"{type(error).__name__}: {error}"})
+        self._end("FAILED" if not isinstance(error, KeyboardInterrupt) else "KILLED")
+
+    def _end(self, status: str) -> None:
+        self._ended = True
+        self.tracker._try(self.tracker._client.set_terminated, self.run_id, status, int(time.time() * 1000))
+
+    def __enter__(self) -> "TrainingRun":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc is not None:
+            self.fail(exc)
+        elif self.active:  # left without finish(): nothing went wrong, but nothing was saved either
+            self._end("FINISHED")
+        return False
 
 
 def import_bundle(run_dir: Path, results_root: Path) -> str:

@@ -42,6 +42,12 @@ class Job:
     min_duration_s: float = 0.0
     num_threads: Optional[int] = None
     progress: bool = False
+    # data-parallel prediction: this worker's share of the plan, and the folder where all
+    # shards meet before timing, so their timed passes overlap
+    shard_index: int = 0
+    shard_count: int = 1
+    barrier_dir: str = ""
+    barrier_timeout_s: float = 1800.0
 
     @property
     def name(self) -> str:
@@ -76,19 +82,39 @@ def execute(job: Job, plan=None, inputs=None) -> tuple[dict, Optional[dict]]:
         import torch
 
         torch.set_num_threads(int(job.num_threads))
+    from .schedule import shard_plan
+
     inputs = inputs if inputs is not None else load_inputs(Path(job.evalset))
     plan = plan if plan is not None else Plan.load(Path(job.plan))
+    if job.shard_count > 1:
+        plan = shard_plan(plan, job.shard_count)[job.shard_index]
     batches = materialize(inputs, plan)
     lengths = np.asarray(inputs["attention_mask"]).sum(axis=1)
     ctx = make_context(job.model_dir, job.task, job.artifacts_dir, job.output_names, plan, batches, job.max_seq_len)
     probe = Probe(cuda=variant.device == "cuda")
     run = run_backend(variant.create(), ctx, plan, batches, token_outputs=tuple(job.token_outputs),
                       warmup_batches=job.warmup_batches, min_passes=job.min_passes, min_duration_s=job.min_duration_s,
-                      flops=plan_flops(model_dims(ctx.model_dir), plan, lengths), progress=job.progress, probe=probe)
+                      flops=plan_flops(model_dims(ctx.model_dir), plan, lengths), progress=job.progress, probe=probe,
+                      before_timing=(lambda: barrier(job)) if job.shard_count > 1 else None)
     record = {"status": "ok", "prepare_s": run.prepare_s, "warmup_batches": run.warmup_batches,
               "prepare_info": run.prepare_info, "timing": run.timing.summary(), "pass_s": run.timing.pass_s,
-              "measures": run.measures, "outputs": job.outputs, "pid": os.getpid()}
+              "batch_ms": run.timing.batch_ms.tolist(), "measures": run.measures, "outputs": job.outputs,
+              "rows": sorted({int(r) for b in plan.batches for r in b.rows}), "pid": os.getpid()}
     return record, run.outputs
+
+
+def barrier(job: Job) -> None:
+    """Wait until every shard of a data-parallel job is warmed up (files in barrier_dir)."""
+    import time
+
+    d = Path(job.barrier_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / f"ready-{job.shard_index}").touch()
+    deadline = time.monotonic() + job.barrier_timeout_s
+    while len(list(d.glob("ready-*"))) < job.shard_count:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the other {job.shard_count - 1} data-parallel workers never got ready")
+        time.sleep(0.01)
 
 
 def save_outputs(path: str | Path, outputs: dict) -> None:
@@ -120,6 +146,9 @@ def run_job_safely(job: Job) -> dict:
 
 
 def main(argv=None) -> int:
+    from .progress import quiet_library_bars
+
+    quiet_library_bars()  # the parent keeps this process's output in a log file
     argv = sys.argv[1:] if argv is None else argv
     job = Job(**json.loads(Path(argv[0]).read_text()))
     result = run_job_safely(job)

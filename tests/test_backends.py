@@ -353,3 +353,45 @@ def test_eager_bf16_cpu_runs(make_ctx, reference):
         check_outputs(out, b, s)
         assert max_diff(out, r) < 0.2
     assert backend.prepare_info["weights_dtype"] == "bf16"
+
+
+def test_packed_padding_free_encoder_matches_the_padded_model_on_real_tokens(make_ctx, reference):
+    from bertqa_bench.backends import make_variant
+
+    batches, ref = reference
+    v = make_variant("packed-cpu", "torch", "cpu", {"packed": True})
+    assert v.backend_class.batching_reason(v.options, "packed") is None
+    assert TABLE.get("eager-fp32").backend_class.batching_reason(TABLE.get("eager-fp32").options, "packed")
+    backend = v.create()
+    backend.prepare(make_ctx())
+    try:
+        outs = [backend.predict(b) for b in batches]
+    finally:
+        backend.close()
+    assert backend.prepare_info["packed"] is True
+    for b, out, r in zip(batches, outs, ref):
+        real = b["attention_mask"].astype(bool)
+        for n in OUTPUTS:
+            assert np.abs(out[n] - r[n])[real].max() < 1e-4, n
+
+
+def test_packed_encoder_keeps_the_nq_answer_type_head(tmp_path):
+    from transformers import BertConfig
+
+    from bertqa_bench.backends.packed_bert import pack_model
+    from bertqa_bench.tasks.nq.model import BertJointForNaturalQuestions
+
+    torch.manual_seed(0)
+    m = BertJointForNaturalQuestions(BertConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2,
+                                                num_attention_heads=4, intermediate_size=128,
+                                                max_position_embeddings=128)).eval()
+    b = make_batch(4, 40, pad_rows=3)
+    x = {k: torch.from_numpy(v) for k, v in b.items()}
+    with torch.no_grad():
+        ref = m(**x)
+        import copy
+
+        out = pack_model(copy.deepcopy(m))(**x)
+    real = x["attention_mask"].bool()
+    assert (out["start_logits"] - ref["start_logits"])[real].abs().max() < 1e-5
+    assert (out["answer_type_logits"] - ref["answer_type_logits"]).abs().max() < 1e-5

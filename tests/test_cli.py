@@ -1,4 +1,5 @@
 import json
+from pathlib import Path
 
 import pytest
 
@@ -32,6 +33,42 @@ def test_score_rejects_a_bad_predictions_file(tmp_path, capsys):
     preds.write_text("[1, 2]")
     assert main(["score", str(data), str(preds)]) == 2
     assert "preds.json" in capsys.readouterr().err
+
+
+def test_score_accepts_what_the_official_script_accepts(tmp_path, capsys):
+    # misaligned answer_start, empty answer text, a duplicate id, no question/answer_start: the
+    # official evaluate-v1.1.py reads only ids and answer texts, so it scores this file.
+    qas = [{"id": "q1", "question": "Where?", "answers": [{"text": "Teluma", "answer_start": 0}]},
+           {"id": "q2", "answers": [{"text": ""}, {"text": "1874", "answer_start": 26}]},
+           {"id": "q1", "question": "Again?", "answers": [{"text": "Teluma", "answer_start": 16}]},
+           {"id": "q3", "question": "Who?", "answers": [{"text": "Ada", "answer_start": 0}]}]
+    data = tmp_path / "dev.json"
+    data.write_text(json.dumps({"version": "1.1", "data": [{"title": "t", "paragraphs": [
+        {"context": "Ada was born in Teluma in 1874.", "qas": qas}]}]}))
+    preds = tmp_path / "preds.json"
+    preds.write_text(json.dumps({"q1": "Teluma", "q2": "1874"}))
+    assert main(["score", str(data), str(preds)]) == 0
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    # q1 twice (both right), q2 right, q3 unanswered: 3 of 4
+    assert out["exact_match"] == pytest.approx(75.0) and out["f1"] == pytest.approx(75.0)
+    assert (out["n_questions"], out["n_answered"], out["n_unknown_ids"]) == (4, 3, 0)
+    assert "Unanswered question q3 will receive score 0." in captured.err
+    warning = next(line for line in captured.err.splitlines() if line.startswith("warning:"))
+    for part in ("dev.json", "1 answer(s) whose answer_start does not match the context", "1 empty answer text(s)",
+                 "1 duplicate question id(s)", "1 question(s) without a string 'question'",
+                 "1 answer(s) without an integer 'answer_start'"):
+        assert part in warning
+
+
+def test_score_rejects_a_dataset_without_questions(tmp_path, capsys):
+    data = tmp_path / "dev.json"
+    data.write_text(json.dumps({"version": "1.1", "data": [{"title": "t", "paragraphs": []}]}))
+    preds = tmp_path / "preds.json"
+    preds.write_text("{}")
+    assert main(["score", str(data), str(preds)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "dev.json" in captured.err and "no questions" in captured.err
 
 
 def test_unknown_backend_lists_valid_names(capsys):
@@ -108,3 +145,21 @@ def test_track_imports_a_bundle_made_without_mlflow(tmp_path, monkeypatch, capsy
     assert sorted(r.data.params["backend"] for r in children) == ["eager-fp32-cuda", "ort-cuda-fp16"]
     assert all(r.data.tags["env.gpu"] == "NVIDIA H100 80GB HBM3" for r in children)
     assert {r.data.metrics["predict_s"] for r in children} == {20.0, 2.0}
+
+
+@pytest.mark.slow
+def test_sweep_runs_a_grid_against_one_reference_and_picks_the_best_point_at_parity(tiny_suite, capsys):
+    suite = tiny_suite(backends=["eager-fp32"], bench={"backends": ["eager-fp32"], "batch_size": 8,
+                                                         "warmup_batches": 1, "min_passes": 1, "min_duration_s": 0,
+                                                         "isolation": "inprocess"})
+    assert main(["sweep", "--suite", str(suite), "--backends", "eager-fp32", "--batch-sizes", "4,16",
+                 "--batchings", "padded,sorted", "--no-mlflow", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    run = Path(out.split("results: ")[-1].strip())
+    bundle = RunBundle.load(run)
+    names = [r.backend for r in bundle.results]
+    assert names == ["eager-fp32", "eager-fp32@b4-padded", "eager-fp32@b16-padded", "eager-fp32@b4-sorted",
+                     "eager-fp32@b16-sorted"]
+    point = {r.backend: r for r in bundle.results}["eager-fp32@b16-sorted"]
+    assert point.batch_size == 16 and point.batching == "sorted" and point.parity == "pass"
+    assert "| eager-fp32 |" in (run / "sweep.md").read_text() and (run / "sweep.png").stat().st_size > 1000

@@ -360,3 +360,75 @@ def test_fp8_linear_on_gpu_matches_fp32():
             y = f(x.half())
         assert y.dtype == torch.float16
         assert rel_l2(y, ref) < 0.05, scaling
+
+
+# --------------------------------------------------------------------------- INT8 and the sensitivity sweep
+
+def test_int8_linear_matches_linear_within_int8_error():
+    from bertqa_bench.backends.quantize import int8_linear_class
+
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 48)
+    x = torch.randn(4, 10, 64)
+    q = int8_linear_class()(lin.weight, lin.bias)
+    with torch.no_grad():
+        assert rel_l2(q(x), lin(x)) < 0.02
+    assert q.weight_int8.dtype == torch.int8 and q.weight_int8.shape == (64, 48)  # stored [K, N]
+
+
+def test_swapped_int8_tiny_bert_tracks_fp32_and_keeps_the_layers_asked():
+    from bertqa_bench.backends.quantize import swap_to_int8
+
+    model = qa(tiny_bert(hidden=64, layers=3))
+    ref = copy.deepcopy(model)
+    done = swap_to_int8(model, keep_layers=[1])
+    assert len(done["swapped"]) == 2 * 6 and all(".layer.1." in n for n in done["kept"])  # q, k, v, o, in, out
+    ids, mask, types = inputs(4, 40)
+    with torch.no_grad():
+        for a, b in zip(model(ids, mask, types), ref(ids, mask, types)):
+            assert rel_l2(a, b) < 0.05
+
+
+def test_sensitivity_sweep_ranks_layers_by_how_far_they_move_the_outputs():
+    from bertqa_bench.backends.quantize import choose_kept_layers, layer_sensitivity
+
+    model = qa(tiny_bert(hidden=32, layers=3))
+    batches = [inputs(3, 24, seed=s) for s in range(2)]
+
+    def damage(m, layer):  # a stand-in for quantization whose error grows with the layer index
+        with torch.no_grad():
+            w = m.model.bert.encoder.layer[layer].output.dense.weight
+            w.add_(torch.randn_like(w) * 0.05 * (layer + 1))
+
+    scores = layer_sensitivity(model, batches, damage)
+    assert [layer for layer, _ in scores] == [2, 1, 0] and scores[0][1] > scores[-1][1] > 0
+    assert choose_kept_layers(scores, 2) == (1, 2) and choose_kept_layers(scores, 0) == ()
+
+
+def test_fp8_recipe_with_a_sensitivity_sweep_keeps_the_most_sensitive_layers(tmp_path):
+    """The torch backend's fp8 option end to end on CPU (float8 GEMMs exist in CPU torch)."""
+    if not _cpu_scaled_mm_works():
+        pytest.skip("this CPU torch has no float8 _scaled_mm")
+    from bertqa_bench.backends.torch_backend import TorchBackend
+
+    path = tmp_path / "m"
+    tiny_bert(hidden=64, layers=3).save_pretrained(path)
+    rng = np.random.default_rng(0)
+    b = {"input_ids": rng.integers(5, 1000, (4, 32)).astype(np.int64), "attention_mask": np.ones((4, 32), np.int64),
+         "token_type_ids": np.zeros((4, 32), np.int64)}
+    ctx = BackendContext(model_dir=path, task="squad", artifacts_dir=tmp_path / "a", output_names=OUTPUTS,
+                         sample_batches=(b,), shapes=((4, 32),), max_batch_size=4, max_seq_len=32)
+    v = make_variant("fp8-cpu", "torch", "cpu", {"weights": "fp32", "autocast": "none"})
+    backend = TorchBackend(v)
+    module, info = backend._build_model(ctx)  # no fp8 asked: nothing swapped
+    assert info == {}
+    import dataclasses as dc
+
+    opts = dc.replace(v.options, weights="fp16")
+    opts.fp8 = torch_backend.Fp8Options(sensitivity_keep=1)
+    backend.options = opts
+    backend.device = "cpu"
+    module, info = backend._build_model(ctx)
+    kept = info["sensitivity_kept"]
+    assert len(kept.split(",")) == 1 and info["fp8_keep_layers"] == kept
+    assert len(info["sensitivity_max_abs_logit_shift"].split(";")) == 3

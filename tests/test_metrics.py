@@ -1,3 +1,5 @@
+import contextlib
+import io
 import json
 
 import pytest
@@ -132,11 +134,182 @@ def test_bad_predictions_file_names_the_file(tmp_path, content, field):
     assert str(preds) in str(err.value) and err.value.field == field
 
 
-def test_score_files_validates_dataset(tmp_path):
-    bad = tmp_path / "dev.json"
-    bad.write_text(json.dumps({"version": "1.1", "data": [{"title": "t", "paragraphs": [
-        {"context": "abc", "qas": [{"id": "q", "question": "?", "answers": [{"text": "x", "answer_start": 0}]}]}]}]}))
-    preds = tmp_path / "p.json"
-    preds.write_text("{}")
+# --- score_files accepts what evaluate-v1.1.py accepts -------------------------------------------
+
+_CTX = "Marisa Okafor was born in Teluma in 1874."
+
+
+def _qa(qid, *answers, question="Where?", **extra):
+    return {"id": qid, "question": question, "answers": [dict(a) for a in answers], **extra}
+
+
+def _write_dataset(tmp_path, qas, context=_CTX, **top):
+    paragraph = {"qas": qas} if context is None else {"context": context, "qas": qas}
+    obj = {"version": "1.1", "data": [{"title": "t", "paragraphs": [paragraph]}], **top}
+    if top.get("version", "1.1") is None:
+        del obj["version"]
+    path = tmp_path / "dev.json"
+    path.write_text(json.dumps(obj))
+    return path, obj
+
+
+def _score(tmp_path, dataset, preds):
+    p = tmp_path / "preds.json"
+    p.write_text(preds if isinstance(preds, str) else json.dumps(preds))
+    with contextlib.redirect_stderr(io.StringIO()) as err:
+        result = score_files(dataset, p)
+    return result, err.getvalue().splitlines()
+
+
+def _official(obj, preds):
+    return _official_evaluate(obj["data"], preds)
+
+
+def test_score_tolerates_misaligned_answer_start_with_a_warning(tmp_path):
+    data, obj = _write_dataset(tmp_path, [
+        _qa("q1", {"text": "Teluma", "answer_start": 3}),           # wrong offset
+        _qa("q2", {"text": "1874", "answer_start": 999}),           # out of range
+        _qa("q3", {"text": "Marisa Okafor", "answer_start": 0})])   # fine
+    preds = {"q1": "Teluma", "q2": "in 1874", "q3": "Okafor"}
+    result, lines = _score(tmp_path, data, preds)
+    assert result["exact_match"] == pytest.approx(_official(obj, preds)["exact_match"]) == pytest.approx(100 / 3)
+    assert result["f1"] == pytest.approx(_official(obj, preds)["f1"])
+    assert result["n_questions"] == 3 and result["n_answered"] == 3
+    warning = "\n".join(lines)
+    assert "dev.json" in warning and "tolerated 2 answer(s) whose answer_start does not match the context" in warning
+    assert "'q1' answers[0]" in warning and "'q2' answers[0]" in warning and "'q3'" not in warning
+
+
+def test_score_tolerates_empty_answer_text(tmp_path):
+    data, obj = _write_dataset(tmp_path, [_qa("q1", {"text": "", "answer_start": 0}, {"text": "Teluma", "answer_start": 26}),
+                                          _qa("q2", {"text": "", "answer_start": 0})])
+    preds = {"q1": "Teluma", "q2": ""}
+    result, lines = _score(tmp_path, data, preds)
+    # the official quirk: "" vs "" is an exact match with F1 0
+    assert result == {**_official(obj, preds), "n_questions": 2, "n_answered": 2, "n_unknown_ids": 0}
+    assert result["exact_match"] == 100.0 and result["f1"] == pytest.approx(50.0)
+    assert any("2 empty answer text(s)" in line and "'q1' answers[0]" in line for line in lines)
+
+
+def test_score_counts_duplicate_ids_like_the_official_script(tmp_path):
+    # evaluate-v1.1.py loops over the qas, not over a dict of ids: each occurrence counts in the
+    # total and is scored against its own answers with the one prediction for that id.
+    data, obj = _write_dataset(tmp_path, [_qa("q1", {"text": "Teluma", "answer_start": 26}),
+                                          _qa("q1", {"text": "1874", "answer_start": 36}),
+                                          _qa("q2", {"text": "1874", "answer_start": 36})])
+    preds = {"q1": "Teluma", "q2": "1874"}
+    result, lines = _score(tmp_path, data, preds)
+    assert result["exact_match"] == pytest.approx(_official(obj, preds)["exact_match"]) == pytest.approx(200 / 3)
+    assert (result["n_questions"], result["n_answered"]) == (3, 3)
+    assert any("1 duplicate question id(s)" in line and "'q1'" in line for line in lines)
+
+
+def test_score_tolerates_missing_question_answer_start_and_context(tmp_path):
+    qas = [{"id": "q1", "answers": [{"text": "Teluma"}]},                            # no question, no answer_start
+           _qa("q2", {"text": "1874", "answer_start": "36"}, question=None)]        # start a string, question null
+    data, obj = _write_dataset(tmp_path, qas, context=None)
+    preds = {"q1": "Teluma", "q2": "1874"}
+    result, lines = _score(tmp_path, data, preds)
+    assert result["exact_match"] == 100.0 and result["n_questions"] == 2
+    warning = "\n".join(lines)
+    assert "2 question(s) without a string 'question'" in warning
+    assert "2 answer(s) without an integer 'answer_start'" in warning
+    assert "1 paragraph(s) without a string 'context'" in warning
+
+
+def test_score_question_without_gold_answers(tmp_path):
+    data, obj = _write_dataset(tmp_path, [_qa("q1", {"text": "Teluma", "answer_start": 26}), _qa("q2")])
+    # unanswered: the official script gives it 0 and goes on
+    result, lines = _score(tmp_path, data, {"q1": "Teluma"})
+    assert result["exact_match"] == pytest.approx(50.0)
+    assert any("1 question(s) with no gold answers and no prediction" in line for line in lines)
+    # answered: the official script crashes on max([]); here the record is named
+    with pytest.raises(DatasetFormatError) as err:
+        _score(tmp_path, data, {"q1": "Teluma", "q2": "x"})
+    assert err.value.field == "answers" and "qas[1] (id 'q2')" in err.value.record
+
+
+def test_score_prints_the_official_unanswered_message(tmp_path, capsys):
+    data, _ = _write_dataset(tmp_path, [_qa("q1", {"text": "Teluma", "answer_start": 26}),
+                                        _qa("q2", {"text": "1874", "answer_start": 36})])
+    preds = tmp_path / "preds.json"
+    preds.write_text(json.dumps({"q1": "Teluma"}))
+    result = score_files(data, preds)  # default: stderr
+    assert result["exact_match"] == pytest.approx(50.0) and result["n_answered"] == 1
+    err = capsys.readouterr().err
+    assert "Unanswered question q2 will receive score 0.\n" in err and "q1" not in err
+
+
+def test_score_warns_about_the_version_like_the_official_script(tmp_path):
+    data, _ = _write_dataset(tmp_path, [_qa("q1", {"text": "Teluma", "answer_start": 26})], version="2.0")
+    _, lines = _score(tmp_path, data, {"q1": "Teluma"})
+    assert lines == ["Evaluation expects v-1.1, but got dataset with v-2.0"]
+    data, _ = _write_dataset(tmp_path, [_qa("q1", {"text": "Teluma", "answer_start": 26})], version=None)
+    result, lines = _score(tmp_path, data, {"q1": "Teluma"})  # the official script raises KeyError here
+    assert result["exact_match"] == 100.0 and "no 'version' field" in lines[0]
+
+
+def test_score_tolerates_unused_non_string_predictions_and_duplicate_keys(tmp_path):
+    data, _ = _write_dataset(tmp_path, [_qa("q1", {"text": "Teluma", "answer_start": 26})])
+    # json.load keeps the last of duplicate keys; a value for an id not in the dataset is never read
+    result, lines = _score(tmp_path, data, '{"q1": "Paris", "q1": "Teluma", "meta": {"model": 1}}')
+    assert result["exact_match"] == 100.0 and result["n_unknown_ids"] == 1
+    warning = "\n".join(lines)
+    assert "1 id(s) given more than once in the predictions file" in warning and "'q1'" in warning
+    assert "1 prediction(s) for ids not in the dataset whose value is not a string" in warning
+    with pytest.raises(DatasetFormatError) as err:
+        _score(tmp_path, data, {"q1": ["Teluma"]})
+    assert err.value.field == "q1" and "preds.json" in err.value.path
+
+
+@pytest.mark.parametrize("qas", [[], None])
+def test_score_dataset_with_no_questions_is_an_error(tmp_path, qas):
+    if qas is None:
+        path = tmp_path / "dev.json"
+        path.write_text(json.dumps({"version": "1.1", "data": []}))
+    else:
+        path, _ = _write_dataset(tmp_path, qas)
+    with pytest.raises(DatasetFormatError, match="no questions") as err:
+        _score(tmp_path, path, {"q1": "x"})
+    assert err.value.path == str(path) and err.value.field == "data"
+
+
+@pytest.mark.parametrize("obj, record, field", [
+    ([], "<top level>", "<root>"),
+    ({"version": "1.1"}, "<top level>", "data"),
+    ({"data": [{"title": "t"}]}, "data[0]", "paragraphs"),
+    ({"data": [{"paragraphs": [{"context": "c"}]}]}, "data[0].paragraphs[0]", "qas"),
+    ({"data": [{"paragraphs": [{"qas": ["q1"]}]}]}, "data[0].paragraphs[0].qas[0]", "<qa>"),
+    ({"data": [{"paragraphs": [{"qas": [{"answers": [{"text": "x"}]}]}]}]}, "data[0].paragraphs[0].qas[0]", "id"),
+    ({"data": [{"paragraphs": [{"qas": [{"id": 7, "answers": []}]}]}]}, "data[0].paragraphs[0].qas[0]", "id"),
+    ({"data": [{"paragraphs": [{"qas": [{"id": "q1"}]}]}]}, "data[0].paragraphs[0].qas[0] (id 'q1')", "answers"),
+    ({"data": [{"paragraphs": [{"qas": [{"id": "q1", "answers": {"text": "x"}}]}]}]},
+     "data[0].paragraphs[0].qas[0] (id 'q1')", "answers"),
+    ({"data": [{"paragraphs": [{"qas": [{"id": "q1", "answers": [{"answer_start": 0}]}]}]}]},
+     "data[0].paragraphs[0].qas[0] (id 'q1').answers[0]", "text"),
+    ({"data": [{"paragraphs": [{"qas": [{"id": "q1", "answers": [{"text": 5}]}]}]}]},
+     "data[0].paragraphs[0].qas[0] (id 'q1').answers[0]", "text"),
+])
+def test_score_unscoreable_dataset_names_file_record_and_field(tmp_path, obj, record, field):
+    path = tmp_path / "dev.json"
+    path.write_text(json.dumps(obj))
+    with pytest.raises(DatasetFormatError) as err:
+        _score(tmp_path, path, {})
+    assert (err.value.path, err.value.record, err.value.field) == (str(path), record, field)
+
+
+def test_score_dataset_not_json(tmp_path):
+    path = tmp_path / "dev.json"
+    path.write_text('{"data": [')
+    with pytest.raises(DatasetFormatError) as err:
+        _score(tmp_path, path, {})
+    assert err.value.field == "<json>" and err.value.path == str(path)
+
+
+def test_training_reader_stays_strict_where_scoring_tolerates(tmp_path):
+    from bertqa_bench.tasks.squad.reader import load_squad_json
+
+    data, _ = _write_dataset(tmp_path, [_qa("q1", {"text": "Teluma", "answer_start": 3})])
+    assert _score(tmp_path, data, {"q1": "Teluma"})[0]["exact_match"] == 100.0
     with pytest.raises(DatasetFormatError, match="answer_start"):
-        score_files(bad, preds)
+        load_squad_json(data)

@@ -174,6 +174,16 @@ def test_metric_yes_no_span_sets_and_missing_predictions():
     assert nq_evaluate([gold[2]], [_pred("C", (5, 9), 1.0, yn="yes", short_score=1.0)])["short_f1"] == 100.0
 
 
+def test_metric_warns_about_missing_predictions(capsys):
+    gold = _gold_set()
+    r = nq_evaluate(gold, [_pred("A", (10, 20), 3.0, [(12, 13)], 2.0), _pred("C")])
+    err = capsys.readouterr().err
+    assert "warning: 3 of 5 gold examples have no prediction; counted as null" in err
+    assert r["long_recall"] == pytest.approx(100 / 3)  # still scored as nulls: A of A, C, E
+    nq_evaluate(gold, [_pred(k) for k in "ABCDE"])
+    assert "no prediction" not in capsys.readouterr().err
+
+
 def test_metric_no_correct_prediction_puts_threshold_above_all_scores():
     r = nq_evaluate([_ex("D", [_ann()])], [_pred("D", (1, 2), 4.0, [(1, 2)], 3.0)])
     assert r["long_f1"] == 0.0 and r["long_threshold"] == 5.0 and r["short_threshold"] == 4.0
@@ -309,27 +319,38 @@ def _pp(ex, feats, start, end, types, **kw):
     return postprocess_nq([ex], feats, start, end, types, **kw)["predictions"][0]
 
 
-def test_postprocess_whole_candidate_is_long_and_rest_short():
+def test_postprocess_best_span_is_short_answer_even_when_it_is_a_whole_candidate():
     ex, feats, start, end = _pp_case()
-    start[0, 8], end[0, 9] = 4.0, 4.0  # x..y = the whole first <Li>: long candidate, score 8
-    end[0, 8] = 3.0  # x..x: a short, score 7
+    start[0, 8], end[0, 9] = 4.0, 4.0  # x..y = the whole first <Li>, score 8: the best span
+    end[0, 8] = 3.0  # x..x, score 7
     p = _pp(ex, feats, start, end, _types(SHORT))
-    assert (p["long_answer"]["start_token"], p["long_answer"]["end_token"]) == (6, 10)
-    assert p["long_answer_score"] == pytest.approx(8.0)
-    assert [(s["start_token"], s["end_token"]) for s in p["short_answers"]] == [(7, 8)]
-    assert p["short_answers_score"] == pytest.approx(7.0) and p["yes_no_answer"] == "NONE"
-    assert p["long_answer"]["start_byte"] == -1 and p["example_id"] == 9
+    assert [(s["start_token"], s["end_token"]) for s in p["short_answers"]] == [(7, 9)]
+    assert (p["long_answer"]["start_token"], p["long_answer"]["end_token"]) == (5, 14)  # the <Ul>, not the <Li>
+    assert p["long_answer_score"] == p["short_answers_score"] == pytest.approx(8.0)
+    assert p["yes_no_answer"] == "NONE" and p["long_answer"]["start_byte"] == -1 and p["example_id"] == 9
     json.dumps(p)  # plain Python types only
 
-    start[0, 4], end[0, 6] = 6.0, 6.0  # a..c = the whole <P>: wins the long answer with 12
+    start[0, 4], end[0, 6] = 6.0, 6.0  # a..c = the whole <P>, score 12
     p = _pp(ex, feats, start, end, _types(SHORT))
+    assert [(s["start_token"], s["end_token"]) for s in p["short_answers"]] == [(1, 4)]
     assert (p["long_answer"]["start_token"], p["long_answer"]["end_token"]) == (0, 5)
-    # a..y (score 10) is no candidate, so a short answer of 6 pieces: allowed by default...
+
+
+def test_postprocess_max_answer_len_spares_whole_candidates_but_never_as_short():
+    ex, feats, start, end = _pp_case()
+    start[0, 4], end[0, 9] = 6.0, 6.0  # a..y (6 pieces, no candidate), score 12
+    start[0, 8], end[0, 8] = 4.0, 4.0  # "x", score 8
     p = _pp(ex, feats, start, end, _types(SHORT))
     assert [(s["start_token"], s["end_token"]) for s in p["short_answers"]] == [(1, 9)]
-    # ...but not with max_answer_len=3, which leaves "x" (score 7)
-    p = _pp(ex, feats, start, end, _types(SHORT), max_answer_len=3)
-    assert [(s["start_token"], s["end_token"]) for s in p["short_answers"]] == [(7, 8)]
+    assert p["long_answer"]["start_token"] == -1  # crosses two top-level candidates: no long answer
+    p = _pp(ex, feats, start, end, _types(SHORT), max_answer_len=3)  # leaves x..y (score 10)
+    assert [(s["start_token"], s["end_token"]) for s in p["short_answers"]] == [(7, 9)]
+    assert (p["long_answer"]["start_token"], p["long_answer"]["end_token"]) == (5, 14)
+    # a..c is the whole <P> (3 pieces): kept past max_answer_len=2 as a long answer, with no short one
+    end[0, 6] = 7.0  # a..c, score 13
+    p = _pp(ex, feats, start, end, _types(SHORT), max_answer_len=2)
+    assert (p["long_answer"]["start_token"], p["long_answer"]["end_token"]) == (0, 5)
+    assert p["long_answer_score"] == pytest.approx(13.0) and p["short_answers"] == []
 
 
 def test_postprocess_falls_back_to_top_level_candidate_of_short():
@@ -352,6 +373,71 @@ def test_postprocess_answer_type_head_decides_yes_no_and_long_only():
     p = _pp(ex, feats, start, end, _types(LONG))
     assert p["yes_no_answer"] == "NONE" and p["short_answers"] == []
     assert p["long_answer"]["start_token"] == 0
+
+
+def _nested_case(tokens, cands):
+    """One window over ``tokens`` laid out as features do it: [CLS] q [SEP], then per top-level
+    candidate a marker and its non-HTML tokens, then [SEP]; logits at -10, null score 0."""
+    ex = NQExample("n", "q", tuple(tokens), tuple(Candidate(*c) for c in cands), ())
+    row = [-1, -1, -1]
+    for c in ex.candidates:
+        if c.top_level:
+            row += [-1] + [d for d in range(c.start_token, c.end_token) if not tokens[d].startswith("<")]
+    row.append(-1)
+    t2d = np.array([row], np.int32)
+    z = np.zeros_like(t2d, dtype=np.int64)
+    feats = Features(z, z + 1, z, np.zeros(1, np.int64), extra={"token_to_doc": t2d})
+    start = np.full(t2d.shape, -10.0, np.float32)
+    end = np.full(t2d.shape, -10.0, np.float32)
+    start[0, 0] = end[0, 0] = 0.0
+    pos = {d: i for i, d in enumerate(row) if d >= 0}  # document token -> sequence position
+    return ex, feats, start, end, pos
+
+
+def _spans(p):
+    return ((p["long_answer"]["start_token"], p["long_answer"]["end_token"]),
+            [(s["start_token"], s["end_token"]) for s in p["short_answers"]], p["yes_no_answer"])
+
+
+#         0      1      2        3       4      5         6     7      8       9
+_LIST = ["<Ul>", "<Li>", "Paris", "</Li>", "<Li>", "London", "is", "big", "</Li>", "</Ul>"]
+_LIST_CANDS = [(0, 10, True), (1, 4, False), (4, 9, False)]
+
+
+def test_postprocess_list_item_answer_is_short_with_top_level_list_as_long():
+    ex, feats, start, end, pos = _nested_case(_LIST, _LIST_CANDS)
+    start[0, pos[2]], end[0, pos[2]] = 9.0, 9.0  # "Paris", by far the best span (18)
+    end[0, pos[5]] = 2.0  # "Paris </Li> <Li> London" (11): the old rule's cross-item short answer
+    p = _pp(ex, feats, start, end, _types(SHORT))
+    assert _spans(p) == ((0, 10), [(2, 3)], "NONE")
+    assert p["long_answer_score"] == p["short_answers_score"] == pytest.approx(18.0)
+
+
+def test_postprocess_table_cell_answer_has_top_level_table_as_long():
+    #         0          1       2       3       4        5       6      7       8       9       10
+    tokens = ["<Table>", "<Tr>", "<Td>", "Paris", "</Td>", "</Tr>", "<Tr>", "<Td>", "Rome", "</Td>",
+              "<Td>", "big", "</Td>", "</Tr>", "</Table>", "<P>", "it", "rains", "</P>"]
+    #         11     12       13      14          15     16    17       18
+    cands = [(0, 15, True), (1, 6, False), (6, 14, False), (15, 19, True)]
+    ex, feats, start, end, pos = _nested_case(tokens, cands)
+    start[0, pos[3]], end[0, pos[3]] = 8.0, 8.0  # "Paris": the cell, which is the whole first <Tr>
+    end[0, pos[8]] = 3.0  # "Paris ... Rome", a cross-row span
+    p = _pp(ex, feats, start, end, _types(SHORT))
+    assert _spans(p) == ((0, 15), [(3, 4)], "NONE")
+    # a cell in a two-cell row, too
+    start[0, pos[8]], end[0, pos[8]] = 9.0, 9.0
+    p = _pp(ex, feats, start, end, _types(SHORT))
+    assert _spans(p) == ((0, 15), [(8, 9)], "NONE")
+
+
+@pytest.mark.parametrize("a_type, yes_no", [(LONG, "NONE"), (YES, "YES")])
+def test_postprocess_long_and_yes_no_answers_name_the_top_level_candidate(a_type, yes_no):
+    ex, feats, start, end, pos = _nested_case(_LIST, _LIST_CANDS)
+    start[0, pos[5]], end[0, pos[7]] = 6.0, 6.0  # the whole second <Li> "London is big" (12)
+    end[0, pos[5]] = 5.0  # "London" (11)
+    p = _pp(ex, feats, start, end, _types(a_type))
+    assert _spans(p) == ((0, 10), [], yes_no)
+    assert p["long_answer_score"] == pytest.approx(12.0)
 
 
 def test_postprocess_empty_context_gives_null_prediction():

@@ -92,10 +92,11 @@ def test_tiling_repeats_features_to_a_target_size():
     assert rows == [0, 1, 2, 0, 1, 2, 0] and plan.n_rows == 7 and plan.n_features == 3
 
 
-def test_plan_round_trips_through_its_file(tmp_path):
-    plan = make_plan(np.arange(1, 40), batching="sorted", batch_size=4, max_seq_len=64, seq_multiple=16)
+@pytest.mark.parametrize("batching", ["padded", "trimmed", "sorted", "packed"])
+def test_plan_round_trips_through_its_file(tmp_path, batching):
+    plan = make_plan(np.arange(1, 40), batching=batching, batch_size=4, max_seq_len=64, seq_multiple=16)
     back = Plan.load(plan.save(tmp_path / "plan.npz"))
-    assert back.batching == "sorted" and back.n_features == plan.n_features
+    assert back.batching == batching and back.n_features == plan.n_features == 39
     assert [(b.rows.tolist(), b.shape) for b in back.batches] == [(b.rows.tolist(), b.shape) for b in plan.batches]
 
 
@@ -142,3 +143,60 @@ def test_timing_summary_reports_the_median_pass_and_its_spread():
 def test_bert_base_flops_match_the_design_figure():
     # BERT-base at 384 tokens is ~70.7 GFLOP per sequence (DESIGN.md).
     assert abs(bert_flops_per_sequence(768, 12, 3072, 384) / 1e9 - 70.7) < 0.1
+
+
+def test_progress_in_a_log_is_a_plain_line_every_few_seconds_not_one_per_update():
+    import io
+
+    from bertqa_bench.progress import Progress
+
+    log = io.StringIO()  # not a terminal, like CI's captured output
+    bar = Progress(10_000, "train", unit="step", every_s=3600, stream=log)
+    for _ in range(10_000):
+        bar.update(1, postfix="loss=1.0")
+    bar.close()
+    assert log.getvalue() == ""  # a short run stays quiet ...
+    bar = Progress(100, "train", unit="step", every_s=0.0, stream=log)
+    for _ in range(100):
+        bar.update(1)
+    assert 0 < log.getvalue().count("\n") <= 101 and "\r" not in log.getvalue()
+    assert "train: 100/100 step" in log.getvalue()
+
+
+def test_padding_positions_never_reach_postprocessing():
+    from bertqa_bench.schedule import mask_padding
+
+    mask = np.array([[1, 1, 0, 0], [1, 1, 1, 0]])
+    out = {"start_logits": np.arange(8, dtype=np.float32).reshape(2, 4), "answer_type_logits": np.ones((2, 3))}
+    mask_padding(out, mask, ("start_logits",))
+    assert out["start_logits"].tolist() == [[0, 1, PAD_LOGIT, PAD_LOGIT], [4, 5, 6, PAD_LOGIT]]
+    assert np.all(out["answer_type_logits"] == 1)  # per-feature outputs are left alone
+
+
+def test_packed_plan_fills_batches_with_a_budget_of_real_tokens():
+    lengths = np.array([10] * 40 + [60] * 10 + [120] * 5)
+    plan = make_plan(lengths, batching="packed", batch_size=4, max_seq_len=128)
+    assert plan.n_features == len(lengths)
+    rows = np.concatenate([b.rows for b in plan.batches])
+    assert sorted(rows.tolist()) == list(range(len(lengths)))
+    for b in plan.batches:
+        assert lengths[b.rows].sum() <= 4 * 128 or b.n_real == 1
+        assert b.shape[0] == b.n_real and b.shape[1] >= lengths[b.rows].max()
+    assert len(plan.batches) <= -(-int(lengths.sum()) // (4 * 128)) + 2  # nearly full batches
+
+
+def test_gpu_idle_fraction_is_the_window_minus_the_union_of_kernels(tmp_path):
+    import json
+
+    from bertqa_bench.profile import busy_time, gpu_idle_fraction
+
+    assert busy_time([(0, 10), (5, 15), (20, 30)]) == 25
+    trace = {"traceEvents": [{"ph": "X", "cat": "cpu_op", "ts": 0, "dur": 5},
+                             {"ph": "X", "cat": "kernel", "ts": 10, "dur": 30},
+                             {"ph": "X", "cat": "kernel", "ts": 20, "dur": 30},  # overlaps the first
+                             {"ph": "X", "cat": "gpu_memcpy", "ts": 80, "dur": 20}]}
+    p = tmp_path / "t.json"
+    p.write_text(json.dumps(trace))
+    idle = gpu_idle_fraction(p)
+    assert idle["window_ms"] == 0.1 and idle["busy_ms"] == pytest.approx(0.06)
+    assert idle["idle_fraction"] == pytest.approx(0.4)

@@ -5,7 +5,6 @@ from pathlib import Path
 
 import pytest
 
-from bertqa_bench.tasks.squad import reader as squad
 from bertqa_bench.tasks.squad.reader import examples_to_squad_json, load_squad_hf, load_squad_json, write_squad_json
 from bertqa_bench.tasks.squad.types import Answer, QAExample
 from bertqa_bench.errors import DatasetFormatError, MissingDependencyError

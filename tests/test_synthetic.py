@@ -120,3 +120,55 @@ def test_validate_roundtrip_of_generated_dict():
     examples = validate_squad(data, "<memory>")
     assert [e.id for e in examples][:CFG.questions_per_context] == [f"r-00000-{j}" for j in
                                                                      range(CFG.questions_per_context)]
+
+
+# --------------------------------------------------------------------------- the hard preset
+
+def _hard(ambiguity=0.2, seed=3, n=150):
+    from bertqa_bench.tasks.squad.synthetic import generate_squad
+
+    return generate_squad(n, SyntheticConfig(difficulty="hard", ambiguity=ambiguity), seed)
+
+
+def test_hard_preset_is_deterministic_and_every_answer_is_an_exact_span():
+    a, b = _hard(), _hard()
+    assert json.dumps(a) == json.dumps(b)
+    examples = validate_squad(a, "hard")  # every answer_start points at its text
+    assert len(examples) == 150 * 5
+    assert json.dumps(_hard(seed=4)) != json.dumps(a)
+
+
+def test_hard_preset_has_namesakes_paraphrases_wider_spans_and_contested_facts():
+    from bertqa_bench.tasks.squad.synthetic import _CONTESTS
+
+    d = _hard(ambiguity=0.2)
+    contexts = [p["context"] for art in d["data"] for p in art["paragraphs"]]
+    qas = [qa for art in d["data"] for p in art["paragraphs"] for qa in p["qas"]]
+    contest_openings = tuple(c.split("{X}")[0] for c in _CONTESTS)
+    n_contested = sum(c.count(o) for c in contexts for o in contest_openings)
+    n_facts = sum(c.count(".") for c in contexts)
+    assert 0.02 < n_contested / n_facts < 0.2  # a share of facts has a second, contradicting source
+    # paraphrased questions: worded away from the evidence
+    assert sum("came into the world" in q["question"] or "saw the birth" in q["question"]
+               or "How did" in q["question"] or "set up" in q["question"] for q in qas) > 10
+    # some gold spans take in the word before them ("in 1874", "about 4,000")
+    assert sum(q["answers"][0]["text"].split()[0] in ("in", "about", "of", "on", "at") for q in qas) > 10
+    # namesakes: two people with one surname in a paragraph
+    import re
+
+    surnames = [re.findall(r"\b(?:%s) ([A-Z][a-z]+)" % "|".join(("Marisa", "Tomas", "Ilse", "Oren", "Lucia", "Kaveh",
+                                                                  "Dara", "Felix", "Yara", "Bruno")), c) for c in contexts]
+    assert any(len(s) != len(set(s)) for s in surnames)
+
+
+def test_ambiguity_zero_contests_nothing_and_standard_output_is_unchanged():
+    from bertqa_bench.tasks.squad.synthetic import _CONTESTS, generate_squad
+
+    contexts = " ".join(p["context"] for art in _hard(ambiguity=0.0)["data"] for p in art["paragraphs"])
+    assert not any(c.split("{X}")[0] in contexts for c in _CONTESTS)
+    # The standard preset's files are the ones every shipped model and expected score was made
+    # from: adding the hard preset must not change a byte of them.
+    import hashlib
+
+    std = json.dumps(generate_squad(300, SyntheticConfig(), 11)).encode()
+    assert hashlib.md5(std).hexdigest() == "f4401e8c99e297a240278bd232d48299"

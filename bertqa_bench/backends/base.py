@@ -23,7 +23,7 @@ package.module:Class``) or register it through the ``bertqa_bench.backends`` ent
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Mapping, Optional
 
@@ -98,6 +98,14 @@ class Backend(abc.ABC):
 
     @classmethod
     def unavailable_reason(cls, variant) -> Optional[str]:
+        return None
+
+    @classmethod
+    def batching_reason(cls, options, batching: str) -> Optional[str]:
+        """Why these options cannot run this batching, or None. ``packed`` plans leave padding in
+        the arrays that only a padding-free backend may skip; any backend runs the others."""
+        if batching == "packed":
+            return "batching 'packed' needs a backend that computes real tokens only (torch option packed: true)"
         return None
 
     @abc.abstractmethod

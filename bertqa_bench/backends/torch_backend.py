@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Mapping, Optional
 
 import numpy as np
 
@@ -53,6 +53,9 @@ class Fp8Options:
     act_margin: float = 2.0  # static scale = calibrated amax x margin / 448
     calibration_batches: int = 8  # real batches of the run the activation ranges are taken over
     keep_layers: str = ""  # encoder layers left in 16 bits, e.g. "0,11"
+    # keep this many more layers in 16 bits: the most sensitive ones by a per-layer sweep in
+    # prepare (quantize one layer at a time, measure max |Δ logit| on the calibration batches)
+    sensitivity_keep: int = 0
 
     def __post_init__(self):
         if self.scaling not in SCALINGS:
@@ -73,6 +76,26 @@ class Fp8Options:
 
 
 @dataclass
+class Int8Options:
+    gemms: str = "all"  # some of qkv, attn_out, ffn_in, ffn_out, or "all"
+    keep_layers: str = ""
+    sensitivity_keep: int = 0  # as Fp8Options.sensitivity_keep
+    calibration_batches: int = 8  # batches the sensitivity sweep measures on
+
+    def __post_init__(self):
+        try:
+            parse_gemms(self.gemms)
+            self.layers_kept()
+        except ValueError as e:
+            raise ConfigError(f"int8: {e}") from None
+        if self.sensitivity_keep < 0 or self.calibration_batches < 1:
+            raise ConfigError("int8: sensitivity_keep must be >= 0 and calibration_batches >= 1")
+
+    def layers_kept(self) -> tuple[int, ...]:
+        return tuple(int(x) for x in str(self.keep_layers).split(",") if x.strip())
+
+
+@dataclass
 class TorchOptions:
     weights: str = "fp32"  # fp32 | fp16 | bf16
     autocast: str = "none"  # none | fp16 | bf16 (weights stay as they are; matmuls run in this dtype)
@@ -83,9 +106,11 @@ class TorchOptions:
     fullgraph: bool = False
     cuda_graph: str = "none"  # none | trees (inductor's) | manual (one torch.cuda.CUDAGraph per shape)
     fp8: Optional[Fp8Options] = None
+    int8: Optional[Int8Options] = None  # W8A8 dynamic int8 encoder GEMMs (quantize.py)
     sdpa_backend: Optional[str] = None  # restrict SDPA's kernel while compiling/capturing
     inductor_config: dict = field(default_factory=dict)  # patched into torch._inductor.config while compiling
     num_threads: Optional[int] = None  # CPU threads (default: torch's)
+    packed: bool = False  # real tokens only: the padding-free encoder (packed_bert.py)
 
     def __post_init__(self):
         for name, value, valid in (("weights", self.weights, DTYPES), ("autocast", self.autocast, ("none",) + DTYPES[1:]),
@@ -99,6 +124,11 @@ class TorchOptions:
             raise ConfigError("cuda_graph: trees are inductor's; they need compile other than none")
         if self.fp8 is not None and self.weights == "fp32":
             raise ConfigError("fp8 needs 16-bit weights for the parts that stay out of FP8 (weights: fp16 or bf16)")
+        if self.fp8 is not None and self.int8 is not None:
+            raise ConfigError("fp8 and int8 exclude each other")
+        if self.packed and (self.cuda_graph != "none" or self.fp8 is not None or self.int8 is not None):
+            raise ConfigError("packed (padding-free) runs eager or compiled; its token count changes every batch, "
+                              "so no CUDA graphs, and FP8 is not wired into it")
 
     def inductor_mode(self) -> str:
         """torch.compile's mode: graph trees come with reduce-overhead / max-autotune."""
@@ -154,11 +184,17 @@ class TorchBackend(Backend):
     def precision_of(cls, o: TorchOptions) -> str:
         if o.fp8 is not None:
             return "fp8"
+        if o.int8 is not None:
+            return "int8"
         if o.autocast != "none":
             return f"amp-{o.autocast}"
         if o.weights == "fp32" and o.tf32:
             return "tf32"
         return o.weights
+
+    @classmethod
+    def batching_reason(cls, options, batching: str) -> Optional[str]:
+        return None if options.packed else super().batching_reason(options, batching)
 
     @classmethod
     def unavailable_reason(cls, variant) -> Optional[str]:
@@ -167,6 +203,8 @@ class TorchBackend(Backend):
             if o.cuda_graph != "none" or o.fp8 is not None:
                 return "CUDA graphs and FP8 GEMMs need device: cuda"
             return None
+        if o.int8 is not None and not hasattr(__import__("torch"), "_int_mm"):
+            return "this torch has no torch._int_mm (int8 GEMMs)"
         why = cuda_unavailable_reason()
         if why:
             return f"{cls.precision_of(o)} on CUDA {why}"
@@ -250,37 +288,78 @@ class TorchBackend(Backend):
         o: TorchOptions = self.options
         module = load_inference_module(ctx.model_dir, ctx.task, attn_implementation=o.attn_implementation,
                                        dtype=_torch_dtype(o.weights)).to(self.device).eval()
-        if o.fp8 is None:
+        if o.packed:
+            from .packed_bert import pack_model
+
+            pack_model(module.model)
+            return module, {"packed": True, "attention_kernel": module.model.bert.kernel_name}
+        if o.fp8 is None and o.int8 is None:
             return module, {}
+        as_tensors = lambda bs: [tuple(torch.from_numpy(np.ascontiguousarray(b[n], dtype=np.int64))  # noqa: E731
+                                       .to(self.device) for n in INPUT_NAMES) for b in bs]
+        if o.int8 is not None:
+            return module, self._int8(module, o.int8, as_tensors(ctx.sample_batches[:o.int8.calibration_batches]))
+        return module, self._fp8(module, o.fp8, as_tensors(ctx.sample_batches[:o.fp8.calibration_batches]))
+
+    @staticmethod
+    def _sweep(module, batches, quantize_layer, keep: int) -> tuple[tuple[int, ...], dict]:
+        from .quantize import choose_kept_layers, layer_sensitivity
+
+        if keep <= 0:
+            return (), {}
+        t0 = time.perf_counter()
+        scores = layer_sensitivity(module, batches, quantize_layer)
+        kept = choose_kept_layers(scores, keep)
+        return kept, {"sensitivity_max_abs_logit_shift": ";".join(f"{l}:{v:.3g}" for l, v in scores),
+                      "sensitivity_kept": ",".join(map(str, kept)), "sensitivity_s": round(time.perf_counter() - t0, 2)}
+
+    def _int8(self, module, f: Int8Options, batches) -> dict:
+        from .quantize import n_encoder_layers, swap_to_int8
+
+        n = n_encoder_layers(module)
+        kept, info = self._sweep(module, batches, lambda m, layer: swap_to_int8(
+            m, gemms=f.gemms, keep_layers=[i for i in range(n) if i != layer]), f.sensitivity_keep)
+        keep = sorted(set(f.layers_kept()) | set(kept))
+        done = swap_to_int8(module, gemms=f.gemms, keep_layers=keep)
+        return {**info, "int8_scheme": "W8A8 dynamic: per-channel weights, per-token activations, torch._int_mm",
+                "int8_gemm_kinds": ",".join(parse_gemms(f.gemms)), "int8_linears": len(done["swapped"]),
+                "int8_keep_layers": ",".join(map(str, keep)) or "none"}
+
+    def _fp8(self, module, f: Fp8Options, batches) -> dict:
+        from .quantize import n_encoder_layers
         from .torch_fp8 import calibrate_input_amax, swap_to_fp8, target_linears
 
-        f = o.fp8
         gemms = parse_gemms(f.gemms)
         amax, t0 = None, time.perf_counter()
-        batches = ctx.sample_batches[:f.calibration_batches]
         if f.scaling != "rowwise":
-            as_tensors = [tuple(torch.from_numpy(np.ascontiguousarray(b[n], dtype=np.int64)).to(self.device)
-                                for n in INPUT_NAMES) for b in batches]
-            amax = calibrate_input_amax(module, as_tensors, target_linears(module, gemms))
-        done = swap_to_fp8(module, amax, scaling=f.scaling, gemms=gemms, fuse_qkv=f.fuse_qkv,
-                           fast_accum=f.fast_accum, act_margin=f.act_margin, keep_layers=f.layers_kept())
-        info = {
+            amax = calibrate_input_amax(module, batches, target_linears(module, gemms))
+        calib_s = time.perf_counter() - t0
+        n = n_encoder_layers(module)
+
+        def swap(m, keep):
+            return swap_to_fp8(m, amax, scaling=f.scaling, gemms=gemms, fuse_qkv=f.fuse_qkv, fast_accum=f.fast_accum,
+                               act_margin=f.act_margin, keep_layers=keep)
+
+        kept, info = self._sweep(module, batches, lambda m, layer: swap(m, [i for i in range(n) if i != layer]),
+                                 f.sensitivity_keep)
+        keep = sorted(set(f.layers_kept()) | set(kept))
+        done = swap(module, keep)
+        info.update({
             "fp8_scaling": f.scaling, "fp8_gemm_kinds": ",".join(gemms),
             "fp8_weight_scale": "per-tensor" if f.scaling == "tensor" else "per-output-channel",
             "fp8_act_scale": "dynamic per-token" if f.scaling == "rowwise" else "static per-tensor (calibrated)",
             "fp8_linears": len(done["swapped"]), "fp8_gemms_per_forward": done["gemms"],
             "fp8_fused_qkv": bool(done["fused_qkv"]), "fp8_fast_accum": f.fast_accum,
-            "fp8_keep_layers": f.keep_layers or "none",
-            "fp8_kept_linears": len(done["kept"]),
+            "fp8_keep_layers": ",".join(map(str, keep)) or "none", "fp8_kept_linears": len(done["kept"]),
             "fp8_not_fp8": "embeddings, layernorms, attention softmax/PV (SDPA), qa head"
                            + ("" if "attn_out" in gemms else ", attention output projection"),
-        }
+        })
         if amax is not None:
             vals = list(amax.values())
-            info.update(calibration_batches=len(batches), calibration_rows=int(sum(batch_shape(b)[0] for b in batches)),
-                        act_margin=f.act_margin, calibration_s=round(time.perf_counter() - t0, 3),
+            info.update(calibration_batches=len(batches), calibration_rows=int(sum(int(b[0].shape[0]) for b in batches)),
+                        act_margin=f.act_margin, calibration_s=round(calib_s, 3),
                         act_amax_min=round(min(vals), 4), act_amax_max=round(max(vals), 4))
-        return module, info
+        return info
 
     def _compile_guard(self):
         """SDPA kernel choice and inductor settings are read while tracing/compiling, which

@@ -22,7 +22,7 @@ import dataclasses
 import importlib
 import importlib.metadata
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Optional
 
 from ..config import SuiteConfig, build
@@ -77,7 +77,12 @@ class Variant:
     options: Any  # the implementation's Options dataclass instance
     description: str = ""
     source: str = "builtin"  # builtin | suite | entry point <dist>
-    timeout_s: Optional[float] = None  # overrides bench.timeout_s for this variant
+    # How this variant is run, where it differs from the suite's bench section: a length-aware
+    # variant beside padded ones in one table, a sweep point, a slow build with more time.
+    timeout_s: Optional[float] = None
+    batching: Optional[str] = None
+    batch_size: Optional[int] = None
+    devices: Optional[int] = None  # data-parallel prediction over this many GPUs (one process each)
 
     @property
     def backend_class(self) -> type[Backend]:
@@ -101,12 +106,13 @@ class Variant:
         """Plain data (for a worker's job file and the results); ``from_dict`` reverses it."""
         return {"name": self.name, "implementation": self.implementation, "device": self.device,
                 "options": options_dict(self.options), "description": self.description, "source": self.source,
-                "timeout_s": self.timeout_s}
+                **{k: getattr(self, k) for k in RUN_FIELDS}}
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "Variant":
         return make_variant(d["name"], d["implementation"], d["device"], d.get("options") or {},
-                            d.get("description", ""), d.get("source", "builtin"), d.get("timeout_s"))
+                            d.get("description", ""), d.get("source", "builtin"),
+                            **{k: d.get(k) for k in RUN_FIELDS})
 
 
 _EXTRA_IMPLEMENTATIONS: dict[str, str] = {}  # from entry points
@@ -127,14 +133,18 @@ def _implementation_class(name: str) -> type[Backend]:
     return _as_backend_class(import_object(target), name)
 
 
+RUN_FIELDS = ("timeout_s", "batching", "batch_size", "devices")
+
+
 def make_variant(name: str, implementation: str, device: str, options: Mapping | Any = None,
-                 description: str = "", source: str = "builtin", timeout_s: Optional[float] = None) -> Variant:
+                 description: str = "", source: str = "builtin", **run) -> Variant:
     if device not in DEVICES:
         raise ConfigError(f"variant '{name}': device '{device}' is not one of {', '.join(DEVICES)}")
     cls = _implementation_class(implementation)
     if not dataclasses.is_dataclass(options) or isinstance(options, type):
         options = build(cls.Options, dict(options or {}), f"variant '{name}' options")
-    return Variant(name, implementation, device, options, description, source, timeout_s)
+    return Variant(name, implementation, device, options, description, source,
+                   **{k: run.get(k) for k in RUN_FIELDS})
 
 
 def _v(name: str, impl: str, device: str, description: str, **options) -> dict:
@@ -168,6 +178,9 @@ BUILTIN = (
     _v("torch-compile-fp16-graph", "torch", "cuda",
        "torch.compile, one captured torch.cuda.CUDAGraph per shape of the run, fp16", weights="fp16",
        compile="default", cuda_graph="manual"),
+    {**_v("eager-fp16-packed", "torch", "cuda",
+          "PyTorch fp16, padding-free: real tokens only, variable-length FlashAttention (packed_bert.py)",
+          weights="fp16", packed=True), "batching": "packed"},
     _v("torch-compile-fp8", "torch", "cuda",
        "FP8 e4m3 GEMMs (_scaled_mm; fused QKV and the FFN; static activation scales calibrated in prepare), "
        "fp16 elsewhere, torch.compile, one CUDA graph per shape", weights="fp16", compile="default",
@@ -177,6 +190,9 @@ BUILTIN = (
     _v("torch-compile-fp8-rowwise", "torch", "cuda",
        "as torch-compile-fp8, with dynamic per-token x per-channel FP8 scales (bf16 GEMM output)",
        weights="fp16", compile="default", cuda_graph="manual", fp8={**_FP8, "scaling": "rowwise"}),
+    _v("torch-compile-int8", "torch", "cuda",
+       "INT8 W8A8 GEMMs (torch._int_mm; per-channel weights, dynamic per-token activations), fp16 elsewhere, "
+       "torch.compile, one CUDA graph per shape", weights="fp16", compile="default", cuda_graph="manual", int8={}),
     _v("ort-cuda-fp32", "onnxruntime", "cuda", "ONNX Runtime CUDA EP, fp32 (TF32 off), IO binding"),
     _v("ort-cuda-fp16", "onnxruntime", "cuda", "ONNX Runtime CUDA EP, fp16 fused graph, IO binding", graph="fp16"),
     _v("ort-cuda-fp16-graph", "onnxruntime", "cuda", "ONNX Runtime CUDA EP, fp16, one CUDA graph per shape",
@@ -232,12 +248,12 @@ class VariantTable:
                 raise UnknownBackendError(decl.base, self._raw, what=f"base of variant '{name}'")
             base = self._raw[decl.base]
             options = _merge(base.get("options") or {}, decl.options)
+            run = {k: getattr(decl, k) if getattr(decl, k) is not None else base.get(k) for k in RUN_FIELDS}
             return {"name": name, "implementation": base["implementation"], "device": decl.device or base["device"],
-                    "options": options, "description": decl.description or f"{decl.base} with {decl.options}",
-                    "source": "suite", "timeout_s": decl.timeout_s}
+                    "options": options, "description": decl.description or _describe(decl), "source": "suite", **run}
         return {"name": name, "implementation": decl.implementation, "device": decl.device or "cpu",
                 "options": decl.options, "description": decl.description, "source": "suite",
-                "timeout_s": decl.timeout_s}
+                **{k: getattr(decl, k) for k in RUN_FIELDS}}
 
     def names(self) -> list[str]:
         return sorted(self._raw)
@@ -249,7 +265,7 @@ class VariantTable:
             d = self._raw[name]
             self._resolved[name] = make_variant(d["name"], d["implementation"], d["device"], d.get("options"),
                                                 d.get("description", ""), d.get("source", "builtin"),
-                                                d.get("timeout_s"))
+                                                **{k: d.get(k) for k in RUN_FIELDS})
         return self._resolved[name]
 
     def require(self, names: Iterable[str]) -> list[Variant]:
@@ -257,6 +273,11 @@ class VariantTable:
 
     def all(self) -> list[Variant]:
         return [self.get(n) for n in self.names()]
+
+
+def _describe(decl) -> str:
+    parts = [f"{decl.base}"] + [f"{k}={getattr(decl, k)}" for k in RUN_FIELDS if getattr(decl, k) is not None]
+    return " ".join(parts) + (f" with {decl.options}" if decl.options else "")
 
 
 def _merge(base: Mapping, top: Mapping) -> dict:

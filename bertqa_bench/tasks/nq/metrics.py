@@ -24,6 +24,7 @@ P/R/F1 are percentages (0-100) like SQuAD EM/F1; thresholds are raw scores.
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence, Union
@@ -113,6 +114,15 @@ def parse_predictions(obj: Any, source: Union[str, Path] = "<predictions>") -> d
         if not isinstance(yn, str) or yn.upper() not in YES_NO_VALUES:
             fail("yes_no_answer", f"must be one of {', '.join(YES_NO_VALUES)}, got {yn!r:.20}")
         yn = yn.upper()
+        for key in ("long_answer_score", "short_answers_score"):
+            v = entry.get(key)
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                try:  # json.loads reads Infinity, and ints too large for a float
+                    finite = abs(float(v)) != float("inf")
+                except OverflowError:
+                    finite = False
+                if not finite:
+                    fail(key, f"must be a finite number, got {v!r:.30}")
         long_score = _score(entry, "long_answer_score", fail, "long_answer_score", long_span is not None)
         short_score = _score(entry, "short_answers_score", fail, "short_answers_score",
                              bool(short_spans) or yn != "NONE")
@@ -166,8 +176,9 @@ def nq_evaluate(gold_examples: Sequence[NQExample], predictions: Union[Mapping, 
                 short_non_null_threshold: int = 2) -> dict[str, float]:
     """Official long/short P/R/F1 (percent) with F1-optimal thresholds, plus Kaggle micro-F1.
 
-    An example without a prediction counts as a null prediction; a prediction for an example
-    not in the gold set is an error (it means the files do not belong together).
+    An example without a prediction counts as a null prediction (and how many there were is
+    printed on stderr); a prediction for an example not in the gold set is an error (it means
+    the files do not belong together).
     """
     preds = predictions if _is_parsed(predictions) else parse_predictions(predictions, source)
     gold_keys = set()
@@ -182,16 +193,21 @@ def nq_evaluate(gold_examples: Sequence[NQExample], predictions: Union[Mapping, 
                                  f"e.g. {', '.join(unknown[:3])}")
 
     long_stats, short_stats = [], []
+    n_missing = 0
     for ex in gold_examples:
         gold_long, gold_short = _gold_flags(ex, long_non_null_threshold, short_non_null_threshold)
         p = preds.get(ex.key)
         if p is None:
+            n_missing += 1
             long_stats.append((gold_long, False, False, float("-inf")))
             short_stats.append((gold_short, False, False, float("-inf")))
             continue
         long_stats.append((gold_long, p.has_long, gold_long and p.has_long and _long_correct(ex, p), p.long_score))
         short_stats.append((gold_short, p.has_short, gold_short and p.has_short and _short_correct(ex, p),
                             p.short_score))
+    if n_missing:
+        print(f"warning: {n_missing} of {len(gold_examples)} gold examples have no prediction; counted as null",
+              file=sys.stderr)
 
     result: dict[str, float] = {"n_examples": float(len(gold_examples))}
     tp = fp = fn = 0

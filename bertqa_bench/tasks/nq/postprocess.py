@@ -1,22 +1,26 @@
 """Backend outputs for every NQ window -> predictions in the official NQ format.
 
-Per window: the top-k start and top-k end positions among context tokens (markers, question,
-special tokens and padding are never picked); every pair with start <= end is scored
-``start + end - ([CLS] start + [CLS] end)`` (the window's own null score, as BERT-joint).
-A pair whose first and last document tokens are exactly the first and last in-context tokens
-of a long-answer candidate (top-level or nested) is a *long* candidate answer; any other pair
-no longer than ``max_answer_len`` word-pieces is a *short* one. Per example the best long and
-the best short over all its windows are kept.
+The BERT-joint rule (Alberti et al. 2019, google-research/language ``bert_joint``): per window
+the top-k start and top-k end positions among context tokens (markers, question, special
+tokens and padding are never picked); every pair with start <= end is scored
+``start + end - ([CLS] start + [CLS] end)`` (the window's own null score). Pairs longer than
+``max_answer_len`` word-pieces are dropped, except a pair whose first and last document
+tokens are exactly the first and last in-context tokens of a long-answer candidate
+(top-level or nested): the model is trained to point at whole candidates for long-only and
+yes/no answers, and those are often longer than a short answer. The best pair over all the
+example's windows is *the* answer span:
 
-Long answer: the best whole-candidate pair when it scores at least the best short pair;
-otherwise the BERT-joint rule — the top-level candidate containing the best short span, with
-that short span's score. (A model trained only on short spans thus still gets long answers.)
+* Long answer: the top-level candidate containing that span (a span that coincides with a
+  nested candidate — a list item, a table row — still gets its top-level list or table),
+  scored with the span's score. A span inside no candidate at all gets no long answer.
+* Answer type: the answer-type head of the window that produced the span decides. SHORT or
+  UNKNOWN -> the span is the short answer (UNKNOWN is left to the score threshold, which the
+  evaluator picks); YES/NO -> ``yes_no_answer`` with no short spans; LONG -> no short answer.
+  A winning whole-candidate span longer than ``max_answer_len`` is never a short answer: it
+  gives the long answer alone.
 
-Answer type: the answer-type head of the window that produced the example's winning pair
-decides: YES/NO -> ``yes_no_answer`` with no short spans; LONG -> no short answer; SHORT or
-UNKNOWN -> the best short span (UNKNOWN is left to the score threshold, which the evaluator
-picks). Scores are not thresholded here; ``long_answer_score``/``short_answers_score`` carry
-the confidence for the evaluator's threshold sweep.
+Scores are not thresholded here; ``long_answer_score``/``short_answers_score`` carry the
+confidence for the evaluator's threshold sweep.
 """
 from __future__ import annotations
 
@@ -40,13 +44,13 @@ def token_span(start: int, end: int) -> dict:
     return {"start_token": int(start), "end_token": int(end), "start_byte": -1, "end_byte": -1}
 
 
-def _candidate_bounds(ex: NQExample, present: np.ndarray) -> dict[tuple[int, int], int]:
-    """(first, last) in-context document token of each candidate -> candidate index (outermost wins ties)."""
-    bounds: dict[tuple[int, int], int] = {}
-    for ci, c in enumerate(ex.candidates):
+def _candidate_bounds(ex: NQExample, present: np.ndarray) -> set[tuple[int, int]]:
+    """(first, last) in-context document token of every candidate, top-level or nested."""
+    bounds: set[tuple[int, int]] = set()
+    for c in ex.candidates:
         inside = np.flatnonzero(present[c.start_token:c.end_token])
         if inside.size:
-            bounds.setdefault((c.start_token + int(inside[0]), c.start_token + int(inside[-1])), ci)
+            bounds.add((c.start_token + int(inside[0]), c.start_token + int(inside[-1])))
     return bounds
 
 
@@ -96,8 +100,7 @@ def postprocess_nq(examples: Sequence[NQExample], features: Features, start_logi
             present[row[row >= 0]] = True
         bounds = _candidate_bounds(ex, present)
 
-        best_long = None  # (score, candidate index, feature)
-        best_short = None  # (score, doc start, doc end exclusive, feature)
+        best = None  # (score, doc start, doc end exclusive, feature, fits max_answer_len)
         for f in feats:
             row = t2d[f]
             valid = row >= 0
@@ -111,39 +114,28 @@ def postprocess_nq(examples: Sequence[NQExample], features: Features, start_logi
                 for t in ends.tolist():
                     if t < s:
                         continue
-                    score = float(s_log[s] + e_log[t]) - null
                     ds, de = int(row[s]), int(row[t])
-                    ci = bounds.get((ds, de))
-                    if ci is not None:
-                        if best_long is None or score > best_long[0]:
-                            best_long = (score, ci, f)
-                    elif t - s + 1 <= max_answer_len:
-                        if best_short is None or score > best_short[0]:
-                            best_short = (score, ds, de + 1, f)
+                    fits = t - s + 1 <= max_answer_len
+                    if not fits and (ds, de) not in bounds:
+                        continue
+                    score = float(s_log[s] + e_log[t]) - null
+                    if best is None or score > best[0]:
+                        best = (score, ds, de + 1, f, fits)
 
         long_ans, long_score = null_span(), NULL_SCORE
         shorts, short_score, yes_no = [], NULL_SCORE, "NONE"
-        if best_long is not None and (best_short is None or best_long[0] >= best_short[0]):
-            c = ex.candidates[best_long[1]]
-            long_ans, long_score, win_feature = token_span(c.start_token, c.end_token), best_long[0], best_long[2]
-        elif best_short is not None:
-            ci = _containing_candidate(ex, best_short[1], best_short[2])
+        if best is not None:
+            score, ds, de, f, fits = best
+            ci = _containing_candidate(ex, ds, de)
             if ci is not None:
                 c = ex.candidates[ci]
                 long_ans = token_span(c.start_token, c.end_token)
-            long_score, win_feature = best_short[0], best_short[3]
-        else:
-            win_feature = None
-
-        if win_feature is not None:
-            a_type = int(np.argmax(answer_type_logits[win_feature]))
-            win_score = max(long_score, best_short[0] if best_short else NULL_SCORE)
+            long_score = short_score = score
+            a_type = int(np.argmax(answer_type_logits[f]))
             if a_type in (YES, NO):
-                yes_no, short_score = ("YES" if a_type == YES else "NO"), win_score
-            elif a_type == LONG:
-                short_score = best_short[0] if best_short else NULL_SCORE
-            elif best_short is not None:
-                shorts, short_score = [token_span(best_short[1], best_short[2])], best_short[0]
+                yes_no = "YES" if a_type == YES else "NO"
+            elif a_type != LONG and fits:
+                shorts = [token_span(ds, de)]
 
         predictions.append({
             "example_id": ex.example_id,

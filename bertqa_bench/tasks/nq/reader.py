@@ -139,6 +139,10 @@ def parse_line(line: str, path: Path, line_no: int) -> NQExample:
         rec = json.loads(line)
     except json.JSONDecodeError as e:
         ck.fail("(json)", f"not valid JSON: {e.msg} at column {e.colno}")
+    except RecursionError:  # json.loads' answer to deeply nested arrays/objects
+        ck.fail("(json)", "not usable JSON: nested too deeply")
+    except ValueError as e:  # integers past Python's 4300-digit conversion limit
+        ck.fail("(json)", f"not usable JSON: {e}")
     ck.obj(rec, "(json)")
 
     if "example_id" not in rec:

@@ -19,7 +19,6 @@ counted), ``long_context_fraction`` = share of documents made 3x ``max_words`` l
 """
 from __future__ import annotations
 
-import dataclasses
 import gzip
 import hashlib
 import json
@@ -371,7 +370,7 @@ def generate_split(cfg: SyntheticConfig, split: str) -> list[dict]:
 
 
 def config_hash(cfg: SyntheticConfig) -> str:
-    payload = json.dumps({"generator": GENERATOR_VERSION, **dataclasses.asdict(cfg)}, sort_keys=True)
+    payload = json.dumps({"generator": GENERATOR_VERSION, **cfg.identity()}, sort_keys=True)
     return hashlib.sha1(payload.encode()).hexdigest()[:10]
 
 

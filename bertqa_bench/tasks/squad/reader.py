@@ -18,18 +18,32 @@ from .types import Answer, QAExample
 SQUAD_VERSION = "1.1"
 
 
-def read_json(path) -> Any:
+def read_json(path, **json_kwargs) -> Any:
     """Parse a JSON file, turning decode errors into DatasetFormatError with line and column."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise DatasetFormatError(path, "<file>", "<encoding>", f"not UTF-8 text: {e}") from None
+    return parse_json_text(text, path, **json_kwargs)
+
+
+def parse_json_text(text: str, path, **json_kwargs) -> Any:
+    """``json.loads`` whose every failure is a DatasetFormatError naming ``path``.
+
+    Besides syntax errors, json.loads raises RecursionError on deeply nested arrays/objects and
+    ValueError on integers longer than Python's int-conversion limit (4300 digits); both are
+    malformed input, not bugs.
+    """
     try:
-        return json.loads(text)
+        return json.loads(text, **json_kwargs)
     except json.JSONDecodeError as e:
         raise DatasetFormatError(path, "<file>", "<json>",
                                  f"not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    except RecursionError:
+        raise DatasetFormatError(path, "<file>", "<json>", "not usable JSON: nested too deeply") from None
+    except ValueError as e:  # e.g. "Exceeds the limit (4300 digits) for integer string conversion"
+        raise DatasetFormatError(path, "<file>", "<json>", f"not usable JSON: {e}") from None
 
 
 def _type_name(value) -> str:

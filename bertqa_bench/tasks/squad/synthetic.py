@@ -7,9 +7,21 @@ both the entity and the attribute. Filler sentences mention the same entities wi
 attributes of the same type ("Marisa Okafor later moved to Dranvik.") as distractors.
 Questions paraphrase their evidence sentence lightly, answers are 1-4 word spans.
 
+The hard preset (``synthetic.difficulty: hard``) makes the task about as hard for a
+pretrained-derived BERT-base as SQuAD is for BERT-base (dev F1 in the high 80s, by the data, not
+by under-training): entities get namesakes in the same paragraph ("Marisa Okafor" next to
+"Tomas Okafor", "Telvik Press" next to "Telvik Shipyard") with facts of the same types; most
+questions are worded away from their evidence ("Which year saw the birth of ..."); later facts
+refer back ("she", "the press") more often; some gold spans take in the word before them
+("in 1874", "about 4,000"), as SQuAD's annotators disagree on boundaries; and a share
+``ambiguity`` of facts is contradicted by a second source ("Other records give 1881.") with
+the gold answer being either claim — genuinely unanswerable from the text, the knob the preset
+is calibrated with (F1 per setting: results/reference/).
+
 Everything comes from ``random.Random(seed)`` and fixed word lists, so one config always
 gives byte-identical files; ``GENERATOR_VERSION`` is part of the cache key and must be
-bumped whenever the output for a given config changes.
+bumped whenever the output for a given config changes (the standard preset's output has not
+changed since version 1).
 """
 from __future__ import annotations
 
@@ -20,7 +32,7 @@ import math
 import random
 import re
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Optional
 
 from ...config import SyntheticConfig
 from .reader import SQUAD_VERSION, write_json_atomic, write_squad_json
@@ -75,64 +87,91 @@ class Fact:
     # Whether the sentences still read well with the entity's name replaced by a reference
     # ("she", "the shipyard"); facts whose answer is the name itself never use one.
     refs: bool = True
+    # The hard preset's questions: worded away from the evidence sentence.
+    paraphrases: dict = dataclasses.field(default_factory=dict)
 
 
 PERSON_FACTS = (
     Fact(("{P} was born in {B} in {Y}.", "{P} was born in {Y} in the town of {B}.",
           "Born in {B} in {Y}, {P} grew up in a family of farmers."),
          {"B": ("Where was {P} born?", "In which town was {P} born?", "What is the birthplace of {P}?"),
-          "Y": ("In what year was {P} born?", "When was {P} born?", "What year was {P} born in?")}),
+          "Y": ("In what year was {P} born?", "When was {P} born?", "What year was {P} born in?")},
+         paraphrases={"B": ("{P} came into the world in which town?", "What was the home town of {P} at birth?"),
+                      "Y": ("{P} entered the world in what year?", "Which year saw the birth of {P}?")}),
     Fact(("{P} worked as {art} {O} for many years.", "{P} became a well-known {O}.",
           "By profession, {P} was {art} {O}."),
-         {"O": ("What was the occupation of {P}?", "What did {P} work as?", "What was the profession of {P}?")}),
+         {"O": ("What was the occupation of {P}?", "What did {P} work as?", "What was the profession of {P}?")},
+         paraphrases={"O": ("How did {P} earn a living?", "What trade did {P} follow?")}),
     Fact(("{P} died in {D} at the age of {A}.", "{P} died at the age of {A} in {D}."),
          {"D": ("In what year did {P} die?", "When did {P} die?"),
-          "A": ("At what age did {P} die?", "How old was {P} at the time of death?")}),
+          "A": ("At what age did {P} die?", "How old was {P} at the time of death?")},
+         paraphrases={"D": ("In which year did {P} pass away?", "{P} passed away in what year?"),
+                      "A": ("How many years did {P} live?", "What age did {P} reach?")}),
     Fact(("{P} married {S} in {M}.", "In {M}, {P} married {S}."),
          {"S": ("Who did {P} marry?", "Whom did {P} marry?"),
-          "M": ("In what year did {P} marry {S}?", "When did {P} marry?")}),
+          "M": ("In what year did {P} marry {S}?", "When did {P} marry?")},
+         paraphrases={"S": ("Who was the spouse of {P}?", "Who did {P} wed?"),
+                      "M": ("In which year did {P} wed?", "When did the wedding of {P} take place?")}),
     Fact(("{P} studied {U} at the {UC}.", "At the {UC}, {P} studied {U}."),
          {"U": ("What did {P} study?", "Which subject did {P} study?"),
-          "UC": ("At which university did {P} study?", "Where did {P} study {U}?")}),
+          "UC": ("At which university did {P} study?", "Where did {P} study {U}?")},
+         paraphrases={"U": ("What was the field of {P} at university?", "Which discipline did {P} take up?"),
+                      "UC": ("Which institution did {P} attend?", "Where was {P} educated?")}),
 )
 ORG_FACTS = (
     Fact(("The {G} was founded by {F} in {Y}.", "In {Y}, {F} founded the {G}.", "{F} established the {G} in {Y}."),
          {"F": ("Who founded the {G}?", "Who established the {G}?", "By whom was the {G} founded?"),
           "Y": ("When was the {G} founded?", "In what year was the {G} established?",
-                "What year was the {G} founded in?")}),
+                "What year was the {G} founded in?")},
+         paraphrases={"F": ("Who started the {G}?", "Who set up the {G}?"),
+                      "Y": ("Since what year has the {G} existed?", "In which year did the {G} begin?")}),
     Fact(("The {G} is headquartered in {C}.", "The {G} has its headquarters in {C}."),
          {"C": ("Where is the {G} headquartered?", "In which city does the {G} have its headquarters?",
-                "Where are the headquarters of the {G}?")}),
+                "Where are the headquarters of the {G}?")},
+         paraphrases={"C": ("Which city is home to the main office of the {G}?", "Where is the main office of the {G}?")}),
     Fact(("The {G} employs about {N} people.", "Today the {G} has roughly {N} employees."),
-         {"N": ("How many people does the {G} employ?", "About how many employees does the {G} have?")}),
+         {"N": ("How many people does the {G} employ?", "About how many employees does the {G} have?")},
+         paraphrases={"N": ("What is the size of the workforce of the {G}?", "How large is the staff of the {G}?")}),
     Fact(("The {G} is best known for its {K}.", "The {G} became famous for its {K}."),
-         {"K": ("What is the {G} best known for?", "What is the {G} famous for?")}),
+         {"K": ("What is the {G} best known for?", "What is the {G} famous for?")},
+         paraphrases={"K": ("What product made the {G} famous?", "For which goods is the {G} renowned?")}),
 )
 TOWN_FACTS = (
     Fact(("{C} is the capital of {R}.", "{C} serves as the capital of {R}."),
          {"C": ("What is the capital of {R}?", "Which town is the capital of {R}?"),
-          "R": ("Of which province is {C} the capital?", "{C} is the capital of which province?")}),
+          "R": ("Of which province is {C} the capital?", "{C} is the capital of which province?")},
+         paraphrases={"C": ("Which town is the seat of government of {R}?",),
+                      "R": ("{C} is the seat of which province?",)}),
     Fact(("{C} has a population of about {N}.", "About {N} people live in {C}."),
-         {"N": ("What is the population of {C}?", "How many people live in {C}?")}),
+         {"N": ("What is the population of {C}?", "How many people live in {C}?")},
+         paraphrases={"N": ("How many inhabitants does {C} have?", "What is the number of residents of {C}?")}),
     Fact(("{C} was founded in {Y}.", "{C} was first settled in {Y}."),
-         {"Y": ("When was {C} founded?", "In what year was {C} established?")}),
+         {"Y": ("When was {C} founded?", "In what year was {C} established?")},
+         paraphrases={"Y": ("Since when has {C} existed?", "In which year did settlement of {C} begin?")}),
     Fact(("{C} lies on the {V}.", "{C} was built on the banks of the {V}."),
-         {"V": ("On which river does {C} lie?", "Which river flows through {C}?")}),
+         {"V": ("On which river does {C} lie?", "Which river flows through {C}?")},
+         paraphrases={"V": ("Which river is {C} situated on?", "What river runs past {C}?")}),
     Fact(("The mayor of {C} is {M}.", "{M} serves as the mayor of {C}."),
-         {"M": ("Who is the mayor of {C}?", "Who serves as mayor of {C}?")}),
+         {"M": ("Who is the mayor of {C}?", "Who serves as mayor of {C}?")},
+         paraphrases={"M": ("Who leads the town council of {C}?", "Who holds the office of mayor in {C}?")}),
     Fact(("The Treaty of {C} was signed on {T}.", "On {T}, the Treaty of {C} was signed."),
-         {"T": ("On what date was the Treaty of {C} signed?", "When was the Treaty of {C} signed?")}, refs=False),
+         {"T": ("On what date was the Treaty of {C} signed?", "When was the Treaty of {C} signed?")}, refs=False,
+         paraphrases={"T": ("On which day was the Treaty of {C} concluded?",)}),
 )
 RIVER_FACTS = (
     Fact(("The {V} is {L} long.", "The {V} runs for {L}."),
-         {"L": ("How long is the {V}?", "What is the length of the {V}?")}),
+         {"L": ("How long is the {V}?", "What is the length of the {V}?")},
+         paraphrases={"L": ("What distance does the {V} cover?", "How many kilometres long is the {V}?")}),
     Fact(("The {V} rises in the {H}.", "The source of the {V} lies in the {H}."),
-         {"H": ("Where does the {V} rise?", "In which mountains is the source of the {V}?")}),
+         {"H": ("Where does the {V} rise?", "In which mountains is the source of the {V}?")},
+         paraphrases={"H": ("Where is the source of the {V}?", "From which mountains does the {V} come?")}),
     Fact(("The {V} flows into the {W}.", "The {V} empties into the {W}."),
-         {"W": ("Into which body of water does the {V} flow?", "What does the {V} flow into?")}),
+         {"W": ("Into which body of water does the {V} flow?", "What does the {V} flow into?")},
+         paraphrases={"W": ("Where does the {V} end?", "What is the mouth of the {V}?")}),
     Fact(("The first bridge over the {V} was built in {Y}.", "In {Y}, the first bridge across the {V} was built."),
          {"Y": ("When was the first bridge over the {V} built?",
-                "In what year was the first bridge across the {V} built?")}),
+                "In what year was the first bridge across the {V} built?")},
+         paraphrases={"Y": ("When was the {V} first bridged?",)}),
 )
 
 # Fillers state nothing that is asked; the entity ones put same-type values next to an entity.
@@ -252,17 +291,64 @@ class _Sentence:
     qas: list[tuple[str, str, int]]  # (question, answer text, answer offset in the sentence)
 
 
+@dataclasses.dataclass(frozen=True)
+class Hard:
+    """The hard preset's knobs (see the module docstring)."""
+
+    ambiguity: float = 0.0  # share of facts a second source contradicts
+    paraphrase: float = 0.7  # share of questions worded away from the evidence
+    boundary: float = 0.3  # share of answers whose gold span takes in the word before it
+    reference: float = 0.8  # chance a later fact of an entity refers back ("she") instead of naming it
+    namesake: float = 0.5  # chance an entity gets a namesake (same surname / place) in its paragraph
+
+
+# Words a gold span may take in on its left ("in 1874", "about 4,000"): annotators disagree on
+# these in SQuAD too, and F1 gives partial credit for them.
+_SPAN_PREFIXES = frozenset({"in", "about", "of", "on", "at", "roughly", "for", "the"})
+_CONTESTS = ("Other records give {X} instead.", "Some sources say {X}.", "A later account gives {X}.",
+             "Older registers, however, give {X}.")
+
+
+def _widen_left(text: str, start: int, answer: str) -> tuple[str, int]:
+    m = re.search(r"(\w+) $", text[:start])
+    if m and m.group(1).lower() in _SPAN_PREFIXES:
+        return text[m.start(1):start + len(answer)], m.start(1)
+    return answer, start
+
+
 def _fact_sentence(rng: random.Random, fact: Fact, values: dict[str, str], name_slot: str,
-                   use_ref: bool) -> _Sentence:
+                   use_ref: bool, hard: Optional[Hard] = None, alt: Optional[Callable[[], dict]] = None) -> _Sentence:
     """The evidence sentence and its questions; questions always use the full name, the
-    sentence may refer back to it, so the reader has to resolve the reference."""
+    sentence may refer back to it, so the reader has to resolve the reference. ``hard``: the
+    hard preset; ``alt`` makes other values of the same kind (for contradicting sources)."""
     shown = values
     if use_ref and fact.refs and name_slot not in fact.questions:
         shown = {**values, name_slot: values["ref"]}
     text, starts = render(rng.choice(fact.sentences), shown)
     text = text[0].upper() + text[1:]  # a reference may open the sentence; offsets are unchanged
-    qas = [(render(rng.choice(questions), values)[0], values[slot], starts[slot])
-           for slot, questions in fact.questions.items()]
+    if hard is None:
+        qas = [(render(rng.choice(questions), values)[0], values[slot], starts[slot])
+               for slot, questions in fact.questions.items()]
+        return _Sentence(text, qas)
+    answers = {slot: (values[slot], starts[slot]) for slot in fact.questions}
+    contestable = [slot for slot in fact.questions if slot != name_slot]
+    if alt is not None and contestable and rng.random() < hard.ambiguity:
+        slot = rng.choice(contestable)
+        other = alt()[slot]
+        if other != values[slot]:
+            contest, at = render(rng.choice(_CONTESTS), {"X": other})
+            base = len(text) + 1
+            text = f"{text} {contest}"
+            if rng.random() < 0.5:  # two sources, no way to tell: the gold is either claim
+                answers[slot] = (other, base + at["X"])
+    qas = []
+    for slot, questions in fact.questions.items():
+        pool = fact.paraphrases.get(slot) if rng.random() < hard.paraphrase else None
+        question = render(rng.choice(pool or questions), values)[0]
+        answer, start = answers[slot]
+        if rng.random() < hard.boundary:
+            answer, start = _widen_left(text, start, answer)
+        qas.append((question, answer, start))
     return _Sentence(text, qas)
 
 
@@ -272,17 +358,38 @@ def _entity_filler(rng: random.Random, slot: str, values: dict[str, str], names:
     return _Sentence(render(rng.choice(ENTITY_FILLERS[slot]), {**values, **extra})[0], [])
 
 
-def _entity_block(rng: random.Random, kind: str, names: _Names) -> tuple[str, list[_Sentence]]:
-    """An entity's name and 2-4 of its facts (plus maybe a distractor filler), in random order."""
+def _entity_block(rng: random.Random, kind: str, names: _Names, hard: Optional[Hard] = None,
+                  like: Optional[dict] = None) -> tuple[str, list[_Sentence], dict]:
+    """An entity's name and 2-4 of its facts (plus maybe a distractor filler), in random order.
+    ``like``: make the entity a namesake of that one (same surname, same place...)."""
     slot, make_values, facts = KINDS[kind]
     values = make_values(rng, names)
+    if like is not None:
+        values = {**values, **_namesake(rng, kind, like, names)}
     chosen = rng.sample(facts, rng.randint(2, min(4, len(facts))))
-    block = [_fact_sentence(rng, fact, values, slot, use_ref=i > 0 and rng.random() < 0.5)
+    p_ref = 0.5 if hard is None else hard.reference
+    alt = (lambda: make_values(rng, names)) if hard is not None else None
+    block = [_fact_sentence(rng, fact, values, slot, use_ref=i > 0 and rng.random() < p_ref, hard=hard, alt=alt)
              for i, fact in enumerate(chosen)]
     if rng.random() < 0.5:
         # Last, so that a reference never follows a sentence that names another person.
         block.append(_entity_filler(rng, slot, values, names))
-    return values[slot], block
+    return values[slot], block, values
+
+
+def _namesake(rng: random.Random, kind: str, like: dict, names: _Names) -> dict:
+    """Name (and reference) of an entity easily confused with ``like``: the hard preset's distractor."""
+    if kind == "person":
+        surname = like["P"].split(" ", 1)[1]
+        name = names.new(lambda r: f"{r.choice(_GIVEN)} {surname}")
+        return {"P": name, "ref": "she" if name.split()[0] in _GIVEN_F else "he"}
+    if kind == "org":  # the same town, another kind of organisation ("Telvik Press" / "Telvik Shipyard")
+        place = like["G"].split(" ")[0]
+        name = names.new(lambda r: f"{place} {r.choice(sorted(_ORG_KINDS))}")
+        return {"G": name, "ref": _ORG_KINDS[name[len(place) + 1:]]}
+    if kind == "town":
+        return {"C": names.new(lambda r: f"{r.choice(('Upper', 'Lower', 'New', 'Old'))} {like['C']}")}
+    return {"V": names.new(lambda r: f"{r.choice(('Little', 'Great', 'East', 'West'))} {like['V']}")}
 
 
 def _words(sentences: Iterable[_Sentence]) -> int:
@@ -331,10 +438,20 @@ def _context(rng: random.Random, cfg: SyntheticConfig, target: int, long: bool) 
     names = _Names(rng)
     kinds = sorted(KINDS)
     theme = rng.choice(kinds)
+    hard = Hard(ambiguity=cfg.ambiguity) if cfg.difficulty == "hard" else None
     title, sentences, n_facts, words = "", [], 0, 0
+    last: Optional[tuple[str, dict]] = None  # (kind, values) of the previous entity
     # Facts take about three quarters of the words; filler sentences make up the rest.
     while n_facts < cfg.questions_per_context or words < 0.75 * target:
-        name, block = _entity_block(rng, theme if rng.random() < 0.75 else rng.choice(kinds), names)
+        if hard is not None and last is not None and rng.random() < hard.namesake:
+            kind, like = last[0], last[1]
+        else:
+            kind, like = (theme if rng.random() < 0.75 else rng.choice(kinds)), None
+        if hard is None:
+            name, block, _ = _entity_block(rng, kind, names)
+        else:
+            name, block, values = _entity_block(rng, kind, names, hard, like)
+            last = None if like is not None else (kind, values)  # one namesake per entity
         if sentences and n_facts >= cfg.questions_per_context and words + _words(block) > target:
             break
         title = title or name
@@ -407,7 +524,7 @@ def derive_seed(seed: int, split: str) -> int:
 
 
 def config_hash(cfg: SyntheticConfig) -> str:
-    payload = json.dumps({"generator": GENERATOR_VERSION, **dataclasses.asdict(cfg)}, sort_keys=True)
+    payload = json.dumps({"generator": GENERATOR_VERSION, **cfg.identity()}, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:10]
 
 

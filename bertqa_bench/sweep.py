@@ -1,0 +1,135 @@
+"""``bertqa-bench sweep``: backend x batch size x batching, one run, one reference.
+
+A sweep is a bench whose variants are expanded from a grid: ``eager-fp16@b64-sorted`` is the
+variant ``eager-fp16`` run with batch size 64 and sorted batching. Every point is measured in
+its own process and judged for parity against the suite's reference from the same run, so the
+grid is one MLflow parent run with a child per point. On top of the bench's own outputs it
+writes ``sweep.md`` (the best configuration of each backend among the points that keep parity)
+and ``sweep.png`` (throughput against batch size, one line per backend and batching).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional, Sequence
+
+from .config import BATCHINGS, SuiteConfig, VariantConfig
+from .errors import ConfigError
+from .io import atomic_write_text
+from .results import BackendResult, RunBundle
+
+
+def point_name(variant: str, batch_size: int, batching: str, devices: int = 1) -> str:
+    return f"{variant}@b{batch_size}-{batching}" + (f"-x{devices}" if devices > 1 else "")
+
+
+def expand(cfg: SuiteConfig, backends: Sequence[str], batch_sizes: Sequence[int], batchings: Sequence[str],
+           devices: Sequence[int] = (1,)) -> list[str]:
+    """Declare one suite variant per grid point; returns their names (the reference first)."""
+    bad = [b for b in batchings if b not in BATCHINGS]
+    if bad:
+        raise ConfigError(f"unknown batching {', '.join(bad)}; valid: {', '.join(BATCHINGS)}")
+    if not backends or not batch_sizes or not batchings:
+        raise ConfigError("a sweep needs at least one backend, batch size and batching")
+    names = []
+    for v in backends:
+        for bt in batchings:
+            for bs in batch_sizes:
+                for d in devices:
+                    name = point_name(v, int(bs), bt, int(d))
+                    cfg.variants[name] = VariantConfig(base=v, batch_size=int(bs), batching=bt, devices=int(d))
+                    names.append(name)
+    return [cfg.bench.reference] + [n for n in names if n != cfg.bench.reference]
+
+
+def _point(r: BackendResult) -> Optional[tuple[str, int, str]]:
+    if "@b" not in r.backend:
+        return None
+    base, rest = r.backend.rsplit("@b", 1)
+    bs, batching = rest.split("-", 1)
+    return base, int(bs), batching.split("-x")[0]
+
+
+def scaling_table(results: list[BackendResult]) -> str:
+    """Throughput on N GPUs against N x the same point on one GPU, from the same run."""
+    single = {_point(r): r for r in results if _point(r) and r.ok and (r.n_devices or 1) == 1}
+    lines = []
+    for r in results:
+        p = _point(r)
+        if p and r.ok and (r.n_devices or 1) > 1 and p in single:
+            eff = r.features_per_s / (r.n_devices * single[p].features_per_s)
+            lines.append(f"| {p[0]} | {p[1]} | {p[2]} | {r.n_devices} | {r.features_per_s:,.0f} | "
+                         f"{single[p].features_per_s:,.0f} | {eff:.1%} | {r.parity} |")
+    if not lines:
+        return ""
+    return "\n".join(["| Backend | Batch | Batching | GPUs | Features/s | 1 GPU features/s | Scaling efficiency | Parity |",
+                      "|---|---|---|---|---|---|---|---|", *lines])
+
+
+def best_table(results: list[BackendResult]) -> str:
+    best: dict[str, BackendResult] = {}
+    for r in results:
+        p = _point(r)
+        if p is None or not r.ok or r.parity == "FAIL" or (r.n_devices or 1) > 1:
+            continue
+        if p[0] not in best or r.features_per_s > best[p[0]].features_per_s:
+            best[p[0]] = r
+    lines = ["| Backend | Best batch size | Batching | Features/s | Speedup | Parity | Peak GPU MB | J / 1k features |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, r in sorted(best.items(), key=lambda kv: -kv[1].features_per_s):
+        _, bs, bt = _point(r)
+        mem = r.predict_device_used_mb or r.predict_cuda_reserved_peak_mb
+        lines.append(f"| {name} | {bs} | {bt} | {r.features_per_s:,.0f} | {r.speedup:.2f}× | {r.parity} | "
+                     f"{'—' if mem is None else f'{mem:,.0f}'} | "
+                     f"{'—' if r.energy_j_per_1k_features is None else f'{r.energy_j_per_1k_features:.1f}'} |")
+    failed = [r for r in results if _point(r) and (not r.ok or r.parity == "FAIL")]
+    if failed:
+        lines += ["", "Points left out (failed, not run, or parity FAIL):"]
+        lines += [f"- `{r.backend}`: {r.status}{' / parity ' + r.parity if r.parity else ''} "
+                  f"{r.error or r.parity_failures}" for r in failed]
+    return "\n".join(lines)
+
+
+def plot(results: list[BackendResult], path: Path) -> Optional[Path]:
+    series: dict[tuple[str, str], list[tuple[int, float, bool]]] = {}
+    for r in results:
+        p = _point(r)
+        if p and r.ok and (r.n_devices or 1) == 1:
+            series.setdefault((p[0], p[2]), []).append((p[1], r.features_per_s, r.parity != "FAIL"))
+    if not series:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5))
+    for (name, batching), pts in sorted(series.items()):
+        pts.sort()
+        line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
+                        linestyle="-" if batching == "padded" else "--", label=f"{name} ({batching})")
+        bad = [p for p in pts if not p[2]]
+        if bad:
+            ax.scatter([p[0] for p in bad], [p[1] for p in bad], marker="x", s=80, color="red", zorder=3)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size (rows; sorted batching: the token budget of this many padded rows)")
+    ax.set_ylabel("features / s (median pass)")
+    ax.set_title("Throughput vs batch size (red x: parity FAIL)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_sweep_report(bundle: RunBundle) -> str:
+    md = "\n".join([f"# Sweep {bundle.meta.run_id}", "", f"Reference: `{bundle.meta.reference}` "
+                    f"({bundle.meta.batching}, batch {bundle.meta.batch_size}); speedups against it, same run.", "",
+                    "Best configuration per backend among the points that keep parity:", "",
+                    best_table(bundle.results), ""])
+    scaling = scaling_table(bundle.results)
+    if scaling:
+        md += "\nData-parallel prediction (same run):\n\n" + scaling + "\n"
+    atomic_write_text(bundle.dir / "sweep.md", md)
+    plot(bundle.results, bundle.dir / "sweep.png")
+    return md
