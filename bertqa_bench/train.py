@@ -43,6 +43,34 @@ def model_is_trained(model_dir: Path) -> bool:
     return (Path(model_dir) / METRICS_FILE).exists() and (Path(model_dir) / "config.json").exists()
 
 
+# Fields that decide the evaluation only, not the trained weights: changing them keeps the model.
+_EVAL_ONLY = {"dev_file", "max_eval_examples", "target_eval_features", "n_dev_contexts"}
+
+
+def model_recipe(cfg: SuiteConfig) -> str:
+    """What the trained weights depend on — model, training, training data and windowing, the
+    task's options and the featurizing libraries — hashed. A saved model whose recipe differs is
+    retrained, so a changed suite never silently reuses a stale model (and an unchanged one is
+    trained once per machine)."""
+    import dataclasses
+    import hashlib
+
+    import tokenizers
+    import transformers
+
+    def strip(d):
+        return {k: strip(v) if isinstance(v, dict) else v for k, v in d.items() if k not in _EVAL_ONLY}
+
+    opts = cfg.task.options
+    parts = {"model": dataclasses.asdict(cfg.model), "train": dataclasses.asdict(cfg.train),
+             "data": strip(dataclasses.asdict(cfg.data)), "task": cfg.task.name,
+             "task_options": dataclasses.asdict(opts) if dataclasses.is_dataclass(opts) else opts,
+             "libraries": [transformers.__version__, tokenizers.__version__]}
+    for k in ("num_threads",):  # how fast, not what
+        parts["train"].pop(k, None)
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
 def _dist_info() -> tuple[int, int, int]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -270,6 +298,7 @@ def _train(cfg: SuiteConfig, *, log: Callable[[str], None], mlrun, evaluate: boo
         "final_loss": float(np.mean(losses[-5:])) if losses else float("nan"), "device": str(device),
         "world_size": world, "global_batch": tc.batch_size, "grad_accum": tc.grad_accum, "compile": tc.compile,
         "seed": tc.seed, "base": cfg.model.base, "random_init": cfg.model.random_init, **util, **init_info,
+        "recipe": model_recipe(cfg),
     }
     if world > 1:
         torch.distributed.barrier()
@@ -330,8 +359,10 @@ def ensure_model(cfg: SuiteConfig, log: Callable[[str], None] = print, tracker=N
     """The suite's model, trained first if models/ lacks it; random-weight timing models are just built."""
     task = get_task(cfg.task.name)
     model_dir = cfg.model_dir
-    if model_is_trained(model_dir):
-        log(f"model: reusing {model_dir}")
+    recipe = model_recipe(cfg)
+    saved = json.loads((model_dir / METRICS_FILE).read_text()).get("recipe") if model_is_trained(model_dir) else None
+    if saved == recipe:
+        log(f"model: reusing {model_dir} (recipe {recipe})")
     elif cfg.model.timing_only:
         log(f"model: building {cfg.model.base} with random weights (timing only) in {model_dir}")
         model, _ = build_model(cfg.task.name, cfg.model.base, random_init=True,
@@ -339,9 +370,10 @@ def ensure_model(cfg: SuiteConfig, log: Callable[[str], None] = print, tracker=N
         with atomic_dir(model_dir) as tmp:
             model.save_pretrained(tmp)
             load_tokenizer(cfg.model.base).save_pretrained(tmp)
-            atomic_write_json(tmp / METRICS_FILE, {"random_init": True, "note": "timing only"})
+            atomic_write_json(tmp / METRICS_FILE, {"random_init": True, "note": "timing only", "recipe": recipe})
     else:
-        log(f"model: {model_dir} not found, fine-tuning {cfg.model.base} (suite {cfg.name})")
+        why = "not found" if not model_is_trained(model_dir) else f"was trained by another recipe ({saved} != {recipe})"
+        log(f"model: {model_dir} {why}; fine-tuning {cfg.model.base} (suite {cfg.name})")
         train(cfg, log=log, tracker=tracker)
     metrics = json.loads((model_dir / METRICS_FILE).read_text())
     primary = metrics.get(f"dev_{task.primary_metric}")

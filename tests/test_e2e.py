@@ -251,3 +251,20 @@ def test_timing_only_path_builds_random_weights_and_judges_no_parity(tiny_suite)
     assert all(r.ok and r.parity == "n/a" and r.predict_s > 0 for r in rows.values())
     assert rows["onnxruntime"].max_abs_logit_diff < 1e-3  # the numbers are still compared
     assert out.verdict.status == "N/A" and out.bundle.meta.timing_only
+
+
+def test_a_model_is_trained_once_per_recipe(tiny_suite):
+    from bertqa_bench.train import ensure_model
+
+    suite = tiny_suite(backends=["eager-fp32"])
+    logs = []
+    first = ensure_model(load_suite(str(suite)), logs.append)
+    assert any("not found" in m for m in logs)
+    logs.clear()
+    # a field that only decides the evaluation keeps the model ...
+    ensure_model(load_suite(str(suite), ["data.max_eval_examples=5"]), logs.append)
+    assert any("reusing" in m for m in logs)
+    logs.clear()
+    # ... one that decides the weights retrains it, in place
+    again = ensure_model(load_suite(str(suite), ["train.learning_rate=5e-4"]), logs.append)
+    assert any("another recipe" in m for m in logs) and again.metrics["recipe"] != first.metrics["recipe"]
