@@ -24,6 +24,7 @@ from .launcher import launch
 from .parity import Verdict, compare, determinism, tolerance_for, verdict
 from .report import write_report
 from .results import BackendResult, RunBundle, RunMeta, new_run_id
+from .runner import Timing
 from .schedule import Plan, make_plan, mask_padding
 from .tasks import Task, get_task
 from .tracking import Tracker
@@ -259,17 +260,11 @@ def run_data_parallel(job: Job, n: int, timeout_s: float, bundle: RunBundle, pla
         Path(r["outputs"]).unlink(missing_ok=True)
     save_outputs(job.outputs, merged)
     passes = min(len(r["pass_s"]) for r in recs)
-    pass_s = [max(r["pass_s"][k] for r in recs) for k in range(passes)]
+    pass_s = [max(r["pass_s"][k] for r in recs) for k in range(passes)]  # a pass lasts as long as its slowest shard
     flops = plan_flops(model_dims(model.dir), plan, evalset.lengths())
-    ms = np.concatenate([np.asarray(r["batch_ms"]) for r in recs])
-    p = float(np.median(pass_s))
-    timing = {"predict_s": p, "predict_min_s": min(pass_s), "predict_max_s": max(pass_s),
-              "predict_stdev_s": float(np.std(pass_s, ddof=1)) if len(pass_s) > 1 else 0.0, "n_passes": passes,
-              "latency_p50_ms": float(np.percentile(ms, 50)), "latency_p90_ms": float(np.percentile(ms, 90)),
-              "latency_p99_ms": float(np.percentile(ms, 99)), "latency_mean_ms": float(ms.mean()),
-              "n_batches": len(plan.batches), "features_per_s": plan.n_rows / p,
-              "achieved_tflops": flops[0] / p / 1e12, "real_tflops": flops[1] / p / 1e12,
-              "identical_passes": all(r["timing"]["identical_passes"] for r in recs)}
+    timing = Timing(pass_s, np.concatenate([np.asarray(r["batch_ms"]) for r in recs]), plan.n_rows,
+                    len(plan.batches), flops[0], flops[1],
+                    all(r["timing"]["identical_passes"] for r in recs)).summary()
     measures: dict = {}
     for r in recs:
         for k, v in r.get("measures", {}).items():

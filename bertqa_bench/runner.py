@@ -118,9 +118,10 @@ def timed_passes(backend: Backend, plan: Plan, batches: list, output_names: tupl
             t0 = time.perf_counter()
             out = backend.predict(x)  # synchronous: results are on the host
             ms[i] = (time.perf_counter() - t0) * 1e3
+            out = {n: out[n] for n in output_names}
             if not outputs:
-                outputs = empty_outputs({n: out[n] for n in output_names}, plan.n_features, max_seq_len, token_outputs)
-            scatter(outputs, b, {n: out[n] for n in output_names})
+                outputs = empty_outputs(out, plan.n_features, max_seq_len, token_outputs)
+            scatter(outputs, b, out)
         pass_s.append(time.perf_counter() - t_pass)
         lat.append(ms)
         bar.update(len(batches))

@@ -27,8 +27,6 @@ from .modeling import build_model, count_parameters, load_tokenizer
 from .tasks import Task, get_task
 
 METRICS_FILE = "train_metrics.json"
-# NVLink multicast stays off in every process (see launcher.SAFE_ENV).
-SAFE_DIST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def seed_everything(seed: int) -> None:
@@ -179,7 +177,9 @@ def _train(cfg: SuiteConfig, *, log: Callable[[str], None], mlrun, evaluate: boo
     world, rank, local_rank = _dist_info()
     cuda = torch.cuda.is_available()
     if world > 1:
-        for k, v in SAFE_DIST_ENV.items():  # NVLink multicast off, here and in anything this starts
+        from .launcher import SAFE_ENV
+
+        for k, v in SAFE_ENV.items():  # NVLink multicast off, here and in anything this starts
             os.environ.setdefault(k, v)
         torch.distributed.init_process_group("nccl" if cuda else "gloo")
     device = torch.device(f"cuda:{local_rank}" if cuda else "cpu")

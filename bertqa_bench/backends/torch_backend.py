@@ -44,6 +44,11 @@ CUDA_GRAPHS = ("none", "trees", "manual")
 SDPA_BACKENDS = ("cudnn", "efficient", "flash", "math")
 
 
+def parse_layers(text: str) -> tuple[int, ...]:
+    """'0, 11' -> (0, 11): encoder layers named in an option."""
+    return tuple(int(x) for x in str(text).split(",") if x.strip())
+
+
 @dataclass
 class Fp8Options:
     scaling: str = "tensor"  # tensor | rowwise | static-rowwise
@@ -72,7 +77,7 @@ class Fp8Options:
             raise ConfigError(f"fp8.keep_layers must be comma-separated layer indices, not {self.keep_layers!r}") from None
 
     def layers_kept(self) -> tuple[int, ...]:
-        return tuple(int(x) for x in str(self.keep_layers).split(",") if x.strip())
+        return parse_layers(self.keep_layers)
 
 
 @dataclass
@@ -92,7 +97,7 @@ class Int8Options:
             raise ConfigError("int8: sensitivity_keep must be >= 0 and calibration_batches >= 1")
 
     def layers_kept(self) -> tuple[int, ...]:
-        return tuple(int(x) for x in str(self.keep_layers).split(",") if x.strip())
+        return parse_layers(self.keep_layers)
 
 
 @dataclass

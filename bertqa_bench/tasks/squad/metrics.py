@@ -218,6 +218,14 @@ def read_scoring_dataset(path) -> ScoringDataset:
             fail(record, key, f"expected a list, got {_type_name(value)}")
         return value
 
+    def str_at(container, key, record, why=""):
+        if key not in container:
+            fail(record, key, "missing")
+        value = container[key]
+        if not isinstance(value, str):
+            fail(record, key, f"expected str, got {_type_name(value)}{why}")
+        return value
+
     top = obj_at(obj, "<top level>", "<root>")
     ds.has_version, ds.version = "version" in top, top.get("version")
     seen: set[str] = set()
@@ -234,11 +242,7 @@ def read_scoring_dataset(path) -> ScoringDataset:
             for q, qa in enumerate(list_at(paragraph, "qas", rec_p)):
                 rec_q = f"{rec_p}.qas[{q}]"
                 qa = obj_at(qa, rec_q, "<qa>")
-                if "id" not in qa:
-                    fail(rec_q, "id", "missing")
-                qid = qa["id"]
-                if not isinstance(qid, str):
-                    fail(rec_q, "id", f"expected str, got {_type_name(qid)} (prediction keys are strings)")
+                qid = str_at(qa, "id", rec_q, " (prediction keys are strings)")
                 rec_q = f"{rec_q} (id '{qid}')"
                 if qid in seen:
                     ds.note("duplicate_id", f"'{qid}'")
@@ -249,11 +253,7 @@ def read_scoring_dataset(path) -> ScoringDataset:
                 for k, ans in enumerate(list_at(qa, "answers", rec_q)):
                     rec_k = f"{rec_q}.answers[{k}]"
                     ans = obj_at(ans, rec_k, "<answer>")
-                    if "text" not in ans:
-                        fail(rec_k, "text", "missing")
-                    text = ans["text"]
-                    if not isinstance(text, str):
-                        fail(rec_k, "text", f"expected str, got {_type_name(text)}")
+                    text = str_at(ans, "text", rec_k)
                     texts.append(text)
                     if not text:
                         ds.note("empty_text", f"'{qid}' answers[{k}]")
