@@ -9,6 +9,7 @@ starts. A variant that crashes, hangs or cannot run here is recorded as such; th
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +19,7 @@ import numpy as np
 
 from .backends.variants import Variant, VariantTable
 from .config import SuiteConfig
+from .errors import ConfigError
 from .envinfo import device_name, environment
 from .evalset import EvalSet, load_evalset
 from .launcher import launch
@@ -224,6 +226,16 @@ def run_bench(cfg: SuiteConfig, *, backends: Optional[list[str]] = None, run_id:
     return BenchOutcome(bundle, summary, v, evalset, ref, problems)
 
 
+def visible_gpus(n: int) -> list[str]:
+    """The first ``n`` GPUs this process may use, as CUDA_VISIBLE_DEVICES entries: the parent's
+    own list when it was given one (a share of a host), else indices 0..n-1."""
+    given = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    if given and len(given) < n:
+        raise ConfigError(f"data-parallel prediction on {n} GPUs, but CUDA_VISIBLE_DEVICES={','.join(given)} "
+                          f"names only {len(given)}")
+    return given[:n] if given else [str(i) for i in range(n)]
+
+
 def run_data_parallel(job: Job, n: int, timeout_s: float, bundle: RunBundle, plan: Plan, model: ModelInfo,
                       evalset: EvalSet) -> dict:
     """``n`` workers, one GPU each (CUDA_VISIBLE_DEVICES), each with a length-balanced share of
@@ -245,7 +257,7 @@ def run_data_parallel(job: Job, n: int, timeout_s: float, bundle: RunBundle, pla
                                 result=job.result.replace(".json", f".shard{i}.json")) for i in range(n)]
     recs = launch_all(jobs, timeout_s=timeout_s, log_paths=[bundle.path("logs", f"{job.name}.shard{i}.log")
                                                              for i in range(n)],
-                      envs=[{"CUDA_VISIBLE_DEVICES": str(i)} for i in range(n)])
+                      envs=[{"CUDA_VISIBLE_DEVICES": gpu} for gpu in visible_gpus(n)])
     bad = [(i, r) for i, r in enumerate(recs) if r["status"] != "ok"]
     if bad:
         i, r = bad[0]

@@ -99,7 +99,7 @@ def load_evalset(cfg: SuiteConfig, task: Task, tokenizer_source: str, *, split: 
     if log:
         log(f"data: {split} {len(examples)} questions -> {len(features)} features (seq {features.seq_len}) "
             f"in {build_s:.1f}s; cached in {path}")
-    with atomic_dir(path) as tmp:
+    with atomic_dir(path, replace=False) as tmp:
         for name in _ARRAYS:
             np.save(tmp / f"{name}.npy", np.ascontiguousarray(getattr(features, name), dtype=np.int64))
         records = {"examples": examples, "offsets": features.offsets, "extra": features.extra,

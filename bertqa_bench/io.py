@@ -79,14 +79,18 @@ def atomic_write_with(path: PathLike, write: Callable[[Path], None], suffix: str
 
 
 @contextlib.contextmanager
-def atomic_dir(path: PathLike) -> Iterator[Path]:
-    """Build a directory under a temporary name and swap it in whole (a saved model, a cache entry)."""
+def atomic_dir(path: PathLike, replace: bool = True) -> Iterator[Path]:
+    """Build a directory under a temporary name and swap it in whole (a saved model, a cache entry).
+    ``replace=False`` is for content-keyed caches: when another process finished the same entry
+    first, its copy stays (readers may have it open) and this one is dropped."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
     try:
         yield tmp
-        if path.exists():
+        if path.exists() and not replace:
+            shutil.rmtree(tmp, ignore_errors=True)
+        elif path.exists():
             old = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.old."))
             os.replace(path, old / "x")
             os.replace(tmp, path)

@@ -45,28 +45,54 @@ def model_is_trained(model_dir: Path) -> bool:
 _EVAL_ONLY = {"dev_file", "max_eval_examples", "target_eval_features", "n_dev_contexts"}
 
 
-def model_recipe(cfg: SuiteConfig) -> str:
+# Training fields that decide how fast, not what is learned: the same global batch gives the same
+# optimizer steps whether it is split into accumulation steps, processes or compiled kernels, so
+# a model trained on 4 GPUs (grad_accum 1) serves a bench that declares grad_accum 4.
+_HOW_FAST = {"num_threads", "compile", "grad_accum"}
+
+
+def recipe_fields(cfg: SuiteConfig) -> dict:
     """What the trained weights depend on — model, training, training data and windowing, the
-    task's options and the featurizing libraries — hashed. A saved model whose recipe differs is
-    retrained, so a changed suite never silently reuses a stale model (and an unchanged one is
-    trained once per machine)."""
+    task's options and the featurizing libraries — flattened to ``section.field`` keys."""
     import dataclasses
-    import hashlib
 
     import tokenizers
     import transformers
 
-    def strip(d):
-        return {k: strip(v) if isinstance(v, dict) else v for k, v in d.items() if k not in _EVAL_ONLY}
-
     opts = cfg.task.options
-    parts = {"model": dataclasses.asdict(cfg.model), "train": dataclasses.asdict(cfg.train),
-             "data": strip(dataclasses.asdict(cfg.data)), "task": cfg.task.name,
-             "task_options": dataclasses.asdict(opts) if dataclasses.is_dataclass(opts) else opts,
-             "libraries": [transformers.__version__, tokenizers.__version__]}
-    for k in ("num_threads",):  # how fast, not what
-        parts["train"].pop(k, None)
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    parts = {"model": dataclasses.asdict(cfg.model),
+             "train": {k: v for k, v in dataclasses.asdict(cfg.train).items() if k not in _HOW_FAST},
+             "data": dataclasses.asdict(cfg.data), "task": {"name": cfg.task.name},
+             "task_options": dataclasses.asdict(opts) if dataclasses.is_dataclass(opts) else dict(opts or {}),
+             "libraries": {"transformers": transformers.__version__, "tokenizers": tokenizers.__version__}}
+    flat: dict = {}
+
+    def walk(prefix: str, value) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                if k not in _EVAL_ONLY:
+                    walk(f"{prefix}.{k}" if prefix else str(k), v)
+        else:
+            flat[prefix] = value if isinstance(value, (str, int, float, bool, type(None))) else str(value)
+
+    walk("", parts)
+    return flat
+
+
+def model_recipe(cfg: SuiteConfig) -> str:
+    """The recipe's hash. A saved model whose recipe differs is retrained (the log names the
+    fields that differ), so a changed suite never silently reuses a stale model, and an
+    unchanged one is trained once per machine."""
+    import hashlib
+
+    return hashlib.sha256(json.dumps(recipe_fields(cfg), sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def recipe_diff(saved: dict, wanted: dict, limit: int = 6) -> str:
+    """``field: saved -> wanted`` for the fields that differ (the first ``limit``)."""
+    keys = sorted(k for k in set(saved) | set(wanted) if saved.get(k, "<absent>") != wanted.get(k, "<absent>"))
+    shown = [f"{k}: {saved.get(k, '<absent>')!r} -> {wanted.get(k, '<absent>')!r}" for k in keys[:limit]]
+    return "; ".join(shown) + (f" (+{len(keys) - limit} more)" if len(keys) > limit else "")
 
 
 def _dist_info() -> tuple[int, int, int]:
@@ -298,7 +324,7 @@ def _train(cfg: SuiteConfig, *, log: Callable[[str], None], mlrun, evaluate: boo
         "final_loss": float(np.mean(losses[-5:])) if losses else float("nan"), "device": str(device),
         "world_size": world, "global_batch": tc.batch_size, "grad_accum": tc.grad_accum, "compile": tc.compile,
         "seed": tc.seed, "base": cfg.model.base, "random_init": cfg.model.random_init, **util, **init_info,
-        "recipe": model_recipe(cfg),
+        "recipe": model_recipe(cfg), "recipe_fields": recipe_fields(cfg),
     }
     if world > 1:
         torch.distributed.barrier()
@@ -372,7 +398,12 @@ def ensure_model(cfg: SuiteConfig, log: Callable[[str], None] = print, tracker=N
             load_tokenizer(cfg.model.base).save_pretrained(tmp)
             atomic_write_json(tmp / METRICS_FILE, {"random_init": True, "note": "timing only", "recipe": recipe})
     else:
-        why = "not found" if not model_is_trained(model_dir) else f"was trained by another recipe ({saved} != {recipe})"
+        if not model_is_trained(model_dir):
+            why = "not found"
+        else:
+            fields = json.loads((model_dir / METRICS_FILE).read_text()).get("recipe_fields")
+            why = f"was trained by another recipe ({saved} != {recipe}" + (
+                f": {recipe_diff(fields, recipe_fields(cfg))})" if fields else ")")
         log(f"model: {model_dir} {why}; fine-tuning {cfg.model.base} (suite {cfg.name})")
         train(cfg, log=log, tracker=tracker)
     metrics = json.loads((model_dir / METRICS_FILE).read_text())

@@ -5,10 +5,13 @@ background, so that it can outlast one device call:
     setsid python3 scripts/gpu_session.py PLAN [--out device-out] &   # start (returns at once)
     python3 scripts/gpu_session.py --status [--out device-out]        # progress; copies results to $OUT
 
-PLAN names the steps (see STEPS): e.g. ``h100`` = GPU tests, the difficulty calibration of the
-trained BERT-base, the benchmark of every GPU backend on it, a batch-size sweep, profiles, and
-the CPU parity gate on this machine's CPU; ``scaling`` = training and prediction on 1, 2 and 4
-GPUs. Every step is a ``bertqa-bench`` command (MLflow off: bundles are imported later with
+Plans (PLANS): ``remaining`` (what is still unmeasured; a 4-GPU host, ~15 device minutes),
+``h100`` (one GPU: the CPU gate, the suite's model, every backend, a sweep, the calibration
+points, the batching rows), ``x4`` and ``scaling-g128`` (the 2026-11-26 runs), ``tests``.
+Poll with back-to-back device calls (``sleep N; --status``): a lent machine goes back after 30 s
+idle, taking the background run with it.
+
+Every step is a ``bertqa-bench`` command (MLflow off: bundles are imported later with
 ``bertqa-bench track``); each writes its log under ``--out``. ``--status`` packs the result
 bundles (without logits and predictions), training metrics, profiles and logs into
 ``$OUT/gpu-session.tgz`` and prints the driver's log tail.
@@ -21,6 +24,7 @@ import os
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 from pathlib import Path
 
@@ -44,9 +48,11 @@ class Session:
         self.out = out
         self.out.mkdir(parents=True, exist_ok=True)
         self.log = open(out / "driver.log", "a", buffering=1)
+        self.lock = threading.Lock()  # lanes of the x4 plan log from several threads
 
     def say(self, msg: str) -> None:
-        self.log.write(f"{time.strftime('%H:%M:%S')} {msg}\n")
+        with self.lock:
+            self.log.write(f"{time.strftime('%H:%M:%S')} {msg}\n")
 
     def run(self, name: str, args: list[str], *, timeout: float = 3600, env: dict | None = None,
             background: bool = False):
@@ -67,108 +73,174 @@ class Session:
         return code
 
 
+A = ["--set", f"data.synthetic.ambiguity={MAIN}"]  # the suite's data setting, passed to every step
+
+
+def gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def on(gpu: int) -> dict:
+    """The environment of a step that runs on one GPU of the host (a lane)."""
+    return {"CUDA_VISIBLE_DEVICES": str(gpu % max(1, gpus()))}
+
+
+def lanes(*work) -> None:
+    """Run the given callables in parallel threads (one lane per GPU) and wait for all."""
+    threads = [threading.Thread(target=w) for w in work]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
 def step_tests(s: Session) -> None:
     s.run("gpu-tests", [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
                         "tests/test_backends.py", "tests/test_fp8.py"], timeout=420)
 
 
-def step_cpu_gate(s: Session):
-    # The CI gate on this machine's CPU (a second machine for the absolute expected scores),
-    # on 8 of the 16 cores, beside the GPU work.
-    return s.run("cpu-parity-gate", ["taskset", "-c", "8-15", *CLI, "parity", "--suite", "ci", "--no-mlflow",
-                                     "--no-progress", "--set", "results_dir=device-out/results-cpu",
+def cpu_gate(s: Session):
+    """The CI gate on this machine's CPU (a second machine for the absolute expected scores), on
+    its last 8 cores beside the GPU work, with the versions constraints.txt pins when they were
+    shipped to /root/gate-site (transformers, tokenizers, CPU onnxruntime)."""
+    cores = os.cpu_count() or 16
+    return s.run("cpu-parity-gate", ["taskset", "-c", f"{cores - 8}-{cores - 1}", *CLI, "parity", "--suite", "ci",
+                                     "--no-mlflow", "--no-progress", "--set", "results_dir=device-out/results-cpu",
                                      "--set", "models_dir=device-out/models-cpu", "--set", "cache_dir=device-out/cache-cpu"],
-                 env={"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "8"}, background=True)
+                 env={"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "8",
+                      "PYTHONPATH": f"/root/gate-site:/root/device-site:{ROOT}"}, background=True)
 
 
-def train(s: Session, a: float) -> dict:
+def train(s: Session, a: float, env: dict | None = None) -> dict:
     name = model_name(a)
     s.run(f"train-{name}", ["cli", "train", "--suite", SUITE, "--no-mlflow", "--set", f"model.name={name}",
-                            "--set", f"data.synthetic.ambiguity={a}"], timeout=900)
+                            "--set", f"data.synthetic.ambiguity={a}"], timeout=900, env=env)
     m = ROOT / "models" / name / "train_metrics.json"
     metrics = json.loads(m.read_text()) if m.exists() else {}
     s.say(f"calibration ambiguity={a}: dev F1 {metrics.get('dev_f1', float('nan')):.2f} "
           f"EM {metrics.get('dev_exact_match', float('nan')):.2f}, {metrics.get('train_samples_per_s', 0):.0f} samples/s")
-    cal = s.out / "calibration.json"
-    data = json.loads(cal.read_text()) if cal.exists() else {}
-    data[str(a)] = metrics
-    cal.write_text(json.dumps(data, indent=1))
+    with s.lock:
+        cal = s.out / "calibration.json"
+        data = json.loads(cal.read_text()) if cal.exists() else {}
+        data[str(a)] = metrics
+        cal.write_text(json.dumps(data, indent=1))
     return metrics
 
 
-def step_bench(s: Session, a: float) -> None:
-    s.run("bench", ["cli", "bench", "--suite", SUITE, "--no-mlflow", "--no-progress", "--run-id", "gpu-bert-base",
-                    "--set", f"model.name={model_name(a)}", "--set", f"data.synthetic.ambiguity={a}"], timeout=2400)
+def train_ddp(s: Session, tag: str, n_gpus: int, sets: list[str]) -> None:
+    """torchrun + DDP on ``n_gpus`` GPUs of this host (the Makefile's train-ddp)."""
+    s.run(f"train-{tag}", [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           f"--nproc_per_node={n_gpus}", "-m", "bertqa_bench.cli", "train", "--suite", SUITE,
+                           "--no-mlflow", *sets, *A], timeout=900)
 
 
-def step_sweep(s: Session, a: float) -> None:
-    s.run("sweep", ["cli", "sweep", "--suite", SUITE, "--no-mlflow", "--no-progress", "--run-id", "gpu-sweep",
-                    "--backends", "eager-fp16,torch-compile-fp16-graph,ort-cuda-fp16-graph",
-                    "--batch-sizes", "16,64,256", "--set", f"model.name={model_name(a)}",
-                    "--set", f"data.synthetic.ambiguity={a}", "--set", "bench.warmup_batches=3"], timeout=1800)
+def train_g128(s: Session) -> None:
+    """Training scaling at a fixed global batch of 128: 32 rows per GPU per micro-step at 1, 2
+    and 4 GPUs (grad_accum 4, 2, 1), back to back, nothing else on the host."""
+    for c in [c for c in (1, 2, 4) if c <= gpus()]:
+        train_ddp(s, f"g128-gpus{c}", c, ["--set", f"model.name={model_name(MAIN)}-g128-gpus{c}",
+                                          "--set", "train.batch_size=128", "--set", f"train.grad_accum={4 // c}"])
 
 
-def step_profiles(s: Session, a: float) -> None:
-    for backend in ("torch-compile-fp8", "torch-compile-fp16-graph-sorted", "eager-fp16-packed"):
-        s.run(f"profile-{backend}", ["cli", "profile", "--suite", SUITE, "--backend", backend, "--batches", "20",
-                                     "--set", f"model.name={model_name(a)}",
-                                     "--set", f"data.synthetic.ambiguity={a}"], timeout=600)
-
-
-def step_scaling(s: Session) -> None:
-    """Training and prediction on 1, 2 and 4 GPUs of this host, back to back."""
-    import torch
-
-    n = torch.cuda.device_count()
-    counts = [c for c in (1, 2, 4) if c <= n]
-    a = MAIN
-    for c in counts:
-        name = f"{model_name(a)}-ddp{c}"
-        s.run(f"train-gpus{c}", [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                 f"--nproc_per_node={c}", "-m", "bertqa_bench.cli", "train", "--suite", SUITE,
-                                 "--no-mlflow", "--set", f"model.name={name}", "--set", f"data.synthetic.ambiguity={a}"],
-              timeout=1200)
+def predict_scaling(s: Session, sets: list[str]) -> None:
+    """Data-parallel prediction on 1, 2 and 4 GPUs, one run (reference: eager FP16 padded, to
+    spare device time). ``sets`` must name the model and its own training overrides, else the
+    bench sees another recipe and retrains it."""
+    counts = [c for c in (1, 2, 4) if c <= gpus()]
     s.run("predict-scaling", ["cli", "sweep", "--suite", SUITE, "--no-mlflow", "--no-progress", "--run-id",
-                              "gpu-predict-scaling", "--backends", "torch-compile-fp16-graph", "--batch-sizes", "64",
+                              "gpu-predict-scaling", "--backends", "eager-fp16", "--batch-sizes", "64",
                               "--batchings", "sorted", "--devices", ",".join(map(str, counts)),
-                              "--set", f"model.name={model_name(a)}-ddp1", "--set", f"data.synthetic.ambiguity={a}",
-                              "--set", "bench.backends=[eager-fp32-cuda]"], timeout=1800)
+                              "--set", "bench.reference=eager-fp16", *sets, *A], timeout=900)
+
+
+def bench_all(s: Session) -> None:
+    s.run("bench", ["cli", "bench", "--suite", SUITE, "--no-mlflow", "--no-progress", "--run-id", "gpu-bert-base",
+                    "--set", f"model.name={model_name(MAIN)}", *A], timeout=2400)
+
+
+def sweep(s: Session, tag: str, backends: str, env: dict | None = None) -> None:
+    """Batch sizes 16-256, against the eager-fp32-cuda of the same run."""
+    s.run(f"sweep-{tag}", ["cli", "sweep", "--suite", SUITE, "--no-mlflow", "--no-progress", "--run-id",
+                           f"gpu-sweep-{tag}", "--backends", backends, "--batch-sizes", "16,32,64,128,256",
+                           "--set", f"model.name={model_name(MAIN)}", *A, "--set", "bench.warmup_batches=3"],
+          timeout=1500, env=env)
+
+
+def batching_rows(s: Session, env: dict | None = None) -> None:
+    """Padded, sorted and packed rows in one run, then their profiles (GPU idle fraction)."""
+    s.run("bench-batching", ["cli", "bench", "--suite", SUITE, "--no-mlflow", "--no-progress", "--run-id",
+                             "gpu-batching", "--backends",
+                             "eager-fp32-cuda,eager-fp16,eager-fp16-sorted,eager-fp16-packed,torch-compile-fp8-sorted",
+                             "--set", f"model.name={model_name(MAIN)}", *A], timeout=1200, env=env)
+    for backend in ("eager-fp16-packed", "eager-fp16-sorted", "eager-fp16", "torch-compile-fp8"):
+        s.run(f"profile-{backend}", ["cli", "profile", "--suite", SUITE, "--backend", backend, "--batches", "20",
+                                     "--set", f"model.name={model_name(MAIN)}", *A], timeout=400, env=env)
+
+
+def phase_b(s: Session) -> None:
+    """Side by side, one GPU each: the sweeps of eager FP16 | ONNX Runtime | torch.compile (each
+    against its own eager-fp32-cuda of the same run), and the batching rows with their profiles.
+    Side by side on one host: compare rows only within a run."""
+    s.say("phase B")
+    lanes(lambda: sweep(s, "eager", "eager-fp16", on(0)), lambda: sweep(s, "ort", "ort-cuda-fp16-graph", on(1)),
+          lambda: batching_rows(s, on(2)), lambda: sweep(s, "compile", "torch-compile-fp16-graph", on(3)))
+
+
+def step_x4(s: Session) -> list:
+    """The first 4-GPU session's plan (2026-11-26). A0, side by side: the suite's model | the
+    calibration points 0.0 and 0.3 | the same recipe with train.compile, and the CPU gate. A1,
+    alone: training scaling at global batch 128, prediction scaling, the suite's recipe (global
+    batch 32 = 8 rows per GPU) on 4 GPUs. Then phase B."""
+    gate = cpu_gate(s)
+    s.say("phase A0")
+    lanes(lambda: train(s, MAIN, env=on(0)), lambda: train(s, 0.0, env=on(1)), lambda: train(s, 0.3, env=on(2)),
+          lambda: s.run("train-compile", ["cli", "train", "--suite", SUITE, "--no-mlflow", "--set",
+                                          f"model.name={model_name(MAIN)}-compile", "--set", "train.compile=true", *A],
+                        timeout=900, env=on(3)))
+    s.say("phase A1")
+    train_g128(s)
+    predict_scaling(s, ["--set", f"model.name={model_name(MAIN)}"])
+    if gpus() >= 4:
+        train_ddp(s, "g32-gpus4", 4, ["--set", f"model.name={model_name(MAIN)}-gpus4"])
+    phase_b(s)
+    return [gate]
+
+
+def step_remaining(s: Session) -> list:
+    """What the 2026-11-26 sessions left unmeasured, on one 4-GPU host in ~15 device minutes:
+    the suite's model (alone), data-parallel prediction on 1, 2 and 4 GPUs (alone), phase B."""
+    train(s, MAIN, env=on(0))
+    predict_scaling(s, ["--set", f"model.name={model_name(MAIN)}"])
+    phase_b(s)
+    return []
 
 
 # Most important first: a machine goes back after 30 minutes, and each --status call packs
 # what is done so far.
 PLANS = {
-    "h100": ["gate", "train", "bench", "sweep", "calibrate", "profiles"],
-    "scaling": ["scaling"],
-    "tests": ["tests"],
+    # one GPU: tests, the CPU gate, the suite's model, every backend, a sweep, the calibration points
+    "h100": [lambda s: [cpu_gate(s)], lambda s: train(s, MAIN), bench_all,
+             lambda s: sweep(s, "all", "eager-fp16,torch-compile-fp16-graph,ort-cuda-fp16-graph"),
+             lambda s: [train(s, a) for a in CALIBRATION], batching_rows],
+    "x4": [step_x4],
+    "scaling-g128": [train_g128, lambda s: predict_scaling(s, ["--set", f"model.name={model_name(MAIN)}-g128-gpus1",
+                                                               "--set", "train.batch_size=128"])],
+    "remaining": [step_remaining],
+    "tests": [step_tests],
 }
 
 
 def main_run(plan: str, out: Path) -> int:
     s = Session(out)
     s.say(f"plan {plan} on {subprocess.run(['nvidia-smi', '-L'], capture_output=True, text=True).stdout.strip()}")
-    gate = None
-    a = MAIN
+    background = []
     for step in PLANS[plan]:
-        if step == "tests":
-            step_tests(s)
-        elif step == "gate":
-            gate = step_cpu_gate(s)
-        elif step == "train":
-            train(s, MAIN)
-        elif step == "calibrate":
-            for other in CALIBRATION:
-                train(s, other)
-        elif step == "bench":
-            step_bench(s, a)
-        elif step == "sweep":
-            step_sweep(s, a)
-        elif step == "profiles":
-            step_profiles(s, a)
-        elif step == "scaling":
-            step_scaling(s)
-    if gate is not None:
-        s.say(f"cpu gate exit {gate.wait()}")
+        started = step(s)
+        background += [p for p in (started or []) if isinstance(p, subprocess.Popen)]
+    for p in background:
+        s.say(f"background {p.args[2:6]} exit {p.wait()}")
     s.say("DONE")
     return 0
 

@@ -265,6 +265,12 @@ def test_a_model_is_trained_once_per_recipe(tiny_suite):
     ensure_model(load_suite(str(suite), ["data.max_eval_examples=5"]), logs.append)
     assert any("reusing" in m for m in logs)
     logs.clear()
-    # ... one that decides the weights retrains it, in place
+    # ... and so does one that decides only how fast the same steps run (a model trained on 4 GPUs
+    # with grad_accum 1 serves a bench that declares grad_accum 4)
+    ensure_model(load_suite(str(suite), ["train.grad_accum=2", "train.compile=true"]), logs.append)
+    assert any("reusing" in m for m in logs)
+    logs.clear()
+    # ... one that decides the weights retrains it, in place, and the log names the field
     again = ensure_model(load_suite(str(suite), ["train.learning_rate=5e-4"]), logs.append)
-    assert any("another recipe" in m for m in logs) and again.metrics["recipe"] != first.metrics["recipe"]
+    assert any("another recipe" in m and "train.learning_rate" in m for m in logs)
+    assert again.metrics["recipe"] != first.metrics["recipe"]

@@ -200,3 +200,32 @@ def test_gpu_idle_fraction_is_the_window_minus_the_union_of_kernels(tmp_path):
     idle = gpu_idle_fraction(p)
     assert idle["window_ms"] == 0.1 and idle["busy_ms"] == pytest.approx(0.06)
     assert idle["idle_fraction"] == pytest.approx(0.4)
+
+
+def test_data_parallel_workers_take_the_gpus_the_parent_was_given(monkeypatch):
+    from bertqa_bench.bench import visible_gpus
+    from bertqa_bench.errors import ConfigError
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert visible_gpus(2) == ["0", "1"]
+    # a share of a host: workers map into the parent's list, never onto someone else's GPU
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert visible_gpus(2) == ["2", "3"] and visible_gpus(1) == ["2"]
+    with pytest.raises(ConfigError, match="names only 2"):
+        visible_gpus(4)
+
+
+def test_a_content_keyed_cache_entry_finished_first_by_another_process_stays(tmp_path):
+    from bertqa_bench.io import atomic_dir
+
+    entry = tmp_path / "entry"
+    with atomic_dir(entry, replace=False) as tmp:
+        (tmp / "x").write_text("first")
+        with atomic_dir(entry, replace=False) as other:  # a second process, finishing first
+            (other / "x").write_text("second")
+        held = open(entry / "x")  # a reader holds the entry open
+    assert (entry / "x").read_text() == "second" and held.read() == "second"
+    assert [p.name for p in tmp_path.iterdir()] == ["entry"]  # the loser's copy is gone
+    with atomic_dir(entry) as tmp:  # a saved model: the new one replaces the old
+        (tmp / "x").write_text("new")
+    assert (entry / "x").read_text() == "new"
