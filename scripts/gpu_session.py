@@ -136,12 +136,18 @@ def train_ddp(s: Session, tag: str, n_gpus: int, sets: list[str]) -> None:
                            "--no-mlflow", *sets, *A], timeout=900)
 
 
-def train_g128(s: Session) -> None:
-    """Training scaling at a fixed global batch of 128: 32 rows per GPU per micro-step at 1, 2
-    and 4 GPUs (grad_accum 4, 2, 1), back to back, nothing else on the host."""
+def train_scaling(s: Session, global_batch: int = 128, rows: int = 32) -> None:
+    """Training scaling at a fixed global batch: ``rows`` rows per GPU per micro-step at 1, 2 and
+    4 GPUs (grad_accum = global_batch / (GPUs x rows)), back to back, nothing else on the host."""
     for c in [c for c in (1, 2, 4) if c <= gpus()]:
-        train_ddp(s, f"g128-gpus{c}", c, ["--set", f"model.name={model_name(MAIN)}-g128-gpus{c}",
-                                          "--set", "train.batch_size=128", "--set", f"train.grad_accum={4 // c}"])
+        accum = max(1, global_batch // (c * rows))
+        train_ddp(s, f"g{global_batch}-r{rows}-gpus{c}", c,
+                  ["--set", f"model.name={model_name(MAIN)}-g{global_batch}-gpus{c}",
+                   "--set", f"train.batch_size={global_batch}", "--set", f"train.grad_accum={accum}"])
+
+
+def train_g128(s: Session) -> None:
+    train_scaling(s, 128, 32)
 
 
 def predict_scaling(s: Session, sets: list[str]) -> None:
@@ -209,11 +215,16 @@ def step_x4(s: Session) -> list:
 
 
 def step_remaining(s: Session) -> list:
-    """What the 2026-11-26 sessions left unmeasured, on one 4-GPU host in ~15 device minutes:
-    the suite's model (alone), data-parallel prediction on 1, 2 and 4 GPUs (alone), phase B."""
+    """What the 2026-11-26 sessions left unmeasured, on one 4-GPU host in ~20 device minutes:
+    the suite's model (alone); one GPU with 128-row micro-batches (the lever for single-GPU
+    training speed: the 32-row step is host-bound); data-parallel prediction on 1, 2 and 4 GPUs
+    (alone); phase B; last, training scaling with 128 rows per GPU (global batch 512)."""
     train(s, MAIN, env=on(0))
+    train_ddp(s, "g128-r128-gpus1", 1, ["--set", f"model.name={model_name(MAIN)}-g128-r128",
+                                        "--set", "train.batch_size=128", "--set", "train.grad_accum=1"])
     predict_scaling(s, ["--set", f"model.name={model_name(MAIN)}"])
     phase_b(s)
+    train_scaling(s, 512, 128)
     return []
 
 

@@ -173,8 +173,10 @@ def test_malformed_dataset_fails_clearly_and_writes_nothing(tiny_suite, tmp_path
 
 
 def test_data_parallel_prediction_on_two_processes_gives_the_single_process_answers(tiny_suite):
-    suite = tiny_suite(backends=["eager-fp32", "eager-fp32-x2"],
-                       variants={"eager-fp32-x2": {"base": "eager-fp32", "devices": 2}})
+    suite = tiny_suite(backends=["eager-fp32", "eager-fp32-x2", "packed-fp32"],
+                       variants={"eager-fp32-x2": {"base": "eager-fp32", "devices": 2},
+                                 "packed-fp32": {"base": "eager-fp32", "options": {"packed": True},
+                                                 "batching": "packed"}})
     cfg = load_suite(str(suite))
     out = run_bench(cfg, progress=False)
     rows = {r.backend: r for r in RunBundle.load(out.run_dir).results}
@@ -187,6 +189,11 @@ def test_data_parallel_prediction_on_two_processes_gives_the_single_process_answ
     shard_logs = sorted(p.name for p in (out.run_dir / "logs").glob("eager-fp32-x2.shard*.log"))
     assert shard_logs == ["eager-fp32-x2.shard0.log", "eager-fp32-x2.shard1.log"]
     assert not list((out.run_dir / "outputs").glob("*.shard*.npz"))  # merged, shards removed
+    # the padding-free path through the whole bench (plan file, worker, scatter): no padding
+    # tokens computed, the padded run's answers
+    packed = rows["packed-fp32"]
+    assert packed.ok and packed.batching == "packed" and packed.prepare_info["packed"] is True
+    assert packed.answer_agreement == 1.0 and packed.parity == "pass" and packed.max_abs_logit_diff < 1e-4
 
 
 def test_ddp_training_on_two_cpu_processes_takes_the_same_steps_as_one(tiny_suite, tmp_path):
