@@ -9,7 +9,6 @@ starts. A variant that crashes, hangs or cannot run here is recorded as such; th
 """
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +19,7 @@ import numpy as np
 from .backends.variants import Variant, VariantTable
 from .config import SuiteConfig
 from .errors import ConfigError
-from .envinfo import device_name, environment
+from .envinfo import cuda_visible_devices, device_name, environment
 from .evalset import EvalSet, load_evalset
 from .launcher import launch
 from .parity import Verdict, compare, determinism, tolerance_for, verdict
@@ -229,7 +228,7 @@ def run_bench(cfg: SuiteConfig, *, backends: Optional[list[str]] = None, run_id:
 def visible_gpus(n: int) -> list[str]:
     """The first ``n`` GPUs this process may use, as CUDA_VISIBLE_DEVICES entries: the parent's
     own list when it was given one (a share of a host), else indices 0..n-1."""
-    given = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    given = cuda_visible_devices()
     if given and len(given) < n:
         raise ConfigError(f"data-parallel prediction on {n} GPUs, but CUDA_VISIBLE_DEVICES={','.join(given)} "
                           f"names only {len(given)}")

@@ -17,6 +17,11 @@ def _version(pkg: str) -> str:
         return "not installed"
 
 
+def cuda_visible_devices() -> list[str]:
+    """The entries of CUDA_VISIBLE_DEVICES ([] when unset: every GPU of the host is visible)."""
+    return [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+
+
 def git_commit() -> str:
     if os.environ.get("BERTQA_GIT_COMMIT"):  # copies of the tree without .git (e.g. a lent GPU machine)
         return os.environ["BERTQA_GIT_COMMIT"]

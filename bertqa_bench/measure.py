@@ -50,15 +50,15 @@ def _nvml_handle():
     except ImportError:
         return None, None
     try:
-        import os
-
         import torch
+
+        from .envinfo import cuda_visible_devices
 
         pynvml.nvmlInit()
         index = torch.cuda.current_device()
         # NVML counts every GPU of the host; torch only those in CUDA_VISIBLE_DEVICES (a
         # data-parallel worker sees its one GPU as device 0): map torch's index to the host's.
-        visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+        visible = cuda_visible_devices()
         if visible and all(v.isdigit() for v in visible):
             index = int(visible[index])
         return pynvml, pynvml.nvmlDeviceGetHandleByIndex(index)

@@ -79,13 +79,14 @@ def recipe_fields(cfg: SuiteConfig) -> dict:
     return flat
 
 
-def model_recipe(cfg: SuiteConfig) -> str:
-    """The recipe's hash. A saved model whose recipe differs is retrained (the log names the
-    fields that differ), so a changed suite never silently reuses a stale model, and an
-    unchanged one is trained once per machine."""
+def model_recipe(cfg: SuiteConfig, fields: Optional[dict] = None) -> str:
+    """The recipe's hash (of ``fields`` when the caller has them already). A saved model whose
+    recipe differs is retrained (the log names the fields that differ), so a changed suite never
+    silently reuses a stale model, and an unchanged one is trained once per machine."""
     import hashlib
 
-    return hashlib.sha256(json.dumps(recipe_fields(cfg), sort_keys=True, default=str).encode()).hexdigest()[:16]
+    fields = recipe_fields(cfg) if fields is None else fields
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def recipe_diff(saved: dict, wanted: dict, limit: int = 6) -> str:
@@ -316,6 +317,7 @@ def _train(cfg: SuiteConfig, *, log: Callable[[str], None], mlrun, evaluate: boo
     train_s = time.perf_counter() - t_train
     util = sampler.stop() if sampler is not None else {}
 
+    fields = recipe_fields(cfg)
     metrics = {
         "train_questions": trainset.n_questions, "train_features": n, "train_steps": total_steps,
         "train_samples_per_s": seen * world / train_s, "train_s": train_s, "featurize_s": featurize_s,
@@ -324,7 +326,7 @@ def _train(cfg: SuiteConfig, *, log: Callable[[str], None], mlrun, evaluate: boo
         "final_loss": float(np.mean(losses[-5:])) if losses else float("nan"), "device": str(device),
         "world_size": world, "global_batch": tc.batch_size, "grad_accum": tc.grad_accum, "compile": tc.compile,
         "seed": tc.seed, "base": cfg.model.base, "random_init": cfg.model.random_init, **util, **init_info,
-        "recipe": model_recipe(cfg), "recipe_fields": recipe_fields(cfg),
+        "recipe": model_recipe(cfg, fields), "recipe_fields": fields,
     }
     if world > 1:
         torch.distributed.barrier()
@@ -385,8 +387,10 @@ def ensure_model(cfg: SuiteConfig, log: Callable[[str], None] = print, tracker=N
     """The suite's model, trained first if models/ lacks it; random-weight timing models are just built."""
     task = get_task(cfg.task.name)
     model_dir = cfg.model_dir
-    recipe = model_recipe(cfg)
-    saved = json.loads((model_dir / METRICS_FILE).read_text()).get("recipe") if model_is_trained(model_dir) else None
+    wanted = recipe_fields(cfg)
+    recipe = model_recipe(cfg, wanted)
+    saved_metrics = json.loads((model_dir / METRICS_FILE).read_text()) if model_is_trained(model_dir) else {}
+    saved = saved_metrics.get("recipe")
     if saved == recipe:
         log(f"model: reusing {model_dir} (recipe {recipe})")
     elif cfg.model.timing_only:
@@ -398,12 +402,12 @@ def ensure_model(cfg: SuiteConfig, log: Callable[[str], None] = print, tracker=N
             load_tokenizer(cfg.model.base).save_pretrained(tmp)
             atomic_write_json(tmp / METRICS_FILE, {"random_init": True, "note": "timing only", "recipe": recipe})
     else:
-        if not model_is_trained(model_dir):
+        if not saved_metrics:
             why = "not found"
         else:
-            fields = json.loads((model_dir / METRICS_FILE).read_text()).get("recipe_fields")
+            fields = saved_metrics.get("recipe_fields")
             why = f"was trained by another recipe ({saved} != {recipe}" + (
-                f": {recipe_diff(fields, recipe_fields(cfg))})" if fields else ")")
+                f": {recipe_diff(fields, wanted)})" if fields else ")")
         log(f"model: {model_dir} {why}; fine-tuning {cfg.model.base} (suite {cfg.name})")
         train(cfg, log=log, tracker=tracker)
     metrics = json.loads((model_dir / METRICS_FILE).read_text())

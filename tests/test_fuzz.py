@@ -38,9 +38,10 @@ from bertqa_bench.errors import BenchError, DatasetFormatError  # noqa: E402
 from bertqa_bench.suite import load_suite  # noqa: E402
 from bertqa_bench.tasks.nq.metrics import NQPrediction, parse_predictions  # noqa: E402
 from bertqa_bench.tasks.nq.reader import NQExample, load_nq_jsonl  # noqa: E402
-from bertqa_bench.tasks.squad.metrics import (exact_match_score, f1_score, load_predictions,  # noqa: E402
+from bertqa_bench.tasks.squad.metrics import (load_predictions,  # noqa: E402
                                               score_files, squad_evaluate)
 from bertqa_bench.tasks.squad.reader import load_squad_json  # noqa: E402
+from official_squad import official_evaluate  # noqa: E402
 
 # BERTQA_FUZZ_SCALE=20 runs twenty times the examples (a deeper local search; CI keeps it fast).
 _SCALE = max(1, int(os.environ.get("BERTQA_FUZZ_SCALE", "1")))
@@ -281,19 +282,7 @@ def official_v11(dataset_text: str, predictions_text: str) -> dict:
             _ = "Evaluation expects v-" + "1.1" + ", but got dataset with v-" + dataset_json["version"]
         dataset = dataset_json["data"]
         predictions = json.loads(predictions_text)
-        f1 = exact_match = total = 0
-        for article in dataset:
-            for paragraph in article["paragraphs"]:
-                for qa in paragraph["qas"]:
-                    total += 1
-                    if qa["id"] not in predictions:
-                        _ = "Unanswered question " + qa["id"] + " will receive score 0."
-                        continue
-                    ground_truths = list(map(lambda x: x["text"], qa["answers"]))
-                    prediction = predictions[qa["id"]]
-                    exact_match += max(exact_match_score(prediction, gt) for gt in ground_truths)
-                    f1 += max(f1_score(prediction, gt) for gt in ground_truths)
-        return {"exact_match": 100.0 * exact_match / total, "f1": 100.0 * f1 / total}
+        return official_evaluate(dataset, predictions)
     except Exception as e:  # noqa: BLE001 - any crash means "the official script rejects this input"
         raise _OfficialFailed(repr(e)) from None
 

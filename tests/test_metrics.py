@@ -10,6 +10,7 @@ from bertqa_bench.tasks.squad.metrics import (evaluate_dataset, exact_match_scor
 from bertqa_bench.tasks.squad.reader import write_squad_json
 from bertqa_bench.tasks.squad.types import Answer, QAExample
 from bertqa_bench.errors import DatasetFormatError
+from official_squad import official_evaluate
 
 
 @pytest.mark.parametrize("raw, expected", [
@@ -83,29 +84,13 @@ def test_squad_evaluate_perfect_and_empty():
     assert squad_evaluate([], {}) == {"exact_match": 0.0, "f1": 0.0}
 
 
-def _official_evaluate(dataset, predictions):
-    """evaluate-v1.1.py's evaluate(), verbatim in structure, to check equivalence."""
-    f1 = exact_match = total = 0
-    for article in dataset:
-        for paragraph in article["paragraphs"]:
-            for qa in paragraph["qas"]:
-                total += 1
-                if qa["id"] not in predictions:
-                    continue
-                ground_truths = list(map(lambda x: x["text"], qa["answers"]))
-                prediction = predictions[qa["id"]]
-                exact_match += metric_max_over_ground_truths(exact_match_score, prediction, ground_truths)
-                f1 += metric_max_over_ground_truths(f1_score, prediction, ground_truths)
-    return {"exact_match": 100.0 * exact_match / total, "f1": 100.0 * f1 / total}
-
-
 def test_evaluate_dataset_matches_official_and_squad_evaluate():
     from bertqa_bench.tasks.squad.reader import examples_to_squad_json
 
     exs = _examples()
     dataset = examples_to_squad_json(exs)
     preds = {"q1": "in Teluma", "q2": "1874", "q3": "Okafor"}
-    expected = _official_evaluate(dataset["data"], preds)
+    expected = official_evaluate(dataset["data"], preds)
     assert evaluate_dataset(dataset, preds) == pytest.approx(expected)
     assert evaluate_dataset(dataset["data"], preds) == pytest.approx(expected)
     assert squad_evaluate(exs, preds) == pytest.approx(expected)
@@ -162,7 +147,7 @@ def _score(tmp_path, dataset, preds):
 
 
 def _official(obj, preds):
-    return _official_evaluate(obj["data"], preds)
+    return official_evaluate(obj["data"], preds)
 
 
 def test_score_tolerates_misaligned_answer_start_with_a_warning(tmp_path):

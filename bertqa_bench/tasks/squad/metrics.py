@@ -210,21 +210,19 @@ def read_scoring_dataset(path) -> ScoringDataset:
             fail(record, what, f"expected an object, got {_type_name(value)}")
         return value
 
-    def list_at(container, key, record):
+    def typed_at(container, key, record, kind, kind_name, why=""):
         if key not in container:
             fail(record, key, "missing")
         value = container[key]
-        if not isinstance(value, list):
-            fail(record, key, f"expected a list, got {_type_name(value)}")
+        if not isinstance(value, kind):
+            fail(record, key, f"expected {kind_name}, got {_type_name(value)}{why}")
         return value
 
+    def list_at(container, key, record):
+        return typed_at(container, key, record, list, "a list")
+
     def str_at(container, key, record, why=""):
-        if key not in container:
-            fail(record, key, "missing")
-        value = container[key]
-        if not isinstance(value, str):
-            fail(record, key, f"expected str, got {_type_name(value)}{why}")
-        return value
+        return typed_at(container, key, record, str, "str", why)
 
     top = obj_at(obj, "<top level>", "<root>")
     ds.has_version, ds.version = "version" in top, top.get("version")
