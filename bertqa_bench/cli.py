@@ -35,7 +35,7 @@ def cmd_train(a) -> int:
     from .train import train
 
     cfg = load_suite(a.suite, a.overrides)
-    metrics = train(cfg, tracker=Tracker(cfg.results_root, enabled=not a.no_mlflow))
+    metrics = train(cfg, tracker=Tracker(cfg.results_root, enabled=not a.no_mlflow), command=_command_line())
     print(json.dumps(metrics, indent=2))
     return 0
 
@@ -143,6 +143,16 @@ def cmd_reference(a) -> int:
     return 0
 
 
+def cmd_scaling(a) -> int:
+    from .scaling import commands_from_log, load_rows, write_reference
+
+    commands = commands_from_log(Path(a.commands_log).read_text()) if a.commands_log else None
+    rows = load_rows(a.sources, card=a.card or "", date=a.date or "", commands=commands)
+    notes = Path(a.notes).read_text() if a.notes else ""
+    print(write_reference(rows, Path(a.out), a.title, notes))
+    return 0
+
+
 def cmd_track(a) -> int:
     from .config import resolve_path
     from .tracking import default_tracking_uri, import_bundle
@@ -169,7 +179,10 @@ def cmd_backends(a) -> int:
 
 
 def _command_line() -> str:
-    return "bertqa-bench " + " ".join(shlex.quote(x) for x in sys.argv[1:])
+    args = " ".join(shlex.quote(x) for x in sys.argv[1:])
+    if os.environ.get("TORCHELASTIC_RUN_ID"):  # started by torchrun: say so, with its process count
+        return f"torchrun --nproc_per_node={os.environ.get('LOCAL_WORLD_SIZE', '?')} -m bertqa_bench.cli {args}"
+    return f"bertqa-bench {args}"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -241,6 +254,19 @@ def build_parser() -> argparse.ArgumentParser:
     rf.add_argument("--title", required=True)
     rf.add_argument("--notes", help="a markdown file whose text goes under the title")
     rf.set_defaults(fn=cmd_reference)
+
+    sc = sub.add_parser("scaling", help="1/2/4-GPU scaling table (md + csv) from training metrics and data-parallel "
+                                        "prediction bundles, efficiency within one host and recipe")
+    sc.add_argument("sources", nargs="+", metavar="[HOST:]PATH",
+                    help="a model folder (its train_metrics.json) or a result bundle; HOST labels the machine")
+    sc.add_argument("--out", required=True, help="output path without extension, e.g. results/reference/h100-scaling")
+    sc.add_argument("--title", required=True)
+    sc.add_argument("--notes", help="a markdown file whose text goes under the title")
+    sc.add_argument("--card", help="the GPU, for training metrics saved before they named it")
+    sc.add_argument("--date", help="the date, for training metrics saved before they kept it")
+    sc.add_argument("--commands-log", help="a log naming each training command (scripts/gpu_session.py's driver.log), "
+                                           "for training metrics saved before they kept their command")
+    sc.set_defaults(fn=cmd_scaling)
 
     tr = sub.add_parser("track", help="log result bundles made without MLflow (e.g. on a GPU machine) to MLflow")
     tr.add_argument("run_dirs", nargs="+")

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from .config import SuiteConfig
+from .envinfo import device_name
 from .io import atomic_dir, atomic_write_json
 from .modeling import build_model, count_parameters, load_tokenizer
 from .tasks import Task, get_task
@@ -123,8 +124,10 @@ def _optimizer(model, lr: float, weight_decay: float, fused: bool = False):
                               {"params": no_decay, "weight_decay": 0.0}], lr=lr, fused=fused or None)
 
 
-def train(cfg: SuiteConfig, *, log: Callable[[str], None] = print, tracker=None, evaluate: bool = True) -> dict:
-    """Fine-tune per ``cfg`` and save to ``cfg.model_dir``. Returns the training metrics.
+def train(cfg: SuiteConfig, *, log: Callable[[str], None] = print, tracker=None, evaluate: bool = True,
+          command: str = "") -> dict:
+    """Fine-tune per ``cfg`` and save to ``cfg.model_dir``. Returns the training metrics
+    (``command``, the command line that ran it, is kept in them so every figure names its command).
 
     With a ``tracker``, rank 0 logs the training live to MLflow: the run starts now, gets loss and
     samples/s every few optimizer steps, and ends FINISHED when the model is saved, FAILED if
@@ -132,7 +135,7 @@ def train(cfg: SuiteConfig, *, log: Callable[[str], None] = print, tracker=None,
     _, rank, _ = _dist_info()
     mlrun = tracker.training(cfg) if tracker is not None and rank == 0 else None
     try:
-        return _train(cfg, log=log, mlrun=mlrun, evaluate=evaluate)
+        return _train(cfg, log=log, mlrun=mlrun, evaluate=evaluate, command=command)
     except BaseException as e:
         if mlrun is not None:
             mlrun.fail(e)
@@ -192,7 +195,7 @@ class Prefetcher:
             yield item
 
 
-def _train(cfg: SuiteConfig, *, log: Callable[[str], None], mlrun, evaluate: bool) -> dict:
+def _train(cfg: SuiteConfig, *, log: Callable[[str], None], mlrun, evaluate: bool, command: str = "") -> dict:
     from transformers import get_linear_schedule_with_warmup
 
     from .evalset import load_evalset
@@ -324,6 +327,7 @@ def _train(cfg: SuiteConfig, *, log: Callable[[str], None], mlrun, evaluate: boo
         "train_epoch_s": [round(b - a, 2) for a, b in zip([0.0] + epoch_ends, epoch_ends)],
         "train_tokens_per_s": tokens * world / train_s,
         "final_loss": float(np.mean(losses[-5:])) if losses else float("nan"), "device": str(device),
+        "device_name": device_name(device.type), "command": command, "date": time.strftime("%Y-%m-%d"),
         "world_size": world, "global_batch": tc.batch_size, "grad_accum": tc.grad_accum, "compile": tc.compile,
         "seed": tc.seed, "base": cfg.model.base, "random_init": cfg.model.random_init, **util, **init_info,
         "recipe": model_recipe(cfg, fields), "recipe_fields": fields,

@@ -5,7 +5,8 @@ background, so that it can outlast one device call:
     setsid python3 scripts/gpu_session.py PLAN [--out device-out] &   # start (returns at once)
     python3 scripts/gpu_session.py --status [--out device-out]        # progress; copies results to $OUT
 
-Plans (PLANS): ``remaining`` (what is still unmeasured; a 4-GPU host, ~15 device minutes),
+Plans (PLANS): ``next`` (what is still open after 2026-11-26; a 4-GPU host, ~12 device minutes),
+``remaining`` and ``squad-sized`` (the 2026-11-26 afternoon runs),
 ``h100`` (one GPU: the CPU gate, the suite's model, every backend, a sweep, the calibration
 points, the batching rows), ``x4`` and ``scaling-g128`` (the 2026-11-26 runs), ``tests``.
 Poll with back-to-back device calls (``sleep N; --status``): a lent machine goes back after 30 s
@@ -136,14 +137,26 @@ def train_ddp(s: Session, tag: str, n_gpus: int, sets: list[str]) -> None:
                            "--no-mlflow", *sets, *A], timeout=900)
 
 
-def train_scaling(s: Session, global_batch: int = 128, rows: int = 32) -> None:
+def train_scaling(s: Session, global_batch: int = 128, rows: int = 32, counts=(1, 2, 4), tag: str = "",
+                  sets: tuple = ()) -> None:
     """Training scaling at a fixed global batch: ``rows`` rows per GPU per micro-step at 1, 2 and
     4 GPUs (grad_accum = global_batch / (GPUs x rows)), back to back, nothing else on the host."""
-    for c in [c for c in (1, 2, 4) if c <= gpus()]:
+    for c in [c for c in counts if c <= gpus()]:
         accum = max(1, global_batch // (c * rows))
-        train_ddp(s, f"g{global_batch}-r{rows}-gpus{c}", c,
-                  ["--set", f"model.name={model_name(MAIN)}-g{global_batch}-gpus{c}",
-                   "--set", f"train.batch_size={global_batch}", "--set", f"train.grad_accum={accum}"])
+        train_ddp(s, f"{tag}g{global_batch}-r{rows}-gpus{c}", c,
+                  ["--set", f"model.name={model_name(MAIN)}-{tag}g{global_batch}-gpus{c}",
+                   "--set", f"train.batch_size={global_batch}", "--set", f"train.grad_accum={accum}", *sets])
+
+
+# SQuAD v1.1's training set is 87,599 questions -> 88,524 features at 384; the suite's generator
+# gives ~5.185 features per context, so 17,073 contexts make a SQuAD-sized training set.
+SQUAD_SIZED = ("--set", "data.synthetic.n_train_contexts=17073")
+
+
+def step_squad_sized(s: Session) -> None:
+    """Issue 11's single-GPU target as stated (2 SQuAD-sized epochs) and training scaling at that
+    size: global batch 512, 128 rows per GPU, on 1, then 4, then 2 GPUs (most important first)."""
+    train_scaling(s, 512, 128, counts=(1, 4, 2), tag="squad-", sets=SQUAD_SIZED)
 
 
 def train_g128(s: Session) -> None:
@@ -228,6 +241,21 @@ def step_remaining(s: Session) -> list:
     return []
 
 
+def step_next(s: Session) -> list:
+    """What the 2026-11-26 sessions still leave open, on a 4-GPU host in ~12 device minutes: the
+    suite's model, then side by side the FP8 batch-size sweep (the fastest compiled backend,
+    issue 13) | ONNX Runtime at batch 16 and 256 (prepare's host memory after the chunked export
+    checks), then alone the length-aware rows (issue 10) without neighbours on the host."""
+    train(s, MAIN, env=on(0))
+    lanes(lambda: sweep(s, "fp8", "torch-compile-fp8", on(0)),
+          lambda: s.run("sweep-ort-memory", ["cli", "sweep", "--suite", SUITE, "--no-mlflow", "--no-progress",
+                                             "--run-id", "gpu-sweep-ort-memory", "--backends", "ort-cuda-fp16-graph",
+                                             "--batch-sizes", "16,256", "--set", f"model.name={model_name(MAIN)}", *A,
+                                             "--set", "bench.warmup_batches=3"], timeout=900, env=on(1)))
+    batching_rows(s, on(0))
+    return []
+
+
 # Most important first: a machine goes back after 30 minutes, and each --status call packs
 # what is done so far.
 PLANS = {
@@ -239,6 +267,8 @@ PLANS = {
     "scaling-g128": [train_g128, lambda s: predict_scaling(s, ["--set", f"model.name={model_name(MAIN)}-g128-gpus1",
                                                                "--set", "train.batch_size=128"])],
     "remaining": [step_remaining],
+    "squad-sized": [step_squad_sized],
+    "next": [step_next],
     "tests": [step_tests],
 }
 

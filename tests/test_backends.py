@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from bertqa_bench.backends import BackendContext, default_table
-from bertqa_bench.backends.onnx_export import (OnnxExportError, check_against_reference, model_fingerprint,
-                                               validation_batches)
+from bertqa_bench.backends.onnx_export import (OnnxExportError, check_against_reference, in_row_chunks,
+                                               model_fingerprint, torch_reference, validation_batches)
 from bertqa_bench.errors import UnknownBackendError
 
 OUTPUTS = ("start_logits", "end_logits")
@@ -226,6 +226,28 @@ def test_shape_baked_export_fails_with_the_measured_difference():
         check_against_reference(right_only_at_first_shape, batches, refs, 1e-3, "test export")
     assert check_against_reference(right_only_at_first_shape, batches[:1], refs[:1], 1e-3, "x") == \
         {n: 0.0 for n in OUTPUTS}
+
+
+def test_cpu_checks_run_in_chunks_of_rows_with_the_whole_batch_answers(tiny_model):
+    """The export checks' host memory is bounded by chunking rows; BERT rows are independent, so
+    the chunked reference is the whole batch's."""
+    from bertqa_bench.modeling import load_inference_module
+
+    module = load_inference_module(tiny_model, "squad", attn_implementation="eager", dtype=torch.float32).eval()
+    batch = make_batch(7, 24, pad_rows=2)
+    whole = torch_reference(module, [batch], OUTPUTS, rows=7)[0]
+    chunked = torch_reference(module, [batch], OUTPUTS, rows=3)[0]  # 3 + 3 + 1 rows
+    for n in OUTPUTS:
+        assert chunked[n].shape == whole[n].shape == (7, 24)
+        np.testing.assert_allclose(chunked[n], whole[n], atol=1e-5)
+    seen = []
+
+    def run(b):
+        seen.append(b["input_ids"].shape[0])
+        return {n: b["input_ids"].astype(np.float32) for n in OUTPUTS}
+
+    out = in_row_chunks(run, rows=3)(batch)
+    assert seen == [3, 3, 1] and (out["start_logits"] == batch["input_ids"]).all()
 
 
 def test_model_fingerprint_follows_content(tiny_model, tmp_path):

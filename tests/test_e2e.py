@@ -207,7 +207,8 @@ def test_ddp_training_on_two_cpu_processes_takes_the_same_steps_as_one(tiny_suit
     cfg = load_suite(str(suite))
     env = child_env({"OMP_NUM_THREADS": "1"})
     one = subprocess.run([sys.executable, "-m", "bertqa_bench.cli", "train", "--suite", str(suite), "--no-mlflow",
-                          "--set", "model.name=one"], env=env, capture_output=True, text=True, timeout=600)
+                          "--set", "model.name=one", "--set", "train.grad_accum=2"],  # 1 x 2 x 4 rows
+                         env=env, capture_output=True, text=True, timeout=600)
     assert one.returncode == 0, one.stderr[-2000:]
     two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                           "-m", "bertqa_bench.cli", "train", "--suite", str(suite), "--no-mlflow",
@@ -219,6 +220,18 @@ def test_ddp_training_on_two_cpu_processes_takes_the_same_steps_as_one(tiny_suit
     assert m1["train_steps"] == m2["train_steps"] and m1["global_batch"] == m2["global_batch"] == 8
     assert "dev_f1" in m2  # rank 0 evaluated the saved model
     assert not list(cfg.model_dir.parent.glob(".two.*"))  # one atomic save, no leftovers from rank 1
+    # every training figure names its command and machine
+    assert m1["command"].startswith("bertqa-bench train --suite") and m1["device_name"].startswith("cpu")
+    assert m2["command"].startswith("torchrun --nproc_per_node=2 -m bertqa_bench.cli train")
+    # the scaling table is a view of these two runs: one series (same recipe, 4 rows per process
+    # per micro-step), efficiency against the 1-process run
+    from bertqa_bench.scaling import load_rows, write_reference
+
+    rows = load_rows([f"cpu:{cfg.model_dir.parent / 'one'}", f"cpu:{cfg.model_dir.parent / 'two'}"])
+    assert len({r.series for r in rows}) == 1 and [r.n_gpus for r in rows] == [1, 2]
+    assert rows[1].efficiency == pytest.approx(m2["train_samples_per_s"] / (2 * m1["train_samples_per_s"]))
+    md = write_reference(rows, tmp_path / "scaling", "two processes")
+    assert m2["command"] in md and (tmp_path / "scaling.csv").read_text().startswith("job,n_gpus,card,host")
 
 
 def test_length_grouped_batches_and_rank_shares():

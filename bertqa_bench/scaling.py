@@ -1,0 +1,170 @@
+"""Scaling tables: throughput on 1, 2 and 4 GPUs of one host, as a view of what the runs saved.
+
+Training rows come from each model's ``train_metrics.json`` (one torchrun per GPU count),
+prediction rows from a sweep's result bundle over ``--devices`` (one row per GPU count). Scaling
+efficiency is samples/s on N GPUs over N x the 1-GPU samples/s *of the same series on the same
+host*: a series is one recipe (training: every recipe field but the model's name, and the rows each
+GPU computes per micro-step; prediction: backend, batching and batch size), so a ratio is never
+taken across recipes, machines or runs of another kind.
+
+    bertqa-bench scaling hostA:models/m-gpus1 hostA:models/m-gpus2 hostA:results/predict-run \\
+        --out results/reference/h100-scaling --title "..."
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from .errors import BenchError
+from .io import atomic_write_text
+from .results import RunBundle, rows_to_csv
+
+METRICS_FILE = "train_metrics.json"
+
+
+@dataclass(frozen=True)
+class ScalingRow:
+    job: str  # train | predict
+    n_gpus: int
+    card: str
+    host: str  # a label: efficiencies are only taken within one host
+    series: str  # what must match for two rows to be compared (see the module doc)
+    samples_per_s: float  # training samples/s, or prediction features/s
+    dev_f1: Optional[float] = None
+    dev_em: Optional[float] = None
+    efficiency: Optional[float] = None
+    global_batch: Optional[int] = None
+    rows_per_gpu: Optional[int] = None  # rows per GPU per micro-step (training) / batch size (prediction)
+    grad_accum: Optional[int] = None
+    train_features: Optional[int] = None
+    train_steps: Optional[int] = None
+    train_s: Optional[float] = None
+    gpu_util_mean_pct: Optional[float] = None
+    date: str = ""
+    command: str = ""
+    source: str = ""  # the file or bundle the row was read from
+
+
+def _series_id(fields: dict) -> str:
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:8]
+
+
+def train_row(metrics: dict, *, host: str, source: str = "", card: str = "", date: str = "",
+              command: str = "") -> ScalingRow:
+    """One training run (all its ranks) as a row. ``card``, ``date`` and ``command`` fill in what
+    metrics saved before those fields existed lack; what the metrics hold wins."""
+    def need(key):
+        if key not in metrics:
+            raise BenchError(f"{source or 'train metrics'}: field '{key}' is missing; is this a train_metrics.json "
+                             "written by bertqa-bench train?")
+        return metrics[key]
+
+    world, gb, accum = int(need("world_size")), int(need("global_batch")), int(metrics.get("grad_accum", 1))
+    rows = gb // (world * accum)
+    recipe = {k: v for k, v in (metrics.get("recipe_fields") or {}).items() if k != "model.name"}
+    card = metrics.get("device_name") or card
+    if not card:
+        raise BenchError(f"{source}: the metrics do not name the GPU (saved before 'device_name' existed); "
+                         "pass --card")
+    return ScalingRow(
+        job="train", n_gpus=world, card=card, host=host,
+        series=f"train {_series_id(recipe)}: global batch {gb}, {rows} rows/GPU, {need('train_features')} features",
+        samples_per_s=float(need("train_samples_per_s")), dev_f1=metrics.get("dev_f1"),
+        dev_em=metrics.get("dev_exact_match"), global_batch=gb, rows_per_gpu=rows, grad_accum=accum,
+        train_features=metrics.get("train_features"), train_steps=metrics.get("train_steps"),
+        train_s=metrics.get("train_s"), gpu_util_mean_pct=metrics.get("gpu_utilization_mean_pct"),
+        date=metrics.get("date") or date, command=metrics.get("command") or command, source=source)
+
+
+def predict_rows(bundle: RunBundle, *, host: str) -> list[ScalingRow]:
+    """The rows of a bundle that ran data-parallel (the ones with ``n_devices``), and their
+    1-device counterparts; F1/EM are the dev scores of that prediction."""
+    out = []
+    for r in bundle.results:
+        if not r.ok or not r.n_devices or r.features_per_s is None:
+            continue
+        base = re.sub(r"-x\d+$", "", r.backend)
+        out.append(ScalingRow(
+            job="predict", n_gpus=int(r.n_devices), card=r.device_name or bundle.meta.device_name, host=host,
+            series=f"predict {base}: {r.batching}, batch {r.batch_size}, {r.precision}",
+            samples_per_s=float(r.features_per_s), dev_f1=r.scores.get("f1"), dev_em=r.scores.get("exact_match"),
+            rows_per_gpu=r.batch_size, date=bundle.meta.date, command=bundle.meta.command, source=str(bundle.dir)))
+    # a series needs more than one GPU count to be a scaling series
+    counts: dict[str, set] = {}
+    for row in out:
+        counts.setdefault(row.series, set()).add(row.n_gpus)
+    return [row for row in out if len(counts[row.series]) > 1]
+
+
+def with_efficiency(rows: list[ScalingRow]) -> list[ScalingRow]:
+    """Efficiency against the 1-GPU row of the same job, host and series (None where there is none)."""
+    one = {(r.job, r.host, r.series): r.samples_per_s for r in rows if r.n_gpus == 1}
+    return [dataclasses.replace(r, efficiency=(r.samples_per_s / (r.n_gpus * one[k]))
+                                if (k := (r.job, r.host, r.series)) in one else None) for r in rows]
+
+
+def commands_from_log(text: str) -> dict[str, str]:
+    """``model name -> command`` from a log that printed each command (scripts/gpu_session.py's
+    driver.log: ``HH:MM:SS start NAME: COMMAND``), for metrics saved before they kept their command."""
+    out = {}
+    for line in text.splitlines():
+        m = re.search(r"start [^:]+: (.*model\.name=(\S+).*)$", line)
+        if m and m.group(2) not in out:
+            cmd = m.group(1)
+            out[m.group(2)] = ("torchrun " + cmd.split("torch.distributed.run ", 1)[1]
+                               if "torch.distributed.run " in cmd else "bertqa-bench " + cmd.split("bertqa_bench.cli ", 1)[-1])
+    return out
+
+
+def load_rows(sources: list[str], *, card: str = "", date: str = "", commands: Optional[dict] = None) -> list[ScalingRow]:
+    """``[HOST:]PATH`` sources: a model folder (its train_metrics.json) or a result bundle."""
+    rows = []
+    for spec in sources:
+        host, _, path = spec.partition(":") if ":" in spec else ("", "", spec)
+        host, p = host or "host", Path(path)
+        if (p / METRICS_FILE).exists():
+            metrics = json.loads((p / METRICS_FILE).read_text())
+            name = (metrics.get("recipe_fields") or {}).get("model.name", p.name)
+            rows.append(train_row(metrics, host=host, source=str(p / METRICS_FILE), card=card, date=date,
+                                  command=(commands or {}).get(name, "")))
+        elif (p / "run.json").exists():
+            rows += predict_rows(RunBundle.load(p), host=host)
+        else:
+            raise BenchError(f"{p}: neither a model folder with {METRICS_FILE} nor a result bundle with run.json")
+    return with_efficiency(rows)
+
+
+def markdown(rows: list[ScalingRow], title: str, notes: str = "") -> str:
+    lines = [f"# {title}", ""] + ([notes.strip(), ""] if notes else [])
+    groups: dict[tuple, list[ScalingRow]] = {}
+    for r in rows:
+        groups.setdefault((r.job, r.host, r.series), []).append(r)
+    for (job, host, series), rs in groups.items():
+        rs = sorted(rs, key=lambda r: r.n_gpus)
+        unit = "training samples/s" if job == "train" else "features/s"
+        lines += [f"## {series} — {host}, {rs[0].card}", "",
+                  f"| GPUs | {unit} | scaling efficiency | dev EM | dev F1 |"
+                  + (" time (s) | mean GPU util (rank 0) |" if job == "train" else ""),
+                  "|---|---|---|---|---|" + ("---|---|" if job == "train" else "")]
+        for r in rs:
+            eff = f"{r.efficiency:.1%}" if r.efficiency is not None else "—"
+            f = lambda v, d=2: "—" if v is None else f"{v:.{d}f}"  # noqa: E731
+            lines.append(f"| {r.n_gpus} | {r.samples_per_s:,.0f} | {eff} | {f(r.dev_em)} | {f(r.dev_f1)} |"
+                         + (f" {f(r.train_s, 1)} | {f(r.gpu_util_mean_pct, 0)}% |" if job == "train" else ""))
+        lines += ["", "Commands (" + ", ".join(sorted({r.date for r in rs if r.date})) + "):", ""]
+        lines += [f"- {r.n_gpus} GPU{'s' if r.n_gpus > 1 else ''}: `{r.command or 'not recorded'}`"
+                  for r in rs if r.job == "train"] or [f"- `{rs[0].command}`"]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write_reference(rows: list[ScalingRow], out_stem: Path, title: str, notes: str = "") -> str:
+    md = markdown(rows, title, notes)
+    atomic_write_text(Path(str(out_stem) + ".md"), md)
+    atomic_write_text(Path(str(out_stem) + ".csv"), rows_to_csv([dataclasses.asdict(r) for r in rows]))
+    return md

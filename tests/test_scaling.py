@@ -1,0 +1,77 @@
+"""The scaling table: efficiency only within one host and recipe, rows read from what runs saved."""
+import json
+
+import pytest
+
+from bertqa_bench.errors import BenchError
+from bertqa_bench.results import BackendResult, RunBundle, RunMeta
+from bertqa_bench.scaling import ScalingRow, commands_from_log, load_rows, train_row, with_efficiency
+
+
+def _metrics(world, sps, *, name="m", accum=1, global_batch=64, lr=1e-4, **extra):
+    return {"world_size": world, "global_batch": global_batch, "grad_accum": accum, "train_samples_per_s": sps,
+            "train_features": 1000, "train_steps": 30, "train_s": 1000 / sps, "dev_f1": 80.0 + world / 10,
+            "dev_exact_match": 70.0, "device_name": "GPU-X",
+            "recipe_fields": {"model.name": name, "train.batch_size": global_batch, "train.learning_rate": lr},
+            **extra}
+
+
+def test_rows_of_one_recipe_form_one_series_whatever_the_model_is_called():
+    a = train_row(_metrics(1, 100.0, name="a", accum=4), host="h")
+    b = train_row(_metrics(4, 360.0, name="b", accum=1), host="h")
+    c = train_row(_metrics(1, 100.0, name="c", lr=2e-4), host="h")
+    assert a.series == b.series != c.series
+    assert a.rows_per_gpu == b.rows_per_gpu == 16  # 64 = 1 x 4 x 16 = 4 x 1 x 16
+
+
+def test_efficiency_is_taken_against_the_one_gpu_row_of_the_same_host_and_series():
+    rows = [ScalingRow("train", 1, "X", "A", "s", 100.0), ScalingRow("train", 2, "X", "A", "s", 180.0),
+            ScalingRow("train", 1, "X", "B", "s", 50.0), ScalingRow("train", 4, "X", "B", "s", 150.0),
+            ScalingRow("train", 2, "X", "A", "other recipe", 190.0)]
+    eff = [r.efficiency for r in with_efficiency(rows)]
+    assert eff[:4] == [pytest.approx(1.0), pytest.approx(0.9), pytest.approx(1.0), pytest.approx(0.75)]
+    assert eff[4] is None  # no 1-GPU row in its series: no efficiency rather than a cross-recipe ratio
+
+
+def test_prediction_rows_come_from_a_data_parallel_bundle(tmp_path):
+    meta = RunMeta(suite="s", run_id="r", task="squad", metric_names=["exact_match", "f1"], primary_metric="f1",
+                   reference="eager", command="bertqa-bench sweep --devices 1,2", date="2026-11-26",
+                   device_name="GPU-X")
+    b = RunBundle.create(tmp_path, meta, {}, {})
+    for name, n, fps in (("eager", 1, 900.0), ("eager@b64-sorted", 1, 1000.0), ("eager@b64-sorted-x2", 2, 1900.0)):
+        b.add(BackendResult(backend=name, batching="sorted" if "sorted" in name else "padded", batch_size=64,
+                            precision="fp16", n_devices=n, features_per_s=fps, device_name="GPU-X",
+                            scores={"exact_match": 70.0, "f1": 80.0}))
+    b.add(BackendResult(backend="broken-x2", status="failed", n_devices=2, error="boom"))
+    rows = load_rows([f"host:{b.dir}"])
+    # the padded reference has no 2-GPU partner: not a scaling series; the failed row is skipped
+    assert [(r.n_gpus, r.samples_per_s) for r in rows] == [(1, 1000.0), (2, 1900.0)]
+    assert rows[1].efficiency == pytest.approx(0.95) and rows[1].command == meta.command
+    assert rows[1].dev_f1 == 80.0 and rows[1].job == "predict"
+
+
+def test_bad_sources_name_the_file_and_field(tmp_path):
+    d = tmp_path / "model"
+    d.mkdir()
+    m = _metrics(1, 100.0)
+    del m["train_samples_per_s"]
+    (d / "train_metrics.json").write_text(json.dumps(m))
+    with pytest.raises(BenchError, match=r"model/train_metrics.json: field 'train_samples_per_s' is missing"):
+        load_rows([str(d)])
+    with pytest.raises(BenchError, match="neither a model folder"):
+        load_rows([str(tmp_path)])
+    old = _metrics(1, 100.0)
+    del old["device_name"]
+    (d / "train_metrics.json").write_text(json.dumps(old))
+    with pytest.raises(BenchError, match="pass --card"):
+        load_rows([str(d)])
+    assert load_rows([str(d)], card="GPU-Y")[0].card == "GPU-Y"
+
+
+def test_commands_are_recovered_from_a_session_log_for_older_metrics():
+    log = ("09:21:37 start train-g128: torch.distributed.run --standalone --nproc_per_node=1 -m bertqa_bench.cli "
+           "train --suite s --set model.name=m-g128 --set train.batch_size=128\n"
+           "09:22:59 start bench: bertqa_bench.cli bench --suite s --set model.name=m\n")
+    cmds = commands_from_log(log)
+    assert cmds["m-g128"].startswith("torchrun --standalone --nproc_per_node=1 -m bertqa_bench.cli train")
+    assert cmds["m"] == "bertqa-bench bench --suite s --set model.name=m"
