@@ -191,9 +191,11 @@ def batching_rows(s: Session, env: dict | None = None) -> None:
     """Padded, sorted and packed rows in one run, then their profiles (GPU idle fraction)."""
     s.run("bench-batching", ["cli", "bench", "--suite", SUITE, "--no-mlflow", "--no-progress", "--run-id",
                              "gpu-batching", "--backends",
-                             "eager-fp32-cuda,eager-fp16,eager-fp16-sorted,eager-fp16-packed,torch-compile-fp8-sorted",
+                             "eager-fp32-cuda,eager-fp16,eager-fp16-sorted,eager-fp16-packed,torch-compile-fp8-sorted,"
+                             "torch-compile-fp16-packed,eager-fp8-packed,torch-compile-fp8-packed",
                              "--set", f"model.name={model_name(MAIN)}", *A], timeout=1200, env=env)
-    for backend in ("eager-fp16-packed", "eager-fp16-sorted", "eager-fp16", "torch-compile-fp8"):
+    for backend in ("eager-fp16-packed", "torch-compile-fp8-packed", "eager-fp16-sorted", "eager-fp16",
+                    "torch-compile-fp8"):
         s.run(f"profile-{backend}", ["cli", "profile", "--suite", SUITE, "--backend", backend, "--batches", "20",
                                      "--set", f"model.name={model_name(MAIN)}", *A], timeout=400, env=env)
 
@@ -245,7 +247,8 @@ def step_next(s: Session) -> list:
     """What the 2026-11-26 sessions still leave open, on a 4-GPU host in ~12 device minutes: the
     suite's model, then side by side the FP8 batch-size sweep (the fastest compiled backend,
     issue 13) | ONNX Runtime at batch 16 and 256 (prepare's host memory after the chunked export
-    checks), then alone the length-aware rows (issue 10) without neighbours on the host."""
+    checks), then alone the length-aware rows (issue 10) without neighbours on the host, the
+    compiled and FP8 packed variants among them."""
     train(s, MAIN, env=on(0))
     lanes(lambda: sweep(s, "fp8", "torch-compile-fp8", on(0)),
           lambda: s.run("sweep-ort-memory", ["cli", "sweep", "--suite", SUITE, "--no-mlflow", "--no-progress",

@@ -43,6 +43,10 @@ EXPECTED = {
     "tensorrt-fp16": ("cuda", "fp16", "reduced"),
     "torch-compile-fp16-graph": ("cuda", "fp16", "reduced"),
     "torch-compile-fp8": ("cuda", "fp8", "reduced"),
+    "eager-fp16-packed": ("cuda", "fp16", "reduced"),
+    "torch-compile-fp16-packed": ("cuda", "fp16", "reduced"),
+    "eager-fp8-packed": ("cuda", "fp8", "reduced"),
+    "torch-compile-fp8-packed": ("cuda", "fp8", "reduced"),
 }
 TABLE = default_table()
 
@@ -395,6 +399,36 @@ def test_packed_padding_free_encoder_matches_the_padded_model_on_real_tokens(mak
         real = b["attention_mask"].astype(bool)
         for n in OUTPUTS:
             assert np.abs(out[n] - r[n])[real].max() < 1e-4, n
+
+
+def test_packed_encoder_under_torch_compile_with_a_dynamic_token_count(make_ctx, reference):
+    """torch.compile of the padding-free model: the packing breaks the graph, the encoder compiles
+    with a dynamic token count, so batches of other token counts reuse it and give the padded
+    model's logits on real tokens."""
+    from bertqa_bench.backends import make_variant
+
+    batches, ref = reference
+    v = make_variant("packed-compile-cpu", "torch", "cpu", {"packed": True, "compile": "default", "dynamic": True})
+    backend = v.create()
+    backend.prepare(make_ctx())
+    try:
+        outs = [backend.predict(b) for b in batches]
+    finally:
+        backend.close()
+    assert backend.prepare_info["packed"] is True and backend.prepare_info["compile"] == "default"
+    for b, out, r in zip(batches, outs, ref):
+        real = b["attention_mask"].astype(bool)
+        for n in OUTPUTS:
+            assert np.abs(out[n] - r[n])[real].max() < 1e-4, n
+
+
+def test_packed_refuses_cuda_graphs_with_the_reason():
+    from bertqa_bench.backends import make_variant
+    from bertqa_bench.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="no CUDA graphs"):
+        make_variant("packed-graphs", "torch", "cuda", {"packed": True, "weights": "fp16", "compile": "default",
+                                                        "cuda_graph": "manual"})
 
 
 def test_packed_encoder_keeps_the_nq_answer_type_head(tmp_path):

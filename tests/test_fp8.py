@@ -292,6 +292,34 @@ def test_swapped_tiny_bert_tracks_fp32_on_cpu(scaling, fuse_qkv, gemms):
         assert rel_l2(o, r) < 0.05, (scaling, rel_l2(o, r))
 
 
+@needs_cpu_scaled_mm
+@pytest.mark.parametrize("fuse_qkv", [True, False])
+def test_fp8_swapped_model_packed_padding_free_matches_its_padded_self(fuse_qkv):
+    """FP8 on the padding-free path: quantize on the padded model, then pack; the packed encoder
+    calls the same FP8 GEMMs (the fused QKV one included), so on every real token it computes what
+    the padded FP8 model does."""
+    from bertqa_bench.backends.packed_bert import pack_model
+
+    model = qa(tiny_bert(hidden=64))
+    ids, mask, types = inputs()
+    mask = mask.clone()
+    mask[-1, mask.shape[1] // 2:] = 0  # a padded row: packing must drop its tail
+    x = (ids, mask, types)
+    amax = fp8.calibrate_input_amax(model, [x], fp8.target_linears(model))
+    done = fp8.swap_to_fp8(model, amax, scaling="tensor", fuse_qkv=fuse_qkv)
+    assert bool(done["fused_qkv"]) == fuse_qkv
+    packed_model = copy.deepcopy(model)
+    pack_model(packed_model.model)  # the QA wrapper's BertForQuestionAnswering, as the backend does
+    layers = packed_model.model.bert.bert.encoder.layer  # PackedEncoder -> the BertModel it wraps
+    assert sum(hasattr(layer.attention.self, "qkv") for layer in layers) == (2 if fuse_qkv else 0)
+    with torch.no_grad():
+        padded = model(*x)
+        packed = packed_model(*x)
+    real = mask.bool()
+    for p, r in zip(packed, padded):
+        assert (p - r)[real].abs().max() < 1e-4
+
+
 # --------------------------------------------------------------------------- GPU end-to-end
 
 def _gpu_ctx(tmp_path, b=4, s=64):
@@ -326,7 +354,8 @@ def _run(name, ctx, batches, **over):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name,over", [("torch-compile-fp8", {}), ("torch-compile-fp8-all", {}),
                                        ("torch-compile-fp8-rowwise", {}),
-                                       ("torch-compile-fp8", {"cuda_graph": "trees"})])
+                                       ("torch-compile-fp8", {"cuda_graph": "trees"}),
+                                       ("eager-fp8-packed", {}), ("torch-compile-fp8-packed", {})])
 def test_fp8_backend_tracks_fp32_on_gpu(tmp_path, name, over):
     reason = TABLE.get(name).unavailable_reason()
     if reason:
@@ -335,7 +364,10 @@ def test_fp8_backend_tracks_fp32_on_gpu(tmp_path, name, over):
     _, refs = _run("eager-fp32-cuda", ctx, batches)
     info, outs = _run(name, ctx, batches, **over)
     assert info["fp8_linears"] >= 2 * 3 and info["fp8_fused_qkv"] is True
-    assert info["cuda_graph"] == ("trees" if over else "manual") and info["prepared_shapes"] == 2
+    if name.endswith("-packed"):  # padding-free: no CUDA graphs, the token count changes every batch
+        assert info["packed"] is True and info["cuda_graph"] == "none"
+    else:
+        assert info["cuda_graph"] == ("trees" if over else "manual") and info["prepared_shapes"] == 2
     for out, ref, b in zip(outs, refs, batches):
         bs, s = b["input_ids"].shape
         for n in OUTPUTS:

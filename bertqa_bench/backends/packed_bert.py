@@ -10,7 +10,10 @@ SDPA loop elsewhere, for tests). The hidden states are scattered back to [batch,
 [CLS]) runs unchanged — the wrapper is task-agnostic.
 
 It uses the wrapped BertModel's own weights and modules, so it computes the same function as
-the padded model on every real token (tested against it). Right padding is assumed (real
+the padded model on every real token (tested against it). Quantized Linears (FP8, INT8) swapped
+into the model before packing are used as they are, FP8's fused query/key/value GEMM included.
+Under torch.compile the data-dependent packing (nonzero, the longest length) breaks the graph;
+the encoder layers after it compile with a dynamic token count. Right padding is assumed (real
 tokens first in every row), as every featurizer here produces.
 """
 from __future__ import annotations
@@ -71,10 +74,15 @@ class PackedEncoder(nn.Module):
         t = x.shape[0]
         for layer in self.bert.encoder.layer:
             att = layer.attention
-            q = att.self.query(x).view(t, self.heads, self.head_dim)
-            k = att.self.key(x).view(t, self.heads, self.head_dim)
-            v = att.self.value(x).view(t, self.heads, self.head_dim)
-            ctx = self._attention(q, k, v, cu, max_len, lengths).reshape(t, -1)
+            sa = att.self
+            if hasattr(sa, "qkv"):  # FP8's fused query/key/value (torch_fp8): one GEMM, [T, 3 x hidden]
+                q, k, v = sa.qkv(x).view(t, 3, self.heads, self.head_dim).unbind(1)
+            else:
+                q = sa.query(x).view(t, self.heads, self.head_dim)
+                k = sa.key(x).view(t, self.heads, self.head_dim)
+                v = sa.value(x).view(t, self.heads, self.head_dim)
+            # (the fused FP8 GEMM may write bf16 under rowwise scaling: back to the model's dtype)
+            ctx = self._attention(q, k, v, cu, max_len, lengths).reshape(t, -1).to(x.dtype)
             x = att.output.LayerNorm(att.output.dense(ctx) + x)
             h = layer.intermediate.intermediate_act_fn(layer.intermediate.dense(x))
             x = layer.output.LayerNorm(layer.output.dense(h) + x)

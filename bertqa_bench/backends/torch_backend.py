@@ -131,9 +131,9 @@ class TorchOptions:
             raise ConfigError("fp8 needs 16-bit weights for the parts that stay out of FP8 (weights: fp16 or bf16)")
         if self.fp8 is not None and self.int8 is not None:
             raise ConfigError("fp8 and int8 exclude each other")
-        if self.packed and (self.cuda_graph != "none" or self.fp8 is not None or self.int8 is not None):
+        if self.packed and self.cuda_graph != "none":
             raise ConfigError("packed (padding-free) runs eager or compiled; its token count changes every batch, "
-                              "so no CUDA graphs, and FP8 is not wired into it")
+                              "so no CUDA graphs (cuda_graph: none)")
 
     def inductor_mode(self) -> str:
         """torch.compile's mode: graph trees come with reduce-overhead / max-autotune."""
@@ -293,18 +293,21 @@ class TorchBackend(Backend):
         o: TorchOptions = self.options
         module = load_inference_module(ctx.model_dir, ctx.task, attn_implementation=o.attn_implementation,
                                        dtype=_torch_dtype(o.weights)).to(self.device).eval()
+        info: dict = {}
+        as_tensors = lambda bs: [tuple(torch.from_numpy(np.ascontiguousarray(b[n], dtype=np.int64))  # noqa: E731
+                                       .to(self.device) for n in INPUT_NAMES) for b in bs]
+        # Quantize first, on the padded model (calibration and the sensitivity sweep run it), then
+        # pack: the padding-free encoder calls the swapped Linears as they are.
+        if o.int8 is not None:
+            info = self._int8(module, o.int8, as_tensors(ctx.sample_batches[:o.int8.calibration_batches]))
+        elif o.fp8 is not None:
+            info = self._fp8(module, o.fp8, as_tensors(ctx.sample_batches[:o.fp8.calibration_batches]))
         if o.packed:
             from .packed_bert import pack_model
 
             pack_model(module.model)
-            return module, {"packed": True, "attention_kernel": module.model.bert.kernel_name}
-        if o.fp8 is None and o.int8 is None:
-            return module, {}
-        as_tensors = lambda bs: [tuple(torch.from_numpy(np.ascontiguousarray(b[n], dtype=np.int64))  # noqa: E731
-                                       .to(self.device) for n in INPUT_NAMES) for b in bs]
-        if o.int8 is not None:
-            return module, self._int8(module, o.int8, as_tensors(ctx.sample_batches[:o.int8.calibration_batches]))
-        return module, self._fp8(module, o.fp8, as_tensors(ctx.sample_batches[:o.fp8.calibration_batches]))
+            info.update(packed=True, attention_kernel=module.model.bert.kernel_name)
+        return module, info
 
     @staticmethod
     def _sweep(module, batches, quantize_layer, keep: int) -> tuple[tuple[int, ...], dict]:

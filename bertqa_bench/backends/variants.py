@@ -181,6 +181,17 @@ BUILTIN = (
     {**_v("eager-fp16-packed", "torch", "cuda",
           "PyTorch fp16, padding-free: real tokens only, variable-length FlashAttention (packed_bert.py)",
           weights="fp16", packed=True), "batching": "packed"},
+    # The levers the packed row's profile names (results/reference/h100-batching.md): fused
+    # elementwise work (compile, the token count dynamic: it changes every batch) and FP8 GEMMs.
+    {**_v("torch-compile-fp16-packed", "torch", "cuda",
+          "as eager-fp16-packed, under torch.compile with a dynamic token count", weights="fp16", compile="default",
+          dynamic=True, packed=True), "batching": "packed"},
+    {**_v("eager-fp8-packed", "torch", "cuda",
+          "padding-free with the FP8 GEMMs of torch-compile-fp8 (calibrated on the padded model), eager",
+          weights="fp16", packed=True, fp8=_FP8), "batching": "packed"},
+    {**_v("torch-compile-fp8-packed", "torch", "cuda",
+          "padding-free with FP8 GEMMs, under torch.compile with a dynamic token count", weights="fp16",
+          compile="default", dynamic=True, packed=True, fp8=_FP8), "batching": "packed"},
     _v("torch-compile-fp8", "torch", "cuda",
        "FP8 e4m3 GEMMs (_scaled_mm; fused QKV and the FFN; static activation scales calibrated in prepare), "
        "fp16 elsewhere, torch.compile, one CUDA graph per shape", weights="fp16", compile="default",
