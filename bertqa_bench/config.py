@@ -288,6 +288,10 @@ class ParityConfig:
                           for k, v in (self.overrides or {}).items()}
 
 
+# What `bertqa-bench train` writes beside a saved model (train.py), and what reads it (scaling.py).
+METRICS_FILE = "train_metrics.json"
+
+
 @dataclass
 class SuiteConfig:
     name: str = "default"

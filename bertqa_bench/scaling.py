@@ -20,11 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from .config import METRICS_FILE
 from .errors import BenchError
 from .io import atomic_write_text
 from .results import RunBundle, rows_to_csv
-
-METRICS_FILE = "train_metrics.json"
+from .sweep import without_devices
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ def predict_rows(bundle: RunBundle, *, host: str) -> list[ScalingRow]:
     for r in bundle.results:
         if not r.ok or not r.n_devices or r.features_per_s is None:
             continue
-        base = re.sub(r"-x\d+$", "", r.backend)
+        base = without_devices(r.backend)
         out.append(ScalingRow(
             job="predict", n_gpus=int(r.n_devices), card=r.device_name or bundle.meta.device_name, host=host,
             series=f"predict {base}: {r.batching}, batch {r.batch_size}, {r.precision}",
@@ -139,6 +139,10 @@ def load_rows(sources: list[str], *, card: str = "", date: str = "", commands: O
     return with_efficiency(rows)
 
 
+def _num(v: Optional[float], digits: int = 2) -> str:
+    return "—" if v is None else f"{v:.{digits}f}"
+
+
 def markdown(rows: list[ScalingRow], title: str, notes: str = "") -> str:
     lines = [f"# {title}", ""] + ([notes.strip(), ""] if notes else [])
     groups: dict[tuple, list[ScalingRow]] = {}
@@ -153,9 +157,8 @@ def markdown(rows: list[ScalingRow], title: str, notes: str = "") -> str:
                   "|---|---|---|---|---|" + ("---|---|" if job == "train" else "")]
         for r in rs:
             eff = f"{r.efficiency:.1%}" if r.efficiency is not None else "—"
-            f = lambda v, d=2: "—" if v is None else f"{v:.{d}f}"  # noqa: E731
-            lines.append(f"| {r.n_gpus} | {r.samples_per_s:,.0f} | {eff} | {f(r.dev_em)} | {f(r.dev_f1)} |"
-                         + (f" {f(r.train_s, 1)} | {f(r.gpu_util_mean_pct, 0)}% |" if job == "train" else ""))
+            lines.append(f"| {r.n_gpus} | {r.samples_per_s:,.0f} | {eff} | {_num(r.dev_em)} | {_num(r.dev_f1)} |"
+                         + (f" {_num(r.train_s, 1)} | {_num(r.gpu_util_mean_pct, 0)}% |" if job == "train" else ""))
         lines += ["", "Commands (" + ", ".join(sorted({r.date for r in rs if r.date})) + "):", ""]
         lines += [f"- {r.n_gpus} GPU{'s' if r.n_gpus > 1 else ''}: `{r.command or 'not recorded'}`"
                   for r in rs if r.job == "train"] or [f"- `{rs[0].command}`"]

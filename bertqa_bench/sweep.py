@@ -9,6 +9,7 @@ and ``sweep.png`` (throughput against batch size, one line per backend and batch
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -20,6 +21,12 @@ from .results import BackendResult, RunBundle
 
 def point_name(variant: str, batch_size: int, batching: str, devices: int = 1) -> str:
     return f"{variant}@b{batch_size}-{batching}" + (f"-x{devices}" if devices > 1 else "")
+
+
+def without_devices(name: str) -> str:
+    """The one-GPU row a data-parallel row scales from: ``a@b64-sorted-x4`` -> ``a@b64-sorted``
+    (also a suite's own ``eager-fp32-x2`` -> ``eager-fp32``)."""
+    return re.sub(r"-x\d+$", "", name)
 
 
 def expand(cfg: SuiteConfig, backends: Sequence[str], batch_sizes: Sequence[int], batchings: Sequence[str],
@@ -44,9 +51,9 @@ def expand(cfg: SuiteConfig, backends: Sequence[str], batch_sizes: Sequence[int]
 def _point(r: BackendResult) -> Optional[tuple[str, int, str]]:
     if "@b" not in r.backend:
         return None
-    base, rest = r.backend.rsplit("@b", 1)
+    base, rest = without_devices(r.backend).rsplit("@b", 1)
     bs, batching = rest.split("-", 1)
-    return base, int(bs), batching.split("-x")[0]
+    return base, int(bs), batching
 
 
 def scaling_table(results: list[BackendResult]) -> str:

@@ -21,13 +21,12 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from .config import SuiteConfig
+from .config import METRICS_FILE, SuiteConfig
 from .envinfo import device_name
 from .io import atomic_dir, atomic_write_json
 from .modeling import build_model, count_parameters, load_tokenizer
 from .tasks import Task, get_task
 
-METRICS_FILE = "train_metrics.json"
 
 
 def seed_everything(seed: int) -> None:

@@ -179,10 +179,11 @@ def bench_all(s: Session) -> None:
                     "--set", f"model.name={model_name(MAIN)}", *A], timeout=2400)
 
 
-def sweep(s: Session, tag: str, backends: str, env: dict | None = None) -> None:
-    """Batch sizes 16-256, against the eager-fp32-cuda of the same run."""
+def sweep(s: Session, tag: str, backends: str, env: dict | None = None,
+          batch_sizes: str = "16,32,64,128,256") -> None:
+    """Batch sizes (16-256), against the eager-fp32-cuda of the same run."""
     s.run(f"sweep-{tag}", ["cli", "sweep", "--suite", SUITE, "--no-mlflow", "--no-progress", "--run-id",
-                           f"gpu-sweep-{tag}", "--backends", backends, "--batch-sizes", "16,32,64,128,256",
+                           f"gpu-sweep-{tag}", "--backends", backends, "--batch-sizes", batch_sizes,
                            "--set", f"model.name={model_name(MAIN)}", *A, "--set", "bench.warmup_batches=3"],
           timeout=1500, env=env)
 
@@ -251,10 +252,7 @@ def step_next(s: Session) -> list:
     compiled and FP8 packed variants among them."""
     train(s, MAIN, env=on(0))
     lanes(lambda: sweep(s, "fp8", "torch-compile-fp8", on(0)),
-          lambda: s.run("sweep-ort-memory", ["cli", "sweep", "--suite", SUITE, "--no-mlflow", "--no-progress",
-                                             "--run-id", "gpu-sweep-ort-memory", "--backends", "ort-cuda-fp16-graph",
-                                             "--batch-sizes", "16,256", "--set", f"model.name={model_name(MAIN)}", *A,
-                                             "--set", "bench.warmup_batches=3"], timeout=900, env=on(1)))
+          lambda: sweep(s, "ort-memory", "ort-cuda-fp16-graph", on(1), batch_sizes="16,256"))
     batching_rows(s, on(0))
     return []
 

@@ -121,8 +121,9 @@ def make_ctx(tiny_model, tmp_path):
     return _make
 
 
-def run(name: str, ctx: BackendContext, batches):
-    backend = TABLE.get(name).create()
+def run(name, ctx: BackendContext, batches):
+    """Prepare the variant (a built-in's name, or a Variant), predict ``batches``, close."""
+    backend = (TABLE.get(name) if isinstance(name, str) else name).create()
     backend.prepare(ctx)
     try:
         return backend, [backend.predict(b) for b in batches]
@@ -132,6 +133,14 @@ def run(name: str, ctx: BackendContext, batches):
 
 def max_diff(a, b) -> float:
     return max(float(np.abs(a[n] - b[n]).max()) for n in OUTPUTS)
+
+
+def assert_real_tokens_match(batches, outs, refs, atol: float = 1e-4) -> None:
+    """Padding-free outputs equal the padded reference wherever the mask says a token is real."""
+    for b, out, r in zip(batches, outs, refs):
+        real = b["attention_mask"].astype(bool)
+        for n in OUTPUTS:
+            assert np.abs(out[n] - r[n])[real].max() < atol, n
 
 
 def check_outputs(out, b: int, s: int) -> None:
@@ -388,17 +397,9 @@ def test_packed_padding_free_encoder_matches_the_padded_model_on_real_tokens(mak
     v = make_variant("packed-cpu", "torch", "cpu", {"packed": True})
     assert v.backend_class.batching_reason(v.options, "packed") is None
     assert TABLE.get("eager-fp32").backend_class.batching_reason(TABLE.get("eager-fp32").options, "packed")
-    backend = v.create()
-    backend.prepare(make_ctx())
-    try:
-        outs = [backend.predict(b) for b in batches]
-    finally:
-        backend.close()
+    backend, outs = run(v, make_ctx(), batches)
     assert backend.prepare_info["packed"] is True
-    for b, out, r in zip(batches, outs, ref):
-        real = b["attention_mask"].astype(bool)
-        for n in OUTPUTS:
-            assert np.abs(out[n] - r[n])[real].max() < 1e-4, n
+    assert_real_tokens_match(batches, outs, ref)
 
 
 def test_packed_encoder_under_torch_compile_with_a_dynamic_token_count(make_ctx, reference):
@@ -409,17 +410,9 @@ def test_packed_encoder_under_torch_compile_with_a_dynamic_token_count(make_ctx,
 
     batches, ref = reference
     v = make_variant("packed-compile-cpu", "torch", "cpu", {"packed": True, "compile": "default", "dynamic": True})
-    backend = v.create()
-    backend.prepare(make_ctx())
-    try:
-        outs = [backend.predict(b) for b in batches]
-    finally:
-        backend.close()
+    backend, outs = run(v, make_ctx(), batches)
     assert backend.prepare_info["packed"] is True and backend.prepare_info["compile"] == "default"
-    for b, out, r in zip(batches, outs, ref):
-        real = b["attention_mask"].astype(bool)
-        for n in OUTPUTS:
-            assert np.abs(out[n] - r[n])[real].max() < 1e-4, n
+    assert_real_tokens_match(batches, outs, ref)
 
 
 def test_packed_refuses_cuda_graphs_with_the_reason():
