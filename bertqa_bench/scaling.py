@@ -38,6 +38,7 @@ class ScalingRow:
     dev_f1: Optional[float] = None
     dev_em: Optional[float] = None
     efficiency: Optional[float] = None
+    parity: str = ""  # prediction: the row's parity verdict against its run's reference (training: n/a)
     global_batch: Optional[int] = None
     rows_per_gpu: Optional[int] = None  # rows per GPU per micro-step (training) / batch size (prediction)
     grad_accum: Optional[int] = None
@@ -93,7 +94,7 @@ def predict_rows(bundle: RunBundle, *, host: str) -> list[ScalingRow]:
             job="predict", n_gpus=int(r.n_devices), card=r.device_name or bundle.meta.device_name, host=host,
             series=f"predict {base}: {r.batching}, batch {r.batch_size}, {r.precision}",
             samples_per_s=float(r.features_per_s), dev_f1=r.scores.get("f1"), dev_em=r.scores.get("exact_match"),
-            rows_per_gpu=r.batch_size, date=bundle.meta.date, command=bundle.meta.command, source=str(bundle.dir)))
+            parity=r.parity, rows_per_gpu=r.batch_size, date=bundle.meta.date, command=bundle.meta.command, source=str(bundle.dir)))
     # a series needs more than one GPU count to be a scaling series
     counts: dict[str, set] = {}
     for row in out:
@@ -153,12 +154,13 @@ def markdown(rows: list[ScalingRow], title: str, notes: str = "") -> str:
         unit = "training samples/s" if job == "train" else "features/s"
         lines += [f"## {series} — {host}, {rs[0].card}", "",
                   f"| GPUs | {unit} | scaling efficiency | dev EM | dev F1 |"
-                  + (" time (s) | mean GPU util (rank 0) |" if job == "train" else ""),
-                  "|---|---|---|---|---|" + ("---|---|" if job == "train" else "")]
+                  + (" time (s) | mean GPU util (rank 0) |" if job == "train" else " parity (same run) |"),
+                  "|---|---|---|---|---|" + ("---|---|" if job == "train" else "---|")]
         for r in rs:
             eff = f"{r.efficiency:.1%}" if r.efficiency is not None else "—"
             lines.append(f"| {r.n_gpus} | {r.samples_per_s:,.0f} | {eff} | {_num(r.dev_em)} | {_num(r.dev_f1)} |"
-                         + (f" {_num(r.train_s, 1)} | {_num(r.gpu_util_mean_pct, 0)}% |" if job == "train" else ""))
+                         + (f" {_num(r.train_s, 1)} | {_num(r.gpu_util_mean_pct, 0)}% |" if job == "train"
+                            else f" {r.parity or '—'} |"))
         lines += ["", "Commands (" + ", ".join(sorted({r.date for r in rs if r.date})) + "):", ""]
         lines += [f"- {r.n_gpus} GPU{'s' if r.n_gpus > 1 else ''}: `{r.command or 'not recorded'}`"
                   for r in rs if r.job == "train"] or [f"- `{rs[0].command}`"]

@@ -41,13 +41,13 @@ def test_prediction_rows_come_from_a_data_parallel_bundle(tmp_path):
     for name, n, fps in (("eager", 1, 900.0), ("eager@b64-sorted", 1, 1000.0), ("eager@b64-sorted-x2", 2, 1900.0)):
         b.add(BackendResult(backend=name, batching="sorted" if "sorted" in name else "padded", batch_size=64,
                             precision="fp16", n_devices=n, features_per_s=fps, device_name="GPU-X",
-                            scores={"exact_match": 70.0, "f1": 80.0}))
+                            scores={"exact_match": 70.0, "f1": 80.0}, parity="pass"))
     b.add(BackendResult(backend="broken-x2", status="failed", n_devices=2, error="boom"))
     rows = load_rows([f"host:{b.dir}"])
     # the padded reference has no 2-GPU partner: not a scaling series; the failed row is skipped
     assert [(r.n_gpus, r.samples_per_s) for r in rows] == [(1, 1000.0), (2, 1900.0)]
     assert rows[1].efficiency == pytest.approx(0.95) and rows[1].command == meta.command
-    assert rows[1].dev_f1 == 80.0 and rows[1].job == "predict"
+    assert rows[1].dev_f1 == 80.0 and rows[1].job == "predict" and rows[1].parity == "pass"
 
 
 def test_bad_sources_name_the_file_and_field(tmp_path):
