@@ -97,9 +97,9 @@ def lanes(*work) -> None:
         t.join()
 
 
-def step_tests(s: Session) -> None:
-    s.run("gpu-tests", [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-                        "tests/test_backends.py", "tests/test_fp8.py"], timeout=420)
+def step_tests(s: Session, env: dict | None = None) -> None:
+    s.run("gpu-tests", [sys.executable, "-m", "pytest", "-q", "-rs", "-m", "gpu", "-p", "no:cacheprovider",
+                        "tests/test_backends.py", "tests/test_fp8.py"], timeout=600, env=env)
 
 
 def cpu_gate(s: Session):
@@ -248,11 +248,13 @@ def step_next(s: Session) -> list:
     """What the 2026-11-26 sessions still leave open, on a 4-GPU host in ~12 device minutes: the
     suite's model, then side by side the FP8 batch-size sweep (the fastest compiled backend,
     issue 13) | ONNX Runtime at batch 16 and 256 (prepare's host memory after the chunked export
-    checks), then alone the length-aware rows (issue 10) without neighbours on the host, the
+    checks) | the GPU tests (the packed FP8 and compiled variants had only run on CPUs; tests time
+    nothing), then alone the length-aware rows (issue 10) without neighbours on the host, the
     compiled and FP8 packed variants among them."""
     train(s, MAIN, env=on(0))
     lanes(lambda: sweep(s, "fp8", "torch-compile-fp8", on(0)),
-          lambda: sweep(s, "ort-memory", "ort-cuda-fp16-graph", on(1), batch_sizes="16,256"))
+          lambda: sweep(s, "ort-memory", "ort-cuda-fp16-graph", on(1), batch_sizes="16,256"),
+          lambda: step_tests(s, on(2)))
     batching_rows(s, on(0))
     return []
 

@@ -382,6 +382,20 @@ def test_gpu_backend_close_to_fp32_cuda(name, atol, make_ctx, cuda_reference):
     assert torch.backends.cuda.matmul.allow_tf32 is tf32_before
 
 
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("name", ["eager-fp16-packed", "torch-compile-fp16-packed"])
+def test_gpu_packed_fp16_matches_fp32_cuda_on_real_tokens(name, make_ctx, cuda_reference):
+    """The padding-free FP16 encoder (eager, and compiled with a dynamic token count) on the GPU:
+    its logits on real tokens stay within FP16's error of the padded FP32 model's."""
+    batches, ref = cuda_reference
+    backend, outs = _gpu_run(name, make_ctx, batches)
+    assert backend.prepare_info["packed"] is True
+    for (b, s), out in zip(SHAPES, outs):
+        check_outputs(out, b, s)
+    assert_real_tokens_match(batches, outs, ref, atol=0.05)
+
+
 def test_eager_bf16_cpu_runs(make_ctx, reference):
     backend, outs = run("eager-bf16-cpu", make_ctx(), reference[0])
     for (b, s), out, r in zip(SHAPES, outs, reference[1]):
