@@ -5,7 +5,8 @@ background, so that it can outlast one device call:
     setsid python3 scripts/gpu_session.py PLAN [--out device-out] &   # start (returns at once)
     python3 scripts/gpu_session.py --status [--out device-out]        # progress; copies results to $OUT
 
-Plans (PLANS): ``next`` (what is still open after 2026-11-26; a 4-GPU host, ~12 device minutes),
+Plans (PLANS): ``ort-memory`` (ONNX Runtime's prepare memory after the export fix; one GPU),
+``next`` (the FP8 sweep and the packed rows; a 4-GPU host, ~15 device minutes),
 ``remaining`` and ``squad-sized`` (the 2026-11-26 afternoon runs),
 ``h100`` (one GPU: the CPU gate, the suite's model, every backend, a sweep, the calibration
 points, the batching rows), ``x4`` and ``scaling-g128`` (the 2026-11-26 runs), ``tests``.
@@ -259,6 +260,14 @@ def step_next(s: Session) -> list:
     return []
 
 
+def step_ort_memory(s: Session) -> list:
+    """ONNX Runtime's prepare host memory at batch 16 and 256 after the exporter's trace went to
+    EXPORT_ROWS rows under no_grad (one GPU, ~7 device minutes); the GPU tests beside training."""
+    lanes(lambda: train(s, MAIN, env=on(0)), lambda: step_tests(s, on(0)))
+    sweep(s, "ort-memory", "ort-cuda-fp16-graph", on(0), batch_sizes="16,256")
+    return []
+
+
 # Most important first: a machine goes back after 30 minutes, and each --status call packs
 # what is done so far.
 PLANS = {
@@ -272,6 +281,7 @@ PLANS = {
     "remaining": [step_remaining],
     "squad-sized": [step_squad_sized],
     "next": [step_next],
+    "ort-memory": [step_ort_memory],
     "tests": [step_tests],
 }
 

@@ -165,8 +165,7 @@ def seq_axis_outputs(batches: Sequence[Mapping[str, np.ndarray]],
 
 # The CPU checks hold a lot of host memory at large batches: eager attention in fp32 keeps a
 # batch x heads x seq x seq score tensor per layer (1.8 GB at 256 x 384 for BERT-base), and
-# onnxruntime's CPU arena keeps its peak. Run whole, the checks at batch 256 took 79.5 GB of host
-# memory on the H100 host (prepare's peak in results/reference/h100-sweep.md). A BERT row does not
+# onnxruntime's CPU arena keeps its peak. A BERT row does not
 # depend on the other rows, so the CPU checks run in chunks of rows: the same numbers, bounded
 # memory. The timed session itself is still checked at the run's full shapes (on its device).
 CHECK_ROWS = 32
@@ -247,13 +246,21 @@ def ort_cpu_runner(path: Path | str, output_names: Sequence[str]):
 
 # --------------------------------------------------------------------------- export
 
-def _export_example(batch: Mapping[str, np.ndarray]):
-    """Example inputs with batch >= 2: torch.export specialises a size-1 dim to a constant."""
+# Rows of the example the exporter traces. The graph has dynamic batch and sequence axes, so a
+# few rows at the sample's sequence length give the same graph as the whole sample batch (the
+# validation at the run's shapes is what proves it), and tracing them is cheaper. Three rows: not
+# 1 (torch.export specialises a size-1 dim to a constant) and unlike any other dimension of a BERT
+# (2 logits, 12 heads), so no size can be mistaken for another.
+EXPORT_ROWS = 3
+
+
+def _export_example(batch: Mapping[str, np.ndarray], rows: int = EXPORT_ROWS):
+    """``rows`` rows of the batch (its own rows repeated when it has fewer), at its sequence length."""
     import torch
 
     b = batch["input_ids"].shape[0]
-    rows = np.arange(max(b, 2)) % b
-    return tuple(torch.from_numpy(np.ascontiguousarray(batch[n][rows])) for n in INPUT_NAMES)
+    take = np.arange(rows) % b
+    return tuple(torch.from_numpy(np.ascontiguousarray(batch[n][take])) for n in INPUT_NAMES)
 
 
 def _export_torchscript(module, example, path: Path, output_names, seq_outputs, opset: int) -> None:
@@ -325,7 +332,11 @@ def export_onnx(model_dir: str | Path, task: str, artifacts_dir: str | Path, out
                 if not cache_hit:
                     example = _export_example(batches[0])
                     # atomic: a killed export never leaves a half file in the cache
-                    with atomic_path(path, suffix=".onnx") as tmp:
+                    # no_grad: with autograd on, the trace kept every layer's saved activations;
+                    # prepare peaked at 79.5 GB of host memory at 256 x 384 on the H100 host
+                    # (results/reference/h100-sweep.md). MiniLM at 64 x 384 on a CPU: 6.9 GB
+                    # without it, 1.7 GB with it.
+                    with atomic_path(path, suffix=".onnx") as tmp, torch.no_grad():
                         if name == "torchscript":
                             _export_torchscript(module, example, tmp, output_names, seq_outputs, opset)
                         else:
