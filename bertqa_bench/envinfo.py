@@ -36,6 +36,19 @@ def git_commit() -> str:
         return "unknown"
 
 
+def source_digest() -> str:
+    """A digest of the package's own source files: it names the code that ran even where the
+    commit cannot (a copy of the tree whose .git is older than its files, as on a lent GPU
+    machine, records an old commit plus '-dirty')."""
+    import hashlib
+
+    pkg = PROJECT_ROOT / "bertqa_bench"
+    h = hashlib.sha256()
+    for f in sorted(pkg.rglob("*.py")):
+        h.update(f.relative_to(pkg).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:12]
+
+
 def cpu_name() -> str:
     try:
         for line in open("/proc/cpuinfo"):
@@ -64,6 +77,7 @@ def environment() -> dict:
         "tensorrt": _version("tensorrt"),
         "mlflow": _version("mlflow"),
         "git_commit": git_commit(),
+        "source_digest": source_digest(),
         "cuda_available": torch.cuda.is_available(),
     }
     if torch.cuda.is_available():

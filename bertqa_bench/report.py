@@ -36,7 +36,9 @@ def _agreement(r: BackendResult) -> str:
 
 
 def _memory(r: BackendResult) -> str:
-    host = _f(r.predict_host_peak_mb, ",.0f")
+    # Prepare's peak beside prediction's: an export that held 79.5 GB while preparing was only
+    # visible in the CSV while the table showed prediction's 4.9 GB.
+    host = f"{_f(r.prepare_host_peak_mb, ',.0f')} / {_f(r.predict_host_peak_mb, ',.0f')}"
     if r.device == "cuda":
         dev = r.predict_device_used_mb if r.predict_device_used_mb is not None else r.predict_cuda_reserved_peak_mb
         return f"{host} / {_f(dev, ',.0f')}"
@@ -51,7 +53,7 @@ def markdown_table(results: list[BackendResult], meta: RunMeta) -> str:
     if gpu:
         head += ["TFLOP/s (real)"]
     head += [meta.metric_labels.get(m, m) for m in metrics] + ["Answer agreement [95% CI]", "Max |Δ logit|", "Parity",
-                                                    "Prepare (s)", "Peak MB (host / GPU)" if gpu else "Peak host MB"]
+                                                    "Prepare (s)", ("Peak MB (host prepare / predict / GPU)" if gpu else "Peak host MB (prepare / predict)")]
     if gpu:
         head += ["J / 1k features"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
@@ -81,7 +83,8 @@ def header_lines(meta: RunMeta, env: dict) -> list[str]:
     lines.append(f"- Device: {card or meta.device_name}" + (
         f"; driver {env.get('driver')}, CUDA {env.get('cuda')}" if card else "")
         + f"; torch {env.get('torch', '?')}, transformers {env.get('transformers', '?')}; commit "
-          f"{env.get('git_commit', '?')}")
+          f"{env.get('git_commit', '?')}"
+        + (f" (source {env['source_digest']})" if env.get("source_digest") else ""))
     lines.append(f"- Batching {meta.batching}, batch size {meta.batch_size}, max sequence length {meta.max_seq_len}; "
                  f"{meta.n_features} features per pass, {meta.n_questions} questions")
     lines.append(f"- Prediction time: every feature, after warm-up, first batch in to last logits on the host; the "
@@ -165,9 +168,11 @@ def reference_tables(run_dirs: list[Path], out_stem: Path, title: str, notes: st
     for d in map(Path, run_dirs):
         bundle = RunBundle.load(d)
         meta, env = bundle.meta, bundle.env()
-        sections += [f"## {meta.suite} — run `{meta.run_id}`", "", *header_lines(meta, env), "",
+        # Two bundles of one run id (the same plan run twice) stay apart by their folder's name.
+        folder = f" (bundle `{d.name}`)" if d.name != meta.run_id else ""
+        sections += [f"## {meta.suite} — run `{meta.run_id}`{folder}", "", *header_lines(meta, env), "",
                      markdown_table(bundle.results, meta), ""]
-        rows += [{"run_id": meta.run_id, "suite": meta.suite, "date": meta.date, "card": env.get("gpu") or env.get("cpu"),
+        rows += [{"run_id": meta.run_id, "bundle": d.name, "suite": meta.suite, "date": meta.date, "card": env.get("gpu") or env.get("cpu"),
                   "driver": env.get("driver", ""), "command": meta.command, **r.to_row()} for r in bundle.results]
     md = "\n".join(sections)
     atomic_write_text(Path(str(out_stem) + ".md"), md)

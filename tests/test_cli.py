@@ -1,4 +1,6 @@
+import csv
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -112,7 +114,8 @@ def _ok(name, predict_s, speedup, pct, **kw):
 
 def test_report_and_reference_tables_are_views_of_the_records(tmp_path, capsys):
     run = tmp_path / "20260101-000000-x"
-    b = _bundle(run, results=[_ok("eager-fp32", 2.0, 1.0, 0.0), _ok("onnxruntime", 1.0, 2.0, -50.0),
+    b = _bundle(run, results=[_ok("eager-fp32", 2.0, 1.0, 0.0),
+                              _ok("onnxruntime", 1.0, 2.0, -50.0, prepare_host_peak_mb=7962.0, predict_host_peak_mb=4721.4),
                               BackendResult("tensorrt-fp16", status="not run", error="needs tensorrt")])
     # the bundle loads back into the same records
     back = RunBundle.load(run)
@@ -123,10 +126,33 @@ def test_report_and_reference_tables_are_views_of_the_records(tmp_path, capsys):
     md = (run / "summary.md").read_text()
     assert "| onnxruntime | fp32 | padded | 1.000 | -50.0% | 2.00× |" in md
     assert "tensorrt-fp16" in md and "needs tensorrt" in md
+    # host memory: prepare's peak beside prediction's
+    assert "Peak host MB (prepare / predict)" in md and "| 7,962 / 4,721 |" in md
     assert "Command: `bertqa-bench bench --suite x`" in md  # from run.json, not parsed out of markdown
     assert main(["reference", str(run), "--out", str(tmp_path / "ref"), "--title", "T"]) == 0
     assert (tmp_path / "ref.csv").read_text().count("\n") == 4
     assert "Date: 2026-01-01" in (tmp_path / "ref.md").read_text()
+    # the same run id twice (one plan run on two machines): each section names its bundle
+    again = tmp_path / "x-again"
+    shutil.copytree(run, again)
+    assert main(["reference", str(run), str(again), "--out", str(tmp_path / "ref2"), "--title", "T"]) == 0
+    ref2 = (tmp_path / "ref2.md").read_text()
+    assert f"run `{run.name}`\n" in ref2 and f"run `{run.name}` (bundle `x-again`)\n" in ref2
+    assert {r["bundle"] for r in csv.DictReader(open(tmp_path / "ref2.csv"))} == {run.name, "x-again"}
+
+
+def test_source_digest_names_the_code_and_follows_its_content(tmp_path, monkeypatch):
+    from bertqa_bench import envinfo
+
+    pkg = tmp_path / "bertqa_bench"
+    (pkg / "backends").mkdir(parents=True)
+    (pkg / "a.py").write_text("x = 1\n")
+    (pkg / "backends" / "b.py").write_text("y = 2\n")
+    monkeypatch.setattr(envinfo, "PROJECT_ROOT", tmp_path)
+    first = envinfo.source_digest()
+    assert len(first) == 12 and first == envinfo.source_digest()
+    (pkg / "backends" / "b.py").write_text("y = 3\n")
+    assert envinfo.source_digest() != first
 
 
 def test_track_imports_a_bundle_made_without_mlflow(tmp_path, monkeypatch, capsys):
