@@ -5,7 +5,8 @@ background, so that it can outlast one device call:
     setsid python3 scripts/gpu_session.py PLAN [--out device-out] &   # start (returns at once)
     python3 scripts/gpu_session.py --status [--out device-out]        # progress; copies results to $OUT
 
-Plans (PLANS): ``ort-memory`` (ONNX Runtime's prepare memory after the export fix; one GPU),
+Plans (PLANS): ``packed-graphs`` (the packed path with CUDA graphs per token bucket; one GPU),
+``ort-memory`` (ONNX Runtime's prepare memory after the export fix; one GPU),
 ``next`` (the FP8 sweep and the packed rows; a 4-GPU host, ~15 device minutes),
 ``remaining`` and ``squad-sized`` (the 2026-11-26 afternoon runs),
 ``h100`` (one GPU: the CPU gate, the suite's model, every backend, a sweep, the calibration
@@ -268,6 +269,21 @@ def step_ort_memory(s: Session) -> list:
     return []
 
 
+def step_packed_graphs(s: Session) -> list:
+    """The packed path with one CUDA graph per token bucket against the same rows without graphs,
+    alone on one GPU (~10 device minutes with training); the GPU tests beside training."""
+    lanes(lambda: train(s, MAIN, env=on(0)), lambda: step_tests(s, on(0)))
+    s.run("bench-packed-graphs", ["cli", "bench", "--suite", SUITE, "--no-mlflow", "--no-progress", "--run-id",
+                                  "gpu-packed-graphs", "--backends",
+                                  "eager-fp32-cuda,eager-fp16-packed,eager-fp16-packed-graph,torch-compile-fp8-packed,"
+                                  "torch-compile-fp8-packed-graph", "--set", f"model.name={model_name(MAIN)}", *A],
+          timeout=900, env=on(0))
+    for backend in ("torch-compile-fp8-packed-graph", "eager-fp16-packed-graph"):
+        s.run(f"profile-{backend}", ["cli", "profile", "--suite", SUITE, "--backend", backend, "--batches", "20",
+                                     "--set", f"model.name={model_name(MAIN)}", *A], timeout=300, env=on(0))
+    return []
+
+
 # Most important first: a machine goes back after 30 minutes, and each --status call packs
 # what is done so far.
 PLANS = {
@@ -282,6 +298,7 @@ PLANS = {
     "squad-sized": [step_squad_sized],
     "next": [step_next],
     "ort-memory": [step_ort_memory],
+    "packed-graphs": [step_packed_graphs],
     "tests": [step_tests],
 }
 

@@ -407,13 +407,15 @@ def test_gpu_backend_close_to_fp32_cuda(name, atol, make_ctx, cuda_reference):
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("name", ["eager-fp16-packed", "torch-compile-fp16-packed"])
+@pytest.mark.parametrize("name", ["eager-fp16-packed", "torch-compile-fp16-packed", "eager-fp16-packed-graph"])
 def test_gpu_packed_fp16_matches_fp32_cuda_on_real_tokens(name, make_ctx, cuda_reference):
     """The padding-free FP16 encoder (eager, and compiled with a dynamic token count) on the GPU:
     its logits on real tokens stay within FP16's error of the padded FP32 model's."""
     batches, ref = cuda_reference
     backend, outs = _gpu_run(name, make_ctx, batches)
     assert backend.prepare_info["packed"] is True
+    if name.endswith("-graph"):  # one CUDA graph per bucket up to the largest shape's tokens
+        assert backend.prepare_info["token_bucket_graphs"] == backend.prepare_info["token_buckets"] >= 1
     for (b, s), out in zip(SHAPES, outs):
         check_outputs(out, b, s)
     assert_real_tokens_match(batches, outs, ref, atol=0.05)
@@ -456,9 +458,50 @@ def test_packed_refuses_cuda_graphs_with_the_reason():
     from bertqa_bench.backends import make_variant
     from bertqa_bench.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="no CUDA graphs"):
+    with pytest.raises(ConfigError, match="no whole-model CUDA graphs.*token_bucket"):
         make_variant("packed-graphs", "torch", "cuda", {"packed": True, "weights": "fp16", "compile": "default",
                                                         "cuda_graph": "manual"})
+    with pytest.raises(ConfigError, match="token_bucket 64: .*packed: true"):
+        make_variant("bucket-unpacked", "torch", "cuda", {"weights": "fp16", "token_bucket": 64})
+
+
+def test_token_buckets_fill_the_length_vector_with_dummy_sequences_of_1_to_max_len_tokens():
+    from bertqa_bench.backends.packed_bert import TokenBuckets
+
+    tb = TokenBuckets(None, bucket=16, max_len=6, max_rows=4, max_tokens=40)
+    assert tb.min_dummies == 4 and tb.cu_len == 4 + 4 + 1  # 15 extra tokens over >= 4 sequences of <= 6
+    assert tb.sizes == [16, 32, 48, 64]  # up to 40 tokens + 8 dummy sequences
+    cu = torch.tensor([0, 5, 9, 20], dtype=torch.int32)  # 3 real sequences, 20 tokens, 5 dummies to add
+    size = tb.size_for(20, 3)
+    full = tb.bucket_cu(cu, 20, size).tolist()
+    assert size == 32 and full[:4] == [0, 5, 9, 20] and full[-1] == 32 and len(full) == tb.cu_len
+    # every batch shape: dummies of 1..max_len tokens, ending at the bucket's size
+    for rows in range(1, 5):
+        for t in range(rows, 41):
+            size = tb.size_for(t, rows)
+            cu = torch.tensor([0] + [t * (i + 1) // rows for i in range(rows)], dtype=torch.int32)
+            dummies = np.diff(tb.bucket_cu(cu, t, size).numpy()[rows:])
+            assert size in tb.sizes and dummies.min() >= 1 and dummies.max() <= 6, (t, rows, dummies)
+    with pytest.raises(ValueError, match="60 real tokens is outside the prepared buckets \\(16..64"):
+        tb.size_for(60, 2)
+    with pytest.raises(ValueError, match="5 rows is more than the prepared 4"):
+        tb.size_for(20, 5)
+
+
+@pytest.mark.parametrize("compile_mode", ["none", "default"])
+def test_packed_token_buckets_give_the_padded_models_logits_on_real_tokens(make_ctx, reference, compile_mode):
+    """The bucketed path (dummy sequences up to a multiple of the bucket; on CUDA one graph per
+    bucket) computes what the exact-count path computes on every real token."""
+    from bertqa_bench.backends import make_variant
+
+    batches, ref = reference
+    v = make_variant("packed-bucket-cpu", "torch", "cpu", {"packed": True, "token_bucket": 16, "compile": compile_mode})
+    backend, outs = run(v, make_ctx(), batches)
+    info = backend.prepare_info
+    # buckets up to the largest shape's rows x seq (4 x 48 = 192 tokens) plus dummy sequences;
+    # graphs only on CUDA
+    assert info["token_bucket"] == 16 and info["token_buckets"] >= 12 and info["token_bucket_graphs"] == 0
+    assert_real_tokens_match(batches, outs, ref)
 
 
 def test_packed_encoder_keeps_the_nq_answer_type_head(tmp_path):

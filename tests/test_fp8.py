@@ -355,7 +355,8 @@ def _run(name, ctx, batches, **over):
 @pytest.mark.parametrize("name,over", [("torch-compile-fp8", {}), ("torch-compile-fp8-all", {}),
                                        ("torch-compile-fp8-rowwise", {}),
                                        ("torch-compile-fp8", {"cuda_graph": "trees"}),
-                                       ("eager-fp8-packed", {}), ("torch-compile-fp8-packed", {})])
+                                       ("eager-fp8-packed", {}), ("torch-compile-fp8-packed", {}),
+                                       ("torch-compile-fp8-packed-graph", {})])
 def test_fp8_backend_tracks_fp32_on_gpu(tmp_path, name, over):
     reason = TABLE.get(name).unavailable_reason()
     if reason:
@@ -364,8 +365,10 @@ def test_fp8_backend_tracks_fp32_on_gpu(tmp_path, name, over):
     _, refs = _run("eager-fp32-cuda", ctx, batches)
     info, outs = _run(name, ctx, batches, **over)
     assert info["fp8_linears"] >= 2 * 3 and info["fp8_fused_qkv"] is True
-    if name.endswith("-packed"):  # padding-free: no CUDA graphs, the token count changes every batch
+    if "-packed" in name:  # padding-free: no whole-model graphs, the token count changes every batch
         assert info["packed"] is True and info["cuda_graph"] == "none"
+        if name.endswith("-graph"):  # one CUDA graph per token bucket instead
+            assert info["token_bucket_graphs"] == info["token_buckets"] >= 1
     else:
         assert info["cuda_graph"] == ("trees" if over else "manual") and info["prepared_shapes"] == 2
     for out, ref, b in zip(outs, refs, batches):

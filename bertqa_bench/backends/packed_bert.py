@@ -15,11 +15,26 @@ into the model before packing are used as they are, FP8's fused query/key/value 
 Under torch.compile the data-dependent packing (nonzero, the longest length) breaks the graph;
 the encoder layers after it compile with a dynamic token count. Right padding is assumed (real
 tokens first in every row), as every featurizer here produces.
+
+CUDA graphs need static shapes, and the token count T changes with every batch. ``TokenBuckets``
+rounds T up to a multiple of a bucket size and captures one graph per bucket around the static
+part of the encoder (``PackedEncoder.encode``). The extra tokens form dummy sequences of their own
+(at most ``max_len`` tokens each) and the unused slots of the fixed-length cumulative-length
+vector are empty sequences; variable-length attention never mixes sequences, and every other
+op works row by row, so the real tokens' outputs are those of the exact-T path (tested) and the
+dummy rows are dropped. Measured motive: the packed rows' GPU idled 22% of the time
+(results/reference/h100-batching.md).
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
 
 
 def _varlen_kernel():
@@ -41,35 +56,40 @@ class PackedEncoder(nn.Module):
         self.scale = self.head_dim ** -0.5
         self._kernel = _varlen_kernel() if use_kernel else None
         self.config = cfg
+        self.buckets: Optional["TokenBuckets"] = None  # set by TokenBuckets.attach
 
     @property
     def kernel_name(self) -> str:
         return "varlen_attn (FlashAttention)" if self._kernel is not None else "per-sequence SDPA"
 
-    def _attention(self, q, k, v, cu, max_len: int, lengths):
+    def _attention(self, q, k, v, cu, max_len: int):
         if self._kernel is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
             return self._kernel(q, k, v, cu, cu, max_len, max_len, scale=self.scale)
         out = torch.empty_like(q)
-        starts = cu[:-1].tolist()
-        for s, n in zip(starts, lengths.tolist()):
-            qi, ki, vi = (t[s:s + n].transpose(0, 1) for t in (q, k, v))  # [heads, n, d]
-            out[s:s + n] = nn.functional.scaled_dot_product_attention(qi, ki, vi, scale=self.scale).transpose(0, 1)
+        bounds = cu.tolist()
+        for s, e in zip(bounds[:-1], bounds[1:]):
+            if e > s:  # the empty sequences that pad a bucket's length vector compute nothing
+                qi, ki, vi = (t[s:e].transpose(0, 1) for t in (q, k, v))  # [heads, n, d]
+                out[s:e] = nn.functional.scaled_dot_product_attention(qi, ki, vi, scale=self.scale).transpose(0, 1)
         return out
 
-    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, **_ignored):
-        from transformers.modeling_outputs import BaseModelOutputWithPooling
-
+    def pack(self, input_ids, attention_mask, token_type_ids):
+        """The data-dependent part: real tokens' ids, positions and types, the cumulative lengths
+        [rows + 1], the real positions in the [b*s] grid and the longest length."""
         b, s = input_ids.shape
         mask = attention_mask.bool()
         lengths = mask.sum(dim=1, dtype=torch.int32)
         cu = torch.nn.functional.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0))
         flat = mask.reshape(-1).nonzero().squeeze(1)  # real token positions in the [b*s] grid
-        max_len = int(lengths.max())
         positions = torch.arange(s, device=input_ids.device).expand(b, s).reshape(-1)[flat]
+        return (input_ids.reshape(-1)[flat], positions, token_type_ids.reshape(-1)[flat], cu, flat,
+                int(lengths.max()))
 
+    def encode(self, ids, positions, types, cu, max_len: int):
+        """The static-shape part: [T] token ids, positions, types and the cumulative lengths of the
+        sequences they form -> [T, hidden]. Rows interact only inside attention's sequences."""
         emb = self.bert.embeddings
-        x = (emb.word_embeddings(input_ids.reshape(-1)[flat]) + emb.position_embeddings(positions)
-             + emb.token_type_embeddings(token_type_ids.reshape(-1)[flat]))
+        x = emb.word_embeddings(ids) + emb.position_embeddings(positions) + emb.token_type_embeddings(types)
         x = emb.LayerNorm(x)
         t = x.shape[0]
         for layer in self.bert.encoder.layer:
@@ -82,15 +102,112 @@ class PackedEncoder(nn.Module):
                 k = sa.key(x).view(t, self.heads, self.head_dim)
                 v = sa.value(x).view(t, self.heads, self.head_dim)
             # (the fused FP8 GEMM may write bf16 under rowwise scaling: back to the model's dtype)
-            ctx = self._attention(q, k, v, cu, max_len, lengths).reshape(t, -1).to(x.dtype)
+            ctx = self._attention(q, k, v, cu, max_len).reshape(t, -1).to(x.dtype)
             x = att.output.LayerNorm(att.output.dense(ctx) + x)
             h = layer.intermediate.intermediate_act_fn(layer.intermediate.dense(x))
             x = layer.output.LayerNorm(layer.output.dense(h) + x)
+        return x
+
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, **_ignored):
+        from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+        b, s = input_ids.shape
+        ids, positions, types, cu, flat, max_len = self.pack(input_ids, attention_mask, token_type_ids)
+        if self.buckets is not None:
+            x = self.buckets(ids, positions, types, cu)
+        else:
+            x = self.encode(ids, positions, types, cu, max_len)
         seq = x.new_zeros(b * s, x.shape[1])
         seq[flat] = x
         seq = seq.view(b, s, -1)
         pooled = self.bert.pooler(seq) if getattr(self.bert, "pooler", None) is not None else None
         return BaseModelOutputWithPooling(last_hidden_state=seq, pooler_output=pooled)
+
+
+class TokenBuckets:
+    """The encoder's static part at token counts rounded up to multiples of ``bucket``: one CUDA
+    graph per bucket on CUDA (``capture``), the same bucketed shapes run directly elsewhere (what
+    the CPU tests check). ``max_rows`` and ``max_tokens`` bound the run's batches (from its
+    shapes); ``max_len`` is the longest sequence.
+
+    The cumulative-length vector has a fixed length, so a batch of fewer rows fills the rest with
+    dummy sequences. Every dummy sequence gets between 1 and ``max_len`` tokens (no empty
+    sequence reaches the attention kernel, and none is longer than the kernel is told): a batch of
+    ``t`` tokens and ``k`` dummy sequences takes the bucket that holds ``t + k`` tokens.
+    """
+
+    def __init__(self, encode, *, bucket: int, max_len: int, max_rows: int, max_tokens: int):
+        if bucket < 1 or max_len < 2 or max_rows < 1 or max_tokens < 1:
+            raise ValueError("token buckets need bucket, max_rows, max_tokens >= 1 and max_len >= 2")
+        self.encode, self.bucket, self.max_len, self.max_rows = encode, bucket, max_len, max_rows
+        # k dummy sequences share d < bucket + k tokens; k > (bucket - 1) / (max_len - 1) keeps each <= max_len
+        self.min_dummies = -(-(bucket - 1) // (max_len - 1)) + 1
+        self.cu_len = max_rows + self.min_dummies + 1
+        self.sizes = list(range(bucket, _round_up(max_tokens + self.cu_len, bucket) + 1, bucket))
+        self.graphs: dict[int, tuple] = {}
+
+    def size_for(self, t: int, rows: int) -> int:
+        if rows > self.max_rows:
+            raise ValueError(f"a batch of {rows} rows is more than the prepared {self.max_rows}")
+        size = _round_up(t + self.cu_len - 1 - rows, self.bucket)
+        if t < 1 or size > self.sizes[-1]:
+            raise ValueError(f"a batch of {t} real tokens is outside the prepared buckets "
+                             f"({self.sizes[0]}..{self.sizes[-1]} tokens)")
+        return size
+
+    def bucket_cu(self, cu, t: int, size: int):
+        """The real sequences' cumulative lengths, then ``k`` dummy sequences splitting the
+        ``size - t`` extra tokens evenly, up to the fixed length ``cu_len``."""
+        k = self.cu_len - cu.numel()
+        steps = torch.arange(1, k + 1, device=cu.device, dtype=torch.int64)
+        return torch.cat([cu, (t + (size - t) * steps // k).to(cu.dtype)])
+
+    def _static_inputs(self, size: int, device):
+        z = torch.zeros(size, dtype=torch.long, device=device)
+        cu = torch.zeros(self.cu_len, dtype=torch.int32, device=device)
+        return z, z.clone(), z.clone(), cu
+
+    def capture(self, device) -> int:
+        """One CUDA graph per bucket, largest first, in one memory pool (they never run at once;
+        each replay's output is copied out before the next). Returns how many were captured."""
+        pool = torch.cuda.graph_pool_handle()
+        for size in reversed(self.sizes):
+            ids, pos, types, cu = self._static_inputs(size, device)
+            # dummy sequences only: replay takes its shapes, not its values (a bucket smaller than
+            # cu_len - 1 would get empty sequences here; the run's buckets hold >= max_rows + 1)
+            cu.copy_(self.bucket_cu(cu[:1], 0, size))
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):  # warm-up off the capture stream, as capture requires
+                for _ in range(2):
+                    self.encode(ids, pos, types, cu, self.max_len)
+            torch.cuda.current_stream(device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = self.encode(ids, pos, types, cu, self.max_len)
+            self.graphs[size] = (graph, ids, pos, types, cu, out)
+        return len(self.graphs)
+
+    def __call__(self, ids, positions, types, cu):
+        t = ids.numel()
+        size = self.size_for(t, cu.numel() - 1)
+        full_cu = self.bucket_cu(cu, t, size)
+        if size not in self.graphs:  # not captured (CPU): the same bucketed shapes, run directly
+            pad = size - t
+            grow = lambda v: torch.nn.functional.pad(v, (0, pad))  # noqa: E731 - dummy tokens: id/position/type 0
+            return self.encode(grow(ids), grow(positions), grow(types), full_cu, self.max_len)[:t]
+        graph, s_ids, s_pos, s_types, s_cu, out = self.graphs[size]
+        # The dummy rows keep whatever the last batch left there: valid ids, in sequences of their own.
+        s_ids[:t].copy_(ids)
+        s_pos[:t].copy_(positions)
+        s_types[:t].copy_(types)
+        s_cu.copy_(full_cu)
+        graph.replay()
+        return out[:t]
+
+    def attach(self, encoder: PackedEncoder) -> "TokenBuckets":
+        encoder.buckets = self
+        return self
 
 
 def pack_model(model: nn.Module, **kw) -> nn.Module:

@@ -116,6 +116,9 @@ class TorchOptions:
     inductor_config: dict = field(default_factory=dict)  # patched into torch._inductor.config while compiling
     num_threads: Optional[int] = None  # CPU threads (default: torch's)
     packed: bool = False  # real tokens only: the padding-free encoder (packed_bert.py)
+    # packed only: round each batch's token count up to a multiple of this and capture one CUDA
+    # graph per bucket (packed_bert.TokenBuckets); 0 = the exact token count, no graphs
+    token_bucket: int = 0
 
     def __post_init__(self):
         for name, value, valid in (("weights", self.weights, DTYPES), ("autocast", self.autocast, ("none",) + DTYPES[1:]),
@@ -133,7 +136,10 @@ class TorchOptions:
             raise ConfigError("fp8 and int8 exclude each other")
         if self.packed and self.cuda_graph != "none":
             raise ConfigError("packed (padding-free) runs eager or compiled; its token count changes every batch, "
-                              "so no CUDA graphs (cuda_graph: none)")
+                              "so no whole-model CUDA graphs (cuda_graph: none); token_bucket captures its graphs")
+        if self.token_bucket < 0 or (self.token_bucket and not self.packed):
+            raise ConfigError(f"token_bucket {self.token_bucket}: a bucket size in tokens (>= 1) for packed: true, "
+                              "or 0 for none")
 
     def inductor_mode(self) -> str:
         """torch.compile's mode: graph trees come with reduce-overhead / max-autotune."""
@@ -263,11 +269,13 @@ class TorchBackend(Backend):
 
         with self._compile_guard():
             self._fn = self.module
-            if o.compile != "none":
+            if o.compile != "none" and not o.token_bucket:  # bucketed: only the encoder's static part compiles
                 self._fn = torch.compile(self.module, mode=o.inductor_mode(), dynamic=o.dynamic,
                                          fullgraph=o.fullgraph, backend="inductor")
             t0 = time.perf_counter()
             shapes = sorted(set(ctx.shapes), reverse=True)
+            if o.token_bucket:
+                self.prepare_info.update(self._token_buckets(ctx, shapes))
             if o.cuda_graph == "manual":
                 self._graphs = _GraphReplay(self._fn, "cuda")
                 for b, s in shapes:
@@ -275,7 +283,7 @@ class TorchBackend(Backend):
             # Every shape of the run once (graph trees: warm-up, record, replay), so compilation
             # and capture finish here and the runner's warm-up sees steady state.
             calls = 3 if o.cuda_graph == "trees" else 1
-            for b, s in shapes if (o.compile != "none" or o.cuda_graph != "none") else shapes[:1]:
+            for b, s in shapes if (o.compile != "none" or o.cuda_graph != "none" or o.token_bucket) else shapes[:1]:
                 for _ in range(calls):
                     self.predict(batch_at_shape(ctx.sample_batch, b, s))
             warm_s = time.perf_counter() - t0
@@ -284,6 +292,28 @@ class TorchBackend(Backend):
                                  sdpa_backend=o.sdpa_backend or "auto",
                                  inductor_config=",".join(f"{k}={v}" for k, v in sorted(o.inductor_config.items()))
                                  or "default")
+
+    def _token_buckets(self, ctx: BackendContext, shapes) -> dict:
+        """The packed encoder's static part per token bucket: compiled once with a dynamic token
+        count (when compile is on), then one CUDA graph per bucket up to the run's largest batch."""
+        import torch
+
+        from .packed_bert import TokenBuckets
+
+        o: TorchOptions = self.options
+        enc = self.module.model.bert
+        encode = enc.encode
+        if o.compile != "none":
+            encode = torch.compile(enc.encode, mode=o.inductor_mode(), dynamic=True, fullgraph=o.fullgraph,
+                                   backend="inductor")
+        buckets = TokenBuckets(encode, bucket=o.token_bucket, max_len=ctx.max_seq_len,
+                               max_rows=max(b for b, _ in shapes), max_tokens=max(b * s for b, s in shapes)).attach(enc)
+        captured = 0
+        if self.device == "cuda":
+            with torch.inference_mode(), self._autocast():
+                captured = buckets.capture(torch.device("cuda"))
+        return {"token_bucket": o.token_bucket, "token_buckets": len(buckets.sizes),
+                "token_bucket_graphs": captured}
 
     def _build_model(self, ctx: BackendContext):
         import torch

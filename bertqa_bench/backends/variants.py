@@ -192,6 +192,14 @@ BUILTIN = (
     {**_v("torch-compile-fp8-packed", "torch", "cuda",
           "padding-free with FP8 GEMMs, under torch.compile with a dynamic token count", weights="fp16",
           compile="default", dynamic=True, packed=True, fp8=_FP8), "batching": "packed"},
+    # The packed rows' GPU idled 22% (h100-batching.md): one CUDA graph per 1,024-token bucket
+    # (packed_bert.TokenBuckets) removes the host's launches; at most 1,023 dummy tokens a batch.
+    {**_v("eager-fp16-packed-graph", "torch", "cuda",
+          "as eager-fp16-packed, one CUDA graph per 1,024-token bucket of the token count", weights="fp16",
+          packed=True, token_bucket=1024), "batching": "packed"},
+    {**_v("torch-compile-fp8-packed-graph", "torch", "cuda",
+          "as torch-compile-fp8-packed, one CUDA graph per 1,024-token bucket of the token count",
+          weights="fp16", compile="default", packed=True, token_bucket=1024, fp8=_FP8), "batching": "packed"},
     _v("torch-compile-fp8", "torch", "cuda",
        "FP8 e4m3 GEMMs (_scaled_mm; fused QKV and the FFN; static activation scales calibrated in prepare), "
        "fp16 elsewhere, torch.compile, one CUDA graph per shape", weights="fp16", compile="default",
