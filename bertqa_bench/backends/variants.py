@@ -193,7 +193,7 @@ BUILTIN = (
           "padding-free with FP8 GEMMs, under torch.compile with a dynamic token count", weights="fp16",
           compile="default", dynamic=True, packed=True, fp8=_FP8), "batching": "packed"},
     # The packed rows' GPU idled 22% (h100-batching.md): one CUDA graph per 1,024-token bucket
-    # (packed_bert.TokenBuckets) removes the host's launches; at most 1,023 dummy tokens a batch.
+    # (packed_bert.TokenBuckets) removes the host's launches, for up to ~4% of dummy tokens a batch.
     {**_v("eager-fp16-packed-graph", "torch", "cuda",
           "as eager-fp16-packed, one CUDA graph per 1,024-token bucket of the token count", weights="fp16",
           packed=True, token_bucket=1024), "batching": "packed"},
