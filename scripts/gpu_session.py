@@ -190,17 +190,29 @@ def sweep(s: Session, tag: str, backends: str, env: dict | None = None,
           timeout=1500, env=env)
 
 
-def batching_rows(s: Session, env: dict | None = None) -> None:
-    """Padded, sorted and packed rows in one run, then their profiles (GPU idle fraction)."""
-    s.run("bench-batching", ["cli", "bench", "--suite", SUITE, "--no-mlflow", "--no-progress", "--run-id",
-                             "gpu-batching", "--backends",
-                             "eager-fp32-cuda,eager-fp16,eager-fp16-sorted,eager-fp16-packed,torch-compile-fp8-sorted,"
-                             "torch-compile-fp16-packed,eager-fp8-packed,torch-compile-fp8-packed",
-                             "--set", f"model.name={model_name(MAIN)}", *A], timeout=1200, env=env)
-    for backend in ("eager-fp16-packed", "torch-compile-fp8-packed", "eager-fp16-sorted", "eager-fp16",
-                    "torch-compile-fp8"):
+def bench_and_profile(s: Session, tag: str, backends: str, profiles: tuple = (), env: dict | None = None,
+                      timeout: float = 1200) -> None:
+    """One `bench` of the given backends (run id gpu-TAG, log bench-TAG), then a 20-batch profile
+    of each of ``profiles`` (GPU idle fraction, top kernels, trace)."""
+    s.run(f"bench-{tag}", ["cli", "bench", "--suite", SUITE, "--no-mlflow", "--no-progress", "--run-id", f"gpu-{tag}",
+                           "--backends", backends, "--set", f"model.name={model_name(MAIN)}", *A],
+          timeout=timeout, env=env)
+    for backend in profiles:
         s.run(f"profile-{backend}", ["cli", "profile", "--suite", SUITE, "--backend", backend, "--batches", "20",
                                      "--set", f"model.name={model_name(MAIN)}", *A], timeout=400, env=env)
+
+
+def batching_rows(s: Session, env: dict | None = None) -> None:
+    """Padded, sorted and packed rows in one run, then their profiles (GPU idle fraction)."""
+    bench_and_profile(s, "batching", "eager-fp32-cuda,eager-fp16,eager-fp16-sorted,eager-fp16-packed,"
+                      "torch-compile-fp8-sorted,torch-compile-fp16-packed,eager-fp8-packed,torch-compile-fp8-packed",
+                      ("eager-fp16-packed", "torch-compile-fp8-packed", "eager-fp16-sorted", "eager-fp16",
+                       "torch-compile-fp8"), env)
+
+
+def train_beside_tests(s: Session) -> None:
+    """The suite's model and the GPU tests side by side on one GPU (tests time nothing)."""
+    lanes(lambda: train(s, MAIN, env=on(0)), lambda: step_tests(s, on(0)))
 
 
 def phase_b(s: Session) -> None:
@@ -264,7 +276,7 @@ def step_next(s: Session) -> list:
 def step_ort_memory(s: Session) -> list:
     """ONNX Runtime's prepare host memory at batch 16 and 256 after the exporter's trace went to
     EXPORT_ROWS rows under no_grad (one GPU, ~7 device minutes); the GPU tests beside training."""
-    lanes(lambda: train(s, MAIN, env=on(0)), lambda: step_tests(s, on(0)))
+    train_beside_tests(s)
     sweep(s, "ort-memory", "ort-cuda-fp16-graph", on(0), batch_sizes="16,256")
     return []
 
@@ -272,15 +284,10 @@ def step_ort_memory(s: Session) -> list:
 def step_packed_graphs(s: Session) -> list:
     """The packed path with one CUDA graph per token bucket against the same rows without graphs,
     alone on one GPU (~10 device minutes with training); the GPU tests beside training."""
-    lanes(lambda: train(s, MAIN, env=on(0)), lambda: step_tests(s, on(0)))
-    s.run("bench-packed-graphs", ["cli", "bench", "--suite", SUITE, "--no-mlflow", "--no-progress", "--run-id",
-                                  "gpu-packed-graphs", "--backends",
-                                  "eager-fp32-cuda,eager-fp16-packed,eager-fp16-packed-graph,torch-compile-fp8-packed,"
-                                  "torch-compile-fp8-packed-graph", "--set", f"model.name={model_name(MAIN)}", *A],
-          timeout=900, env=on(0))
-    for backend in ("torch-compile-fp8-packed-graph", "eager-fp16-packed-graph"):
-        s.run(f"profile-{backend}", ["cli", "profile", "--suite", SUITE, "--backend", backend, "--batches", "20",
-                                     "--set", f"model.name={model_name(MAIN)}", *A], timeout=300, env=on(0))
+    train_beside_tests(s)
+    bench_and_profile(s, "packed-graphs", "eager-fp32-cuda,eager-fp16-packed,eager-fp16-packed-graph,"
+                      "torch-compile-fp8-packed,torch-compile-fp8-packed-graph",
+                      ("torch-compile-fp8-packed-graph", "eager-fp16-packed-graph"), on(0), timeout=900)
     return []
 
 
