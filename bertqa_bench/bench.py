@@ -100,7 +100,8 @@ def identity(cfg: SuiteConfig, task: Task, variant: Variant, model: ModelInfo, e
         parity_class=variant.parity_class, device=variant.device, device_name=device_name(variant.device),
         batching=plan.batching, batch_size=plan_key(cfg, variant)[1], max_seq_len=evalset.features.seq_len,
         n_shapes=len(plan.shapes), n_devices=variant.devices or 1, n_features=plan.n_rows, n_questions=evalset.n_questions, model=cfg.model.name,
-        model_params=model.params, model_dev_f1=model.dev_primary, task=task.name)
+        model_params=model.params, model_dev_f1=model.dev_primary, model_checkpoint=model.checkpoint,
+        model_digest=model.digest, model_family=model.family, task=task.name)
 
 
 def _fill_timing(r: BackendResult, rec: dict, tiling: float, n_questions: int) -> None:
@@ -148,6 +149,7 @@ def run_bench(cfg: SuiteConfig, *, backends: Optional[list[str]] = None, run_id:
                    metric_labels=dict(task.metric_labels),
                    command=command, date=time.strftime("%Y-%m-%d", time.gmtime()), model=cfg.model.name,
                    model_note=model.note, model_params=model.params, model_dev_metric=model.dev_primary,
+                   model_checkpoint=model.checkpoint, model_digest=model.digest, model_family=model.family,
                    timing_only=model.timing_only, batching=plan.batching, batch_size=cfg.bench.batch_size,
                    max_seq_len=evalset.features.seq_len, n_features=plan.n_rows, n_questions=evalset.n_questions,
                    device_name=device_name(variants[0].device))
@@ -155,6 +157,8 @@ def run_bench(cfg: SuiteConfig, *, backends: Optional[list[str]] = None, run_id:
     for k, p in plans.items():
         p.save(plan_path(bundle, k))
     env_tags = {f"env.{k}": v for k, v in env.items()}
+    if model.checkpoint:  # every child run names the checkpoint it measured
+        env_tags |= {"model.checkpoint": model.checkpoint, "model.digest": model.digest, "model.family": model.family}
     tracker.start_bench(meta, tags=env_tags | {"results_dir": str(bundle.dir)})
 
     ref: Optional[Reference] = None
@@ -162,7 +166,8 @@ def run_bench(cfg: SuiteConfig, *, backends: Optional[list[str]] = None, run_id:
     features = evalset.features
     for variant in variants:
         r = identity(cfg, task, variant, model, evalset, plans[plan_key(cfg, variant)])
-        why = variant.backend_class.batching_reason(variant.options, r.batching)
+        why = (variant.backend_class.batching_reason(variant.options, r.batching)
+               or variant.backend_class.family_reason(variant.options, model.family))
         if why:
             r.status, r.error = "not run", why
             _log_row(log, task, r)

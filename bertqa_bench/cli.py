@@ -45,7 +45,7 @@ def cmd_bench(a) -> int:
     from .suite import load_suite
     from .tracking import Tracker
 
-    cfg = load_suite(a.suite, a.overrides)
+    cfg = load_suite(a.suite, a.overrides + _model_overrides(a))
     _threads(cfg)
     tracker = Tracker(cfg.results_root, enabled=not a.no_mlflow)
     out = run_bench(cfg, backends=_backend_list(a.backends), run_id=a.run_id, tracker=tracker,
@@ -58,6 +58,23 @@ def cmd_bench(a) -> int:
         print(f"MLflow: {tracker.uri}, experiment bertqa-{cfg.name}; `make mlflow-ui`, then "
               f"{tracker.ui_url(tracker.experiment_id)}")
     return 0
+
+
+def _model_overrides(a) -> list[str]:
+    """``bench --model X [--allow-pickle] [--dev-file F]``: the suite's data and backends, X's model
+    as it is (no training), named after X. Values go through JSON, which YAML reads back as the
+    same string whatever it looks like."""
+    out = []
+    if getattr(a, "model", None):
+        from .config import checkpoint_model_name
+
+        out += [f"model.checkpoint={json.dumps(a.model)}", f"model.name={json.dumps(checkpoint_model_name(a.model))}",
+                "model.random_init=false", "model.timing_only=false", "model.grow_from=null"]
+    if getattr(a, "allow_pickle", False):
+        out.append("model.allow_pickle=true")
+    if getattr(a, "dev_file", None):
+        out += ["data.source=squad-json", f"data.dev_file={json.dumps(a.dev_file)}"]
+    return out
 
 
 def cmd_sweep(a) -> int:
@@ -198,6 +215,14 @@ def build_parser() -> argparse.ArgumentParser:
     _suite_args(b)
     b.add_argument("--backends", help="comma-separated backend names (default: the suite's list)")
     b.add_argument("--run-id", help="name of the results/<run-id> folder (default: timestamp-suite)")
+    b.add_argument("--model", metavar="PATH_OR_NAME",
+                   help="benchmark this fine-tuned extractive-QA checkpoint as it is, no training: a local folder "
+                        "(save_pretrained of model + tokenizer) or a hub name (model.checkpoint)")
+    b.add_argument("--allow-pickle", action="store_true",
+                   help="accept a checkpoint whose only weights are pytorch_model.bin: they will be UNPICKLED, "
+                        "which can run code (safetensors never do)")
+    b.add_argument("--dev-file", help="a SQuAD-format (v1.1 or v2.0) dev file to benchmark on "
+                                      "(data.source=squad-json, data.dev_file)")
     b.add_argument("--no-mlflow", action="store_true")
     b.add_argument("--no-progress", action="store_true")
     b.set_defaults(fn=cmd_bench)

@@ -109,9 +109,20 @@ class DataConfig:
             raise ConfigError("data.max_query_len must be in (0, max_seq_len)")
 
 
+DEFAULT_MODEL_NAME = "minilm-squad-synthetic"
+
+
+def checkpoint_model_name(spec: str) -> str:
+    """A results/artifacts name for a checkpoint: its last path part, hub owner kept."""
+    parts = [p for p in str(spec).replace("\\", "/").split("/") if p not in ("", ".", "..")]
+    hub = len(parts) == 2 and not str(spec).startswith((".", "/", "~")) and not resolve_path(spec).is_dir()
+    tail = "--".join(parts) if hub else (parts or ["model"])[-1]
+    return re.sub(r"[^\w.-]", "_", tail)
+
+
 @dataclass
 class ModelConfig:
-    name: str = "minilm-squad-synthetic"  # directory under models/
+    name: str = DEFAULT_MODEL_NAME  # directory under models/ (a checkpoint: named after it)
     base: str = "embedded:all-MiniLM-L6-v2"  # hub name, local path, or embedded:<name>
     # random-init: build the architecture of `base` (or `config_overrides`) with random weights;
     # used to time BERT-base shapes where hub weights can't be reached. Never scored for accuracy.
@@ -123,8 +134,22 @@ class ModelConfig:
     # from this smaller pretrained encoder, e.g. embedded:all-MiniLM-L6-v2 -> the BERT-base shape.
     grow_from: Optional[str] = None
     grow_stack: str = "repeat"  # repeat ([0..5, 0..5]) | interleave ([0, 0, 1, 1, ...])
+    # checkpoint: a fine-tuned extractive-QA model (hub name or folder) benchmarked as it is, no
+    # training (checkpoint.py checks it: QA head, tokenizer, no custom code, safetensors).
+    checkpoint: Optional[str] = None
+    # allow_pickle: accept a checkpoint whose only weights are pytorch_model.bin (unpickled on load)
+    allow_pickle: bool = False
 
     def __post_init__(self):
+        if self.checkpoint is not None:
+            if not str(self.checkpoint).strip():
+                raise ConfigError("model.checkpoint is empty")
+            if self.random_init or self.grow_from or self.timing_only:
+                raise ConfigError("model.checkpoint is benchmarked as it is: it excludes random_init, grow_from "
+                                  "and timing_only")
+            if self.name == DEFAULT_MODEL_NAME:
+                # results and artifacts name the checkpoint, not the suite's default model
+                self.name = checkpoint_model_name(self.checkpoint)
         if self.grow_from and self.random_init:
             raise ConfigError("model: grow_from and random_init exclude each other")
         if self.grow_stack not in ("repeat", "interleave"):

@@ -61,7 +61,13 @@ def _tokenizer_fingerprint(tokenizer_source: str) -> str:
     if not d.is_dir():
         return tokenizer_source  # a hub name
     h = hashlib.sha256()
-    for name in ("tokenizer.json", "vocab.txt", "tokenizer_config.json", "special_tokens_map.json"):
+    # every file a tokenizer of any supported family is made from (checkpoint.TOKENIZER_FILES);
+    # files absent from a folder add nothing, so existing keys stay as they were
+    from .checkpoint import TOKENIZER_FILES
+
+    for name in ("tokenizer.json", "vocab.txt", "tokenizer_config.json", "special_tokens_map.json") + tuple(
+            n for n in TOKENIZER_FILES if n not in ("tokenizer.json", "vocab.txt", "tokenizer_config.json",
+                                                    "special_tokens_map.json")):
         if (d / name).exists():
             h.update(name.encode())
             h.update((d / name).read_bytes())

@@ -22,7 +22,12 @@ def bert_flops_per_sequence(hidden: int, layers: int, intermediate: int, seq_len
 
 def model_dims(model_dir: str | Path) -> tuple[int, int, int]:
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    return int(cfg["hidden_size"]), int(cfg["num_hidden_layers"]), int(cfg["intermediate_size"])
+    if all(k in cfg for k in ("hidden_size", "num_hidden_layers", "intermediate_size")):
+        return int(cfg["hidden_size"]), int(cfg["num_hidden_layers"]), int(cfg["intermediate_size"])
+    from .checkpoint import model_dims as family_dims  # other names (DistilBERT: dim, n_layers, hidden_dim)
+
+    d = family_dims(model_dir)
+    return d["hidden"], d["layers"], d["intermediate"]
 
 
 def plan_flops(dims: tuple[int, int, int], plan, lengths: np.ndarray) -> tuple[float, float]:

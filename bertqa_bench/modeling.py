@@ -57,7 +57,8 @@ def build_model(task: str, base: str, *, random_init: bool = False, config_overr
     config = AutoConfig.from_pretrained(src, **(config_overrides or {}))
     if random_init or grow_from:
         torch.manual_seed(seed)
-        model = cls(config)
+        # Auto classes build from a config with from_config (any family); concrete ones by calling
+        model = cls.from_config(config) if hasattr(cls, "from_config") else cls(config)
         if not grow_from:
             return model, {"init": "random"}
         from .grow import grow_encoder
@@ -70,17 +71,34 @@ def build_model(task: str, base: str, *, random_init: bool = False, config_overr
     return cls.from_pretrained(src, config=config, dtype=torch.float32), {"init": f"pretrained {base}"}
 
 
+def takes_token_type_ids(model) -> bool:
+    """Whether the model uses segment ids: DistilBERT's forward has no such argument, and
+    DeBERTa-v2 with type_vocab_size 0 ignores them. Passing them where they are not taken would
+    fail (DistilBERT) or export a dead input."""
+    import inspect
+
+    if "token_type_ids" not in inspect.signature(model.forward).parameters:
+        return False
+    return int(getattr(model.config, "type_vocab_size", 1) or 0) > 0
+
+
 class QAModule(torch.nn.Module):
-    """Uniform tuple-returning wrapper around a HF QA model."""
+    """Uniform tuple-returning wrapper around a HF QA model.
+
+    The signature stays (input_ids, attention_mask, token_type_ids) for every family, so
+    backends, ONNX export and TensorRT see one interface; ``token_type_ids`` reaches the model
+    only when it takes them (``uses_token_type_ids``). An exported graph then has no such input,
+    and the runners feed only the inputs a graph declares."""
 
     def __init__(self, model, names: tuple[str, ...]):
         super().__init__()
         self.model = model
         self.names = names
+        self.uses_token_type_ids = takes_token_type_ids(model)
 
     def forward(self, input_ids, attention_mask, token_type_ids):
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
-                         return_dict=True)
+        extra = {"token_type_ids": token_type_ids} if self.uses_token_type_ids else {}
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, return_dict=True, **extra)
         return tuple(out[n] for n in self.names)
 
 
@@ -93,10 +111,21 @@ def load_inference_module(model_dir: str | Path, task: str, *, attn_implementati
     """
     t = get_task(task)
     # dtype is always explicit: a checkpoint stored in fp16 must still load as fp32 for the reference.
-    kwargs = {"dtype": dtype}
+    # Never custom code; safetensors whenever the folder has them (a pickle-only folder got here
+    # only through checkpoint.py's explicit allow_pickle).
+    has_safetensors = any(Path(model_dir).glob("*.safetensors"))
+    kwargs = {"dtype": dtype, "trust_remote_code": False, "use_safetensors": True if has_safetensors else None}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
-    model = t.model_class().from_pretrained(str(model_dir), **kwargs)
+    try:
+        model = t.model_class().from_pretrained(str(model_dir), **kwargs)
+    except (ValueError, TypeError) as e:
+        if attn_implementation and "attn" in str(e).lower():
+            # a family without that attention implementation (e.g. no SDPA): its default one
+            kwargs.pop("attn_implementation")
+            model = t.model_class().from_pretrained(str(model_dir), **kwargs)
+        else:
+            raise
     model.eval()
     return QAModule(model, t.output_names).eval()
 

@@ -52,6 +52,11 @@ class BackendResult:
     model: str = ""
     model_params: Optional[int] = None
     model_dev_f1: Optional[float] = None  # the model's primary dev metric from training
+    # a user's checkpoint (model.checkpoint): the name it was given and the digest of its config,
+    # weights and tokenizer files (checkpoint.py); empty for the suite's own models
+    model_checkpoint: str = ""
+    model_digest: str = ""
+    model_family: str = ""
     task: str = ""
     # --- time (seconds unless named otherwise)
     prepare_s: Optional[float] = None
@@ -185,6 +190,9 @@ class RunMeta:
     model_note: str = ""
     model_params: Optional[int] = None
     model_dev_metric: Optional[float] = None
+    model_checkpoint: str = ""  # as BackendResult's
+    model_digest: str = ""
+    model_family: str = ""
     timing_only: bool = False
     batching: str = ""
     batch_size: Optional[int] = None

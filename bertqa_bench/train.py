@@ -384,10 +384,31 @@ class ModelInfo:
     dev_primary: Optional[float]  # the model's primary dev metric (e.g. F1) from training
     timing_only: bool
     note: str
+    # a user's checkpoint (model.checkpoint): its name as given, digest and family; empty for the
+    # suite's own models
+    checkpoint: str = ""
+    digest: str = ""
+    family: str = "bert"
+
+
+def checkpoint_model(cfg: SuiteConfig, log: Callable[[str], None] = print) -> ModelInfo:
+    """``model.checkpoint``: checked (checkpoint.py) and used as it is; nothing is trained."""
+    from .checkpoint import resolve_checkpoint
+
+    ck = resolve_checkpoint(cfg.model.checkpoint, allow_pickle=cfg.model.allow_pickle)
+    log(f"model: checkpoint {ck.name} ({ck.model_type}, {ck.weights}, {ck.digest}) from {ck.path}, "
+        "benchmarked as it is (no training)")
+    note = (f"checkpoint {ck.name} ({ck.model_type}, {ck.digest}), benchmarked as it is"
+            + ("; weights unpickled (allow_pickle)" if ck.weights == "pickle" else ""))
+    return ModelInfo(ck.path, count_parameters(ck.path), {}, None, False, note, checkpoint=ck.name,
+                     digest=ck.digest, family=ck.model_type)
 
 
 def ensure_model(cfg: SuiteConfig, log: Callable[[str], None] = print, tracker=None) -> ModelInfo:
-    """The suite's model, trained first if models/ lacks it; random-weight timing models are just built."""
+    """The suite's model, trained first if models/ lacks it; random-weight timing models are just built.
+    A ``model.checkpoint`` is used as it is."""
+    if cfg.model.checkpoint:
+        return checkpoint_model(cfg, log)
     task = get_task(cfg.task.name)
     model_dir = cfg.model_dir
     wanted = recipe_fields(cfg)

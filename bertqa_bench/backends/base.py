@@ -108,6 +108,13 @@ class Backend(abc.ABC):
             return "batching 'packed' needs a backend that computes real tokens only (torch option packed: true)"
         return None
 
+    @classmethod
+    def family_reason(cls, options, family: str) -> Optional[str]:
+        """Why these options cannot run a model of this family (config ``model_type``: bert,
+        roberta, distilbert, ...), or None. A backend that would silently compute something else
+        for a family (nothing swapped, a BERT-only rewrite) says so here: the row is ``not run``."""
+        return None
+
     @abc.abstractmethod
     def prepare(self, ctx: BackendContext) -> None:
         """Load / export / optimize / compile / build / capture. Timed as prepare_s, never as prediction."""

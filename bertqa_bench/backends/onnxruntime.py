@@ -80,8 +80,17 @@ def _preload_cuda_dlls(ort) -> None:
 
 
 def _bert_dims(model_dir: Path) -> tuple[int, int, int]:
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    return int(cfg["num_attention_heads"]), int(cfg["hidden_size"]), int(cfg["num_hidden_layers"])
+    from ..checkpoint import model_dims
+
+    d = model_dims(model_dir)  # through transformers' config: DistilBERT names them n_heads/dim/n_layers
+    return d["heads"], d["hidden"], d["layers"]
+
+
+def optimizer_model_type(model_dir: Path) -> str:
+    """The transformer optimizer's model type for the checkpoint's family (checkpoint.FAMILIES)."""
+    from ..checkpoint import FAMILIES, model_family
+
+    return FAMILIES.get(model_family(model_dir), "bert")
 
 
 def _attention_fused(meta: Mapping[str, Any]) -> int:
@@ -161,8 +170,9 @@ class OnnxRuntimeBackend(Backend):
         o: OrtOptions = self.options
         num_heads, hidden, layers = _bert_dims(ctx.model_dir)
         use_gpu = self.device == "cuda"
+        model_type = optimizer_model_type(ctx.model_dir)
         key = cache_key(export.key, "optimized", o.graph, o.opt_level, use_gpu, ort.__version__, num_heads, hidden,
-                        o.per_channel, tuple(o.quantize_ops))
+                        o.per_channel, tuple(o.quantize_ops), model_type)
         path = export.path.parent / f"model-{o.graph}-{'gpu' if use_gpu else 'cpu'}-{key}.onnx"
         meta_path = path.with_suffix(".json")
         if path.exists() and meta_path.exists():
@@ -172,11 +182,11 @@ class OnnxRuntimeBackend(Backend):
 
         from onnxruntime.transformers.optimizer import optimize_model
 
-        optimized = optimize_model(str(export.path), model_type="bert", num_heads=num_heads, hidden_size=hidden,
+        optimized = optimize_model(str(export.path), model_type=model_type, num_heads=num_heads, hidden_size=hidden,
                                    opt_level=o.opt_level, use_gpu=use_gpu)
         stats = {k: int(v) for k, v in optimized.get_fused_operator_statistics().items() if k in FUSED_OPS}
         meta: dict[str, Any] = {"opt_level": o.opt_level, "fusions": stats, "num_hidden_layers": layers,
-                                "optimized_cache_hit": False}
+                                "optimized_cache_hit": False, "model_type": model_type}
         if self.fp16:
             # keep_io_types: int64 ids in, fp32 logits out; only the inside runs in half.
             optimized.convert_float_to_float16(keep_io_types=True)
@@ -289,7 +299,7 @@ class OnnxRuntimeBackend(Backend):
             "onnxruntime": ort.__version__,
             "providers": ",".join(self.session.get_providers()),
             "model_file": path.name,
-            "optimizer": "onnxruntime.transformers.optimizer (model_type=bert)",
+            "optimizer": f"onnxruntime.transformers.optimizer (model_type={meta.get('model_type', 'bert')})",
             "opt_level": meta["opt_level"],
             "optimized_cache_hit": meta["optimized_cache_hit"],
             **{f"fused_{k}": v for k, v in fusions.items()},

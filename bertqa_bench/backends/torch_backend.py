@@ -39,6 +39,10 @@ from .device_io import CudaStaging, HostOutputs, batch_shape, cuda_unavailable_r
 from .torch_fp8 import SCALINGS, parse_gemms
 
 DTYPES = ("fp32", "fp16", "bf16")
+# Families whose encoder is BertModel's layout (tests/test_checkpoint.py checks the FP8/INT8
+# target Linears are found in each); the packed encoder is written against BertModel itself.
+QUANT_FAMILIES = ("bert", "roberta", "xlm-roberta", "camembert", "electra")
+PACKED_FAMILIES = ("bert",)
 COMPILE_MODES = ("none", "default", "max-autotune", "max-autotune-no-cudagraphs")
 CUDA_GRAPHS = ("none", "trees", "manual")
 SDPA_BACKENDS = ("cudnn", "efficient", "flash", "math")
@@ -208,6 +212,18 @@ class TorchBackend(Backend):
         return None if options.packed else super().batching_reason(options, batching)
 
     @classmethod
+    def family_reason(cls, options, family: str) -> Optional[str]:
+        o: TorchOptions = options
+        if o.packed and family not in PACKED_FAMILIES:
+            return (f"the padding-free encoder (packed_bert.py) rewrites BertModel only; a {family} model "
+                    "is not packed here")
+        if (o.fp8 is not None or o.int8 is not None) and family not in QUANT_FAMILIES:
+            kind = "FP8" if o.fp8 is not None else "INT8"
+            return (f"{kind} GEMMs are swapped into BERT-layout encoder Linears (encoder.layer.N.attention.self.query, "
+                    f"...); a {family} model has other module names, so nothing would be quantized")
+        return None
+
+    @classmethod
     def unavailable_reason(cls, variant) -> Optional[str]:
         o: TorchOptions = variant.options
         if variant.device != "cuda":
@@ -260,8 +276,10 @@ class TorchBackend(Backend):
             torch.set_num_threads(int(o.num_threads))
 
         self.module, built = self._build_model(ctx)
+        # the attention the model really runs: a family without SDPA (DeBERTa-v2) loads its own
+        loaded_attn = getattr(self.module.model.config, "_attn_implementation", o.attn_implementation)
         self.prepare_info = {"device": self.device, "weights_dtype": o.weights, "autocast": o.autocast,
-                             "attn_implementation": o.attn_implementation, "torch": torch.__version__, **built}
+                             "attn_implementation": loaded_attn, "torch": torch.__version__, **built}
         if cuda:
             self.prepare_info.update(tf32=bool(o.tf32), **gpu_info())
         else:

@@ -90,7 +90,13 @@ def tokenize_examples(examples: Sequence[QAExample], tokenizer, *, max_seq_len: 
     def as_array(rows) -> np.ndarray:
         return np.asarray(rows, dtype=np.int64).reshape(len(rows), max_seq_len)
 
-    features = Features(input_ids=as_array(ids), attention_mask=as_array(mask), token_type_ids=as_array(types),
+    type_ids = as_array(types)
+    if "token_type_ids" not in tokenizer.model_input_names:
+        # run_qa passes only what the tokenizer returns: a tokenizer that does not take segment ids
+        # (RoBERTa, ALBERT) leaves the model its default, all zeros. The array stays (one input
+        # layout for every backend); QAModule drops it for models without the argument.
+        type_ids = np.zeros_like(type_ids)
+    features = Features(input_ids=as_array(ids), attention_mask=as_array(mask), token_type_ids=type_ids,
                         example_index=np.asarray(example_index, dtype=np.int64), offsets=offsets)
     if train:
         features.start_positions, features.end_positions = _train_positions(examples, features)

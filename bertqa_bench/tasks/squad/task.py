@@ -35,9 +35,11 @@ class SquadTask(Task):
     Options = SquadOptions
 
     def model_class(self) -> type:
-        from transformers import BertForQuestionAnswering
+        # Any encoder family's span head (BERT, RoBERTa, DistilBERT, ALBERT, ELECTRA, DeBERTa-v2):
+        # a folder saved by BertForQuestionAnswering loads back as that class.
+        from transformers import AutoModelForQuestionAnswering
 
-        return BertForQuestionAnswering
+        return AutoModelForQuestionAnswering
 
     def data_files(self, data: DataConfig, split: str) -> list[Path]:
         if data.source == "synthetic":
