@@ -51,6 +51,10 @@ def _suite(tmp_path, corpus, backends, **bench):
                     "max_query_len": 24, "synthetic": dict(SYN)},
            "bench": {"backends": backends, "batch_size": 8, "warmup_batches": 1, "min_passes": 1,
                      "min_duration_s": 0, "isolation": "inprocess", **bench},
+           # the exporter fallback (dynamo, tried when attention does not fuse) is tested in
+           # test_backends; here one exporter keeps six families inside the CI time budget
+           "variants": {n: {"base": n, "options": {"exporter": "torchscript"}}
+                        for n in ("onnxruntime", "onnxruntime-int8") if n in backends},
            "models_dir": str(tmp_path / "models"), "results_dir": str(tmp_path / "results"),
            "cache_dir": str(tmp_path / "cache")}
     p = tmp_path / "ckpt.yaml"
