@@ -21,6 +21,7 @@ from .config import SuiteConfig
 from .errors import ConfigError
 from .envinfo import cuda_visible_devices, device_name, environment
 from .evalset import EvalSet, load_evalset
+from .io import atomic_write_json
 from .launcher import launch
 from .parity import Verdict, compare, determinism, tolerance_for, verdict
 from .report import write_report
@@ -197,6 +198,8 @@ def run_bench(cfg: SuiteConfig, *, backends: Optional[list[str]] = None, run_id:
                 r.end_to_end_s = r.tokenize_s + r.predict_s + r.postprocess_s
                 r.scores = {k: float(v) for k, v in task.score(evalset.examples, predictions, cfg).items()}
                 pred_path = bundle.write_predictions(variant.name, predictions)
+                for suffix, obj in task.side_files(predictions).items():  # e.g. SQuAD v2.0's na-prob file
+                    atomic_write_json(bundle.path("predictions", f"{variant.name}.{suffix}.json"), obj, indent=None)
                 if variant.name == reference:
                     ref = Reference(outputs, predictions, r.scores, rec["pass_s"])
                     if check_determinism:

@@ -127,7 +127,17 @@ def cmd_parity(a) -> int:
 
 def cmd_score(a) -> int:
     from .tasks.squad.metrics import score_files
+    from .tasks.squad.reader import is_v2, read_json
 
+    if is_v2(read_json(a.dataset)):
+        from .tasks.squad.metrics_v2 import score_v2_files
+
+        # the official v2.0 script's keys, printed as it prints them
+        print(json.dumps(score_v2_files(a.dataset, a.predictions, na_prob_file=a.na_prob_file,
+                                        na_prob_thresh=a.na_prob_thresh), indent=2))
+        return 0
+    if a.na_prob_file:
+        raise BenchError(f"{a.dataset} is a SQuAD v1.1 file: --na-prob-file applies to v2.0 files only")
     print(json.dumps(score_files(a.dataset, a.predictions)))
     return 0
 
@@ -251,9 +261,14 @@ def build_parser() -> argparse.ArgumentParser:
     pc.add_argument("--no-progress", action="store_true")
     pc.set_defaults(fn=cmd_parity)
 
-    s = sub.add_parser("score", help="official SQuAD v1.1 EM/F1 of a predictions file")
+    s = sub.add_parser("score", help="official SQuAD v1.1 EM/F1, or v2.0 exact/f1/HasAns/NoAns, of a predictions file")
     s.add_argument("dataset")
     s.add_argument("predictions")
+    # The official v2.0 script's flags (evaluate-v2.0.py), same names and defaults.
+    s.add_argument("--na-prob-file", "-n", help="v2.0: question id -> no-answer probability (the bench writes "
+                                                "predictions/<backend>.na_prob.json); adds best_exact/best_f1")
+    s.add_argument("--na-prob-thresh", "-t", type=float, default=1.0,
+                   help="v2.0: predict no answer where the no-answer probability is above this (default 1.0)")
     s.set_defaults(fn=cmd_score)
 
     sn = sub.add_parser("score-nq", help="Natural Questions long/short P/R/F1 and micro-F1")

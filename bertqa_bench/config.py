@@ -51,12 +51,17 @@ class SyntheticConfig:
     # either claim), the knob the hard preset is calibrated with.
     difficulty: str = "standard"  # standard | hard
     ambiguity: float = 0.0
+    # SQuAD v2.0 files: this share of questions made unanswerable (the asked-about entity renamed
+    # to a namesake the paragraph never mentions; the original span kept as plausible_answers)
+    unanswerable: float = 0.0
 
     def __post_init__(self):
         if self.difficulty not in ("standard", "hard"):
             raise ConfigError(f"synthetic.difficulty '{self.difficulty}' is not one of standard, hard")
         if not 0.0 <= self.ambiguity <= 1.0:
             raise ConfigError("synthetic.ambiguity must be in [0, 1]")
+        if not 0.0 <= self.unanswerable < 1.0:
+            raise ConfigError("synthetic.unanswerable must be in [0, 1)")
         if self.n_train_contexts < 0 or self.n_dev_contexts < 1:
             raise ConfigError("synthetic: n_train_contexts must be >= 0 and n_dev_contexts >= 1")
         if not (0 < self.min_words <= self.mean_words <= self.max_words):
@@ -74,6 +79,8 @@ class SyntheticConfig:
             d.pop("difficulty")
         if d["ambiguity"] == 0.0:
             d.pop("ambiguity")
+        if d["unanswerable"] == 0.0:
+            d.pop("unanswerable")
         return d
 
 

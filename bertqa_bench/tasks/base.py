@@ -85,6 +85,11 @@ class Task(abc.ABC):
     @abc.abstractmethod
     def score(self, examples: list, predictions: Any, cfg: SuiteConfig) -> dict[str, float]: ...
 
+    def side_files(self, predictions: Any) -> dict[str, Any]:
+        """Files written beside a backend's predictions, ``{suffix: JSON object}`` ->
+        ``predictions/<backend>.<suffix>.json`` (SQuAD v2.0: the no-answer scores)."""
+        return {}
+
     @abc.abstractmethod
     def agreement(self, predictions: Any, reference: Any) -> tuple[int, int]:
         """(questions whose predicted answer is identical to the reference's, questions compared)."""

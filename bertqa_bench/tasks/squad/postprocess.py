@@ -10,7 +10,7 @@ the higher-ranked start, then the higher-ranked end.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -108,3 +108,53 @@ def nbest_for_example(examples: Sequence[QAExample], features: Features, start_l
                                    "feature": int(f), "start": int(s), "end": int(e)})
     candidates.sort(key=lambda c: c["score"], reverse=True)  # stable: keeps run_qa's tie order
     return candidates[:n_best]
+
+
+class V2Predictions(dict):
+    """Question id -> answer text ("" = no answer), with ``na_scores``: per question, the null
+    score minus the best non-null span's score (run_qa's ``null_odds``), the no-answer-probability
+    file the official v2.0 evaluator takes (``--na-prob-file``) to find its best thresholds."""
+
+    na_scores: dict
+
+    def __init__(self, *a, na_scores: Optional[dict] = None, **kw):
+        super().__init__(*a, **kw)
+        self.na_scores = dict(na_scores or {})
+
+
+def postprocess_qa_v2(examples: Sequence[QAExample], features: Features, start_logits, end_logits, *,
+                      n_best: int = 20, max_answer_len: int = 30,
+                      null_score_diff_threshold: float = 0.0) -> V2Predictions:
+    """SQuAD v2.0: the best non-null span (as ``postprocess_qa``) against the null answer, as
+    run_qa's ``postprocess_qa_predictions(version_2_with_negative=True)`` decides.
+
+    The null score of a question is the lowest ``start_logits[0] + end_logits[0]`` (the [CLS] /
+    ``<s>`` token every featurizer here puts first) over its windows; its answer is "" when
+    ``null score - best span score > null_score_diff_threshold``. A question whose windows offer no
+    valid span answers "" (run_qa would answer the placeholder text "empty"); its na-score is
+    then the null score against run_qa's placeholder span of score 0.
+    """
+    start = np.asarray(start_logits, dtype=np.float64)
+    end = np.asarray(end_logits, dtype=np.float64)
+    scores, starts, ends = best_spans(features, start, end, n_best=n_best, max_answer_len=max_answer_len)
+    ex_index = np.asarray(features.example_index, dtype=np.int64)
+    n_ex = len(examples)
+    null = np.full(n_ex, np.inf)
+    np.minimum.at(null, ex_index, start[:, 0] + end[:, 0])
+    order = np.lexsort((np.arange(len(ex_index)), -scores, ex_index))
+    first = np.ones(len(order), dtype=bool)
+    first[1:] = ex_index[order][1:] != ex_index[order][:-1]
+    best_feature = np.full(n_ex, -1)
+    best_feature[ex_index[order[first]]] = order[first]
+    out = V2Predictions()
+    for i, ex in enumerate(examples):
+        f = best_feature[i]
+        span = float(scores[f]) if f >= 0 and np.isfinite(scores[f]) else None
+        diff = float(null[i]) - (span if span is not None else 0.0)
+        out.na_scores[ex.id] = diff
+        if span is None or diff > null_score_diff_threshold:
+            out[ex.id] = ""
+        else:
+            offs = features.offsets[f]
+            out[ex.id] = ex.context[offs[starts[f]][0]:offs[ends[f]][1]]
+    return out

@@ -1,4 +1,4 @@
-"""SQuAD v1.1 files: strict reading, the Hugging Face hub, and atomic writing.
+"""SQuAD v1.1 and v2.0 files: strict reading, the Hugging Face hub, and atomic writing.
 
 Reading is all-or-nothing: the whole file is validated before any example is returned,
 and every problem is reported as a DatasetFormatError that names the file, the record
@@ -16,6 +16,7 @@ from ...io import atomic_write_text
 from .types import Answer, QAExample
 
 SQUAD_VERSION = "1.1"
+SQUAD_V2_VERSION = "v2.0"  # as the official v2.0 files spell it
 
 
 def read_json(path, **json_kwargs) -> Any:
@@ -80,10 +81,39 @@ def check_answer(context: str, text: str, start: int, path, record: str) -> None
                                  f"context[{start}:{start + len(text)}] is {found!r}, not the answer text {text!r}")
 
 
+def is_v2(obj: Any) -> bool:
+    """A SQuAD v2.0 file: its version says so, or a question carries ``is_impossible``."""
+    if not isinstance(obj, dict):
+        return False
+    if str(obj.get("version", "")).lstrip("v").startswith("2"):
+        return True
+    try:
+        return any("is_impossible" in qa for a in obj["data"] for p in a["paragraphs"] for qa in p["qas"])
+    except (KeyError, TypeError, AttributeError):
+        return False
+
+
+def _answers(raw, context: str, path, rec_q: str, field_name: str) -> tuple[Answer, ...]:
+    out = []
+    for k, ans in enumerate(raw):
+        rec_k = f"{rec_q}.{field_name}[{k}]"
+        ans = _as_object(ans, path, rec_k, "<answer>")
+        text = _get(ans, "text", str, path, rec_k)
+        start = _get(ans, "answer_start", int, path, rec_k)
+        check_answer(context, text, start, path, rec_k)
+        out.append(Answer(text=text, answer_start=start))
+    return tuple(out)
+
+
 def validate_squad(obj: Any, path) -> list[QAExample]:
-    """Validate a parsed SQuAD v1.1 dict and turn it into examples, in file order."""
+    """Validate a parsed SQuAD v1.1 or v2.0 dict and turn it into examples, in file order.
+
+    v2.0 (``version: v2.0``, or any ``is_impossible`` key): an unanswerable question has
+    ``is_impossible: true``, no answers, and optional ``plausible_answers`` (checked like answers);
+    an answerable one needs answers as in v1.1."""
     top = _as_object(obj, path, "<top level>", "<root>")
     articles = _get(top, "data", list, path, "<top level>")
+    v2 = is_v2(top)
     examples: list[QAExample] = []
     seen: dict[str, str] = {}
     for a, article in enumerate(articles):
@@ -107,22 +137,26 @@ def validate_squad(obj: Any, path) -> list[QAExample]:
                     raise DatasetFormatError(path, rec_q, "id", f"duplicate id, first used at {seen[qid]}")
                 seen[qid] = rec_q
                 question = _get(qa, "question", str, path, rec_q)
-                if qa.get("is_impossible"):
-                    raise DatasetFormatError(path, rec_q, "is_impossible",
-                                             "unanswerable (SQuAD 2.0) questions are not supported")
+                impossible = qa.get("is_impossible", False)
+                if not isinstance(impossible, bool):
+                    raise DatasetFormatError(path, rec_q, "is_impossible", f"expected bool, got {_type_name(impossible)}")
                 raw_answers = _get(qa, "answers", list, path, rec_q)
-                if not raw_answers:
-                    raise DatasetFormatError(path, rec_q, "answers", "SQuAD v1.1 needs at least one answer")
-                answers = []
-                for k, ans in enumerate(raw_answers):
-                    rec_k = f"{rec_q}.answers[{k}]"
-                    ans = _as_object(ans, path, rec_k, "<answer>")
-                    text = _get(ans, "text", str, path, rec_k)
-                    start = _get(ans, "answer_start", int, path, rec_k)
-                    check_answer(context, text, start, path, rec_k)
-                    answers.append(Answer(text=text, answer_start=start))
-                examples.append(QAExample(id=qid, question=question, context=context,
-                                          answers=tuple(answers), title=title))
+                if impossible and raw_answers:
+                    raise DatasetFormatError(path, rec_q, "answers",
+                                             "an unanswerable question (is_impossible: true) has no answers; "
+                                             "the spans it suggests go in plausible_answers")
+                if not impossible and not raw_answers:
+                    raise DatasetFormatError(path, rec_q, "answers",
+                                             "an answerable question needs at least one answer (SQuAD v2.0 marks "
+                                             "an unanswerable one with is_impossible: true)" if v2 else
+                                             "SQuAD v1.1 needs at least one answer")
+                answers = _answers(raw_answers, context, path, rec_q, "answers")
+                plausible: tuple[Answer, ...] = ()
+                if "plausible_answers" in qa:
+                    plausible = _answers(_get(qa, "plausible_answers", list, path, rec_q), context, path, rec_q,
+                                         "plausible_answers")
+                examples.append(QAExample(id=qid, question=question, context=context, answers=answers, title=title,
+                                          is_impossible=impossible, plausible_answers=plausible, version_2=v2))
     return examples
 
 
@@ -148,24 +182,35 @@ def load_squad_hf(name: str = "squad", split: str = "validation") -> list[QAExam
             raise DatasetFormatError(where, rec, "id", "duplicate id")
         seen.add(qid)
         texts, starts = row["answers"]["text"], row["answers"]["answer_start"]
-        if not texts or len(texts) != len(starts):
-            raise DatasetFormatError(where, rec, "answers", "need at least one answer and one answer_start per text")
+        # squad_v2 on the hub marks an unanswerable question by an empty answer list
+        v2 = name.endswith("_v2") or "v2" in name.split("/")[-1]
+        if (not texts and not v2) or len(texts) != len(starts):
+            raise DatasetFormatError(where, rec, "answers", "need at least one answer and one answer_start per text"
+                                     + ("" if v2 else " (unanswerable questions: use a SQuAD v2.0 dataset, e.g. squad_v2)"))
         for k, (text, start) in enumerate(zip(texts, starts)):
             check_answer(row["context"], text, int(start), where, f"{rec}.answers[{k}]")
         examples.append(QAExample(id=qid, question=row["question"], context=row["context"],
                                   answers=tuple(Answer(t, int(s)) for t, s in zip(texts, starts)),
-                                  title=row.get("title") or ""))
+                                  title=row.get("title") or "", is_impossible=not texts, version_2=v2))
     return examples
 
 
 def examples_to_squad_json(examples: Iterable[QAExample]) -> dict:
     """Official-format dict: articles grouped by title, paragraphs by context, in first-seen order."""
     articles: dict[str, dict[str, list]] = {}
+    v2 = False
     for ex in examples:
         qas = articles.setdefault(ex.title, {}).setdefault(ex.context, [])
-        qas.append({"id": ex.id, "question": ex.question,
-                    "answers": [{"text": a.text, "answer_start": a.answer_start} for a in ex.answers]})
-    return {"version": SQUAD_VERSION,
+        qa = {"id": ex.id, "question": ex.question,
+              "answers": [{"text": a.text, "answer_start": a.answer_start} for a in ex.answers]}
+        if ex.version_2 or ex.is_impossible:
+            v2 = True
+            qa["is_impossible"] = ex.is_impossible
+            if ex.plausible_answers:
+                qa["plausible_answers"] = [{"text": a.text, "answer_start": a.answer_start}
+                                           for a in ex.plausible_answers]
+        qas.append(qa)
+    return {"version": SQUAD_V2_VERSION if v2 else SQUAD_VERSION,
             "data": [{"title": title, "paragraphs": [{"context": c, "qas": qas} for c, qas in paragraphs.items()]}
                      for title, paragraphs in articles.items()]}
 

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Optional
 
 from ...config import SyntheticConfig
-from .reader import SQUAD_VERSION, write_json_atomic, write_squad_json
+from .reader import SQUAD_V2_VERSION, SQUAD_VERSION, write_json_atomic, write_squad_json
 
 GENERATOR_VERSION = 1
 
@@ -490,6 +490,8 @@ def generate_squad(n_contexts: int, cfg: SyntheticConfig, seed: int, id_prefix: 
     ``exclude_contexts``: paragraphs that must not occur (the train set, when making dev).
     """
     rng = random.Random(seed)
+    # v2.0 choices draw from their own stream: the v1.1 output of a config never changes
+    v2_rng = random.Random(seed ^ 0x5EED2)
     long_ids = set(rng.sample(range(n_contexts), round(n_contexts * cfg.long_context_fraction)))
     seen = set(exclude_contexts)
     data = []
@@ -503,10 +505,46 @@ def generate_squad(n_contexts: int, cfg: SyntheticConfig, seed: int, id_prefix: 
                 seen.add(context)
                 break
         picked = _pick_questions(rng, qas, cfg.questions_per_context, long)
-        data.append({"title": title, "paragraphs": [{"context": context, "qas": [
-            {"id": f"{id_prefix}{c:05d}-{j}", "question": q, "answers": [{"text": a, "answer_start": start}]}
-            for j, (q, a, start) in enumerate(picked)]}]})
-    return {"version": SQUAD_VERSION, "data": data}
+        qa_records = [{"id": f"{id_prefix}{c:05d}-{j}", "question": q, "answers": [{"text": a, "answer_start": start}]}
+                      for j, (q, a, start) in enumerate(picked)]
+        if cfg.unanswerable:
+            for qa in qa_records:
+                if v2_rng.random() < cfg.unanswerable:
+                    _make_unanswerable(v2_rng, qa, context)
+                else:
+                    qa["is_impossible"] = False
+        data.append({"title": title, "paragraphs": [{"context": context, "qas": qa_records}]})
+    return {"version": SQUAD_V2_VERSION if cfg.unanswerable else SQUAD_VERSION, "data": data}
+
+
+# A proper name in a question: capitalized words (the generator's names are all of this shape).
+_NAME = re.compile(r"[A-Z][a-z]+(?: [A-Z][a-z]+)*")
+
+
+def _make_unanswerable(rng: random.Random, qa: dict, context: str) -> None:
+    """SQuAD v2.0's adversarial kind of unanswerable question: the question asks about a namesake
+    of the entity the paragraph talks about (first word of its name replaced by a made-up one the
+    paragraph never mentions), so the span that would answer it is there, about someone else.
+    That span becomes ``plausible_answers``; a question naming nothing stays answerable."""
+    q = qa["question"]
+    names = [m for m in _NAME.finditer(q) if m.start() > 0 and m.group(0) in context]
+    if not names:
+        qa["is_impossible"] = False
+        return
+    m = max(names, key=lambda m: len(m.group(0)))
+    rest = m.group(0).split(" ", 1)[1:]
+    for _ in range(100):
+        first = rng.choice(_GIVEN) if rest and m.group(0).split(" ")[0] in _GIVEN else _place(rng)
+        new = " ".join([first] + rest)
+        if first not in context and new != m.group(0):
+            break
+    else:
+        qa["is_impossible"] = False
+        return
+    qa["question"] = q[:m.start()] + new + q[m.end():]
+    qa["is_impossible"] = True
+    qa["plausible_answers"] = qa.pop("answers")
+    qa["answers"] = []
 
 
 def _long_range(cfg: SyntheticConfig) -> tuple[int, int]:
@@ -529,13 +567,15 @@ def config_hash(cfg: SyntheticConfig) -> str:
 
 
 def ensure_squad_files(data_dir, cfg: SyntheticConfig) -> tuple[Path, Path]:
-    """Generate (once) and return ``data_dir/synthetic-<hash>/{train,dev}-v1.1.json``.
+    """Generate (once) and return ``data_dir/synthetic-<hash>/{train,dev}-v1.1.json`` (``-v2.0``
+    with ``unanswerable`` > 0).
 
     Existing files are reused: the directory name changes with the config and the generator
     version, so a file there is always what this config would produce.
     """
     out = Path(data_dir) / f"synthetic-{config_hash(cfg)}"
-    train_path, dev_path = out / "train-v1.1.json", out / "dev-v1.1.json"
+    v = "v2.0" if cfg.unanswerable else "v1.1"
+    train_path, dev_path = out / f"train-{v}.json", out / f"dev-{v}.json"
     if not (train_path.exists() and dev_path.exists()):
         train = generate_squad(cfg.n_train_contexts, cfg, derive_seed(cfg.seed, "train"), "syn-train-")
         dev = generate_squad(cfg.n_dev_contexts, cfg, derive_seed(cfg.seed, "dev"), "syn-dev-",

@@ -1,14 +1,17 @@
-"""SquadTask: SQuAD v1.1 (and files in its format) behind the Task interface.
+"""SquadTask: SQuAD v1.1 and v2.0 (and files in their format) behind the Task interface.
 
 Sources: ``synthetic`` (the seeded offline generator), ``squad-json`` (official files),
-``hf`` (``datasets.load_dataset(data.hf_name)``). Model: BertForQuestionAnswering. Outputs:
-start/end logits. Metric: the official EM/F1. Options (``task:`` section): postprocessing's
-``n_best`` and ``max_answer_len``.
+``hf`` (``datasets.load_dataset(data.hf_name)``, e.g. squad or squad_v2). Model: any encoder
+family's span head (AutoModelForQuestionAnswering). Outputs: start/end logits. Metric: the
+official v1.1 EM/F1, or on v2.0 data the official v2.0 evaluator's (no-answer postprocessing
+with ``null_score_diff_threshold``). Options (``task:`` section): postprocessing's ``n_best``,
+``max_answer_len``, ``null_score_diff_threshold`` and ``version_2``.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 from ...config import DataConfig, SuiteConfig, resolve_path
 from ...errors import ConfigError
@@ -19,10 +22,16 @@ from ..base import Task
 class SquadOptions:
     n_best: int = 20  # start and end candidates per window (run_qa.py's n_best_size)
     max_answer_len: int = 30  # tokens
+    # SQuAD v2.0: answer "" when the null score beats the best span by more than this (run_qa's
+    # null_score_diff_threshold, in logits)
+    null_score_diff_threshold: float = 0.0
+    # v2.0 postprocessing and scoring: None = as the data says (a v2.0 file or squad_v2), or force
+    version_2: Optional[bool] = None
 
     def __post_init__(self):
         if self.n_best < 1 or self.max_answer_len < 1:
             raise ConfigError("task: n_best and max_answer_len must be >= 1")
+        self.null_score_diff_threshold = float(self.null_score_diff_threshold)
 
 
 class SquadTask(Task):
@@ -73,18 +82,46 @@ class SquadTask(Task):
         return tokenize_examples(examples, tokenizer, max_seq_len=d.max_seq_len, doc_stride=d.doc_stride,
                                  max_query_len=d.max_query_len, train=train)
 
+    @staticmethod
+    def is_v2(examples, cfg) -> bool:
+        o = cfg.task.options
+        forced = getattr(o, "version_2", None)
+        return bool(forced) if forced is not None else any(ex.version_2 or ex.is_impossible for ex in examples)
+
     def postprocess(self, examples, features, outputs, cfg):
-        from .postprocess import postprocess_qa
+        from .postprocess import postprocess_qa, postprocess_qa_v2
 
         o = cfg.task.options
+        if self.is_v2(examples, cfg):
+            return postprocess_qa_v2(examples, features, outputs["start_logits"], outputs["end_logits"],
+                                     n_best=o.n_best, max_answer_len=o.max_answer_len,
+                                     null_score_diff_threshold=o.null_score_diff_threshold)
         return postprocess_qa(examples, features, outputs["start_logits"], outputs["end_logits"],
                               n_best=o.n_best, max_answer_len=o.max_answer_len)
 
     def score(self, examples, predictions, cfg):
         from .metrics import squad_evaluate
 
+        if self.is_v2(examples, cfg):
+            from .metrics_v2 import squad_v2_evaluate
+
+            # exact/f1 and HasAns/NoAns as the official script gives them without a na-prob file;
+            # best_exact/best_f1 (and thresholds) from the null-score differences, as with one
+            scores = squad_v2_evaluate(examples, predictions)
+            na = getattr(predictions, "na_scores", None)
+            if na:
+                with_na = squad_v2_evaluate(examples, predictions, na_probs=na)
+                scores.update({k: v for k, v in with_na.items() if k.startswith("best_")})
+            return scores
         return squad_evaluate(examples, predictions)
 
+    def side_files(self, predictions) -> dict:
+        # v2.0: the no-answer scores beside the predictions, for `bertqa-bench score --na-prob-file`
+        na = getattr(predictions, "na_scores", None)
+        return {"na_prob": na} if na is not None else {}
+
     def agreement(self, predictions, reference):
+        # Identical answer text; on v2.0 "" is the no-answer, so a flip to or from no answer is a
+        # disagreement like any other change of answer.
         same = sum(predictions.get(k) == v for k, v in reference.items())
         return same, len(reference)

@@ -19,3 +19,9 @@ class QAExample:
     context: str
     answers: tuple[Answer, ...] = ()
     title: str = ""
+    # SQuAD v2.0: a question the context does not answer (answers empty), with the spans
+    # annotators found plausible (distractors; never gold). ``version_2``: read from a v2.0 file,
+    # so postprocessing may answer "" (no answer) and scoring is the v2.0 evaluator's.
+    is_impossible: bool = False
+    plausible_answers: tuple[Answer, ...] = ()
+    version_2: bool = False
