@@ -118,16 +118,59 @@ def corpus_from_squad(path: str | Path) -> list[str]:
     return out
 
 
+def distilbert_state_from_bert(bert_sd: dict, n_layers: int) -> dict:
+    """A BertModel's weights in DistilBertModel's names. DistilBERT has no segment embeddings:
+    BERT's type-0 embedding (what every token of a single segment adds) is folded into the
+    position embeddings, so a one-segment input gives the BERT encoder's hidden states."""
+    sd = {"embeddings.word_embeddings.weight": bert_sd["embeddings.word_embeddings.weight"],
+          "embeddings.position_embeddings.weight": bert_sd["embeddings.position_embeddings.weight"]
+          + bert_sd["embeddings.token_type_embeddings.weight"][0],
+          "embeddings.LayerNorm.weight": bert_sd["embeddings.LayerNorm.weight"],
+          "embeddings.LayerNorm.bias": bert_sd["embeddings.LayerNorm.bias"]}
+    names = {"attention.q_lin": "attention.self.query", "attention.k_lin": "attention.self.key",
+             "attention.v_lin": "attention.self.value", "attention.out_lin": "attention.output.dense",
+             "sa_layer_norm": "attention.output.LayerNorm", "ffn.lin1": "intermediate.dense",
+             "ffn.lin2": "output.dense", "output_layer_norm": "output.LayerNorm"}
+    for i in range(n_layers):
+        for dst, src in names.items():
+            for p in ("weight", "bias"):
+                sd[f"transformer.layer.{i}.{dst}.{p}"] = bert_sd[f"encoder.layer.{i}.{src}.{p}"]
+    return sd
+
+
+def grown_encoder_state(family: str, config, grow_from: str) -> dict:
+    """``config``'s encoder (a BERT or DistilBERT shape) grown from the pretrained BERT-family
+    encoder ``grow_from`` (grow.py: widened function-preservingly, layers stacked)."""
+    from transformers import BertConfig
+
+    from .grow import grow_encoder
+    from .modeling import resolve_base
+
+    if family not in ("bert", "distilbert"):
+        raise ValueError(f"growing from {grow_from} makes BERT-layout encoders (bert, distilbert), not {family}")
+    bert_cfg = config if family == "bert" else BertConfig(
+        vocab_size=config.vocab_size, hidden_size=config.dim, num_hidden_layers=config.n_layers,
+        num_attention_heads=config.n_heads, intermediate_size=config.hidden_dim,
+        max_position_embeddings=config.max_position_embeddings)
+    encoder, _ = grow_encoder(resolve_base(grow_from), bert_cfg)
+    sd = encoder.state_dict()
+    return sd if family == "bert" else distilbert_state_from_bert(sd, config.n_layers)
+
+
 def build_checkpoint(family: str, out_dir: str | Path, *, texts: Optional[Iterable[str]] = None, size: str = "tiny",
                      seed: int = 0, vocab_size: int = 2000, with_head: bool = True, tokenizer=None,
-                     head_scale: float = 1.0) -> Path:
+                     head_scale: float = 1.0, grow_from: Optional[str] = None, layers: Optional[int] = None) -> Path:
     """A random-weight ``family`` QA model + its tokenizer, saved to ``out_dir`` (safetensors).
     ``with_head=False`` saves the base encoder only (a folder that must be refused).
 
     ``head_scale`` multiplies the random span head: a random model's start/end logits are nearly
     tied everywhere, so the rounding of bf16 or int8 flips its answers whatever the backend;
     a wider head gives the clear margins of a trained model, and parity on a tiny random
-    checkpoint then tests the backend, not the coin toss (tests use it; timing is unchanged)."""
+    checkpoint then tests the backend, not the coin toss (tests use it; timing is unchanged).
+
+    ``grow_from`` (bert, distilbert; WordPiece vocabulary of the source): the encoder grown from
+    that pretrained encoder instead of random, e.g. a DistilBERT-base shape from the embedded
+    MiniLM; ``layers`` overrides the size's layer count."""
     import torch
     from transformers import AutoConfig, AutoModel, AutoModelForQuestionAnswering
 
@@ -139,9 +182,21 @@ def build_checkpoint(family: str, out_dir: str | Path, *, texts: Optional[Iterab
     special = {"pad_token_id": tok.pad_token_id}
     if family == "roberta":
         special.update(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    config = AutoConfig.for_model(family, **config_kwargs(family, size, len(tok), special))
+    kw = config_kwargs(family, size, len(tok), special)
+    if layers:
+        kw["n_layers" if family == "distilbert" else "num_hidden_layers"] = layers
+    if grow_from and size == "base":
+        # MiniLM's 12 heads: the grown shape keeps the source's head count (grow.py)
+        kw.update({"n_heads" if family == "distilbert" else "num_attention_heads": 12})
+    config = AutoConfig.for_model(family, **kw)
     torch.manual_seed(seed)
     model = (AutoModelForQuestionAnswering if with_head else AutoModel).from_config(config)
+    if grow_from:
+        encoder = getattr(model, model.base_model_prefix) if with_head else model
+        missing, unexpected = encoder.load_state_dict(grown_encoder_state(family, config, grow_from), strict=False)
+        bad = [m for m in missing if "position_ids" not in m and "pooler" not in m] + list(unexpected)
+        if bad:
+            raise RuntimeError(f"grown weights do not fit the {family} encoder: {bad[:5]}")
     if with_head and head_scale != 1.0:
         with torch.no_grad():
             model.qa_outputs.weight.mul_(head_scale)
@@ -161,9 +216,13 @@ def main(argv=None) -> int:
     p.add_argument("--corpus", help="SQuAD-format file whose text trains a BPE/Unigram tokenizer")
     p.add_argument("--vocab-size", type=int, default=8000)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--grow-from", help="bert/distilbert: grow the encoder from this pretrained BERT-family encoder "
+                                       "(e.g. embedded:all-MiniLM-L6-v2) instead of random weights")
+    p.add_argument("--layers", type=int, help="encoder layers (default: the size's)")
     a = p.parse_args(argv)
     texts = corpus_from_squad(a.corpus) if a.corpus else None
-    out = build_checkpoint(a.family, a.out_dir, texts=texts, size=a.size, seed=a.seed, vocab_size=a.vocab_size)
+    out = build_checkpoint(a.family, a.out_dir, texts=texts, size=a.size, seed=a.seed, vocab_size=a.vocab_size,
+                           grow_from=a.grow_from, layers=a.layers)
     print(out)
     return 0
 

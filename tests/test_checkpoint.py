@@ -260,3 +260,28 @@ def test_featurization_follows_the_tokenizer(family_checkpoints, corpus_dir):
                 hits += ex.answers[0].text.strip() in text
         assert hits >= len(examples) // 2, fam
         assert np.all(f.attention_mask.sum(1) <= 64)
+
+
+def test_distilbert_grown_from_minilm_keeps_the_encoder():
+    """A DistilBERT shape grown from the embedded MiniLM (the GPU plan's model): its encoder gives
+    MiniLM's hidden states, tiled, on a one-segment input (type-0 embedding folded in)."""
+    import torch
+    from transformers import AutoModel
+
+    from bertqa_bench.modeling import load_tokenizer, resolve_base
+
+    from transformers import DistilBertConfig
+
+    from bertqa_bench.families import grown_encoder_state
+
+    cfg = DistilBertConfig(vocab_size=30522, dim=768, n_layers=6, n_heads=12, hidden_dim=3072)
+    sd = grown_encoder_state("distilbert", cfg, "embedded:all-MiniLM-L6-v2")
+    dist = AutoModel.from_config(cfg)
+    dist.load_state_dict(sd, strict=False)
+    dist.eval()
+    src = AutoModel.from_pretrained(resolve_base("embedded:all-MiniLM-L6-v2")).eval()
+    enc = load_tokenizer("embedded:all-MiniLM-L6-v2")(["Mara Venn founded the Hollin Company."], return_tensors="pt")
+    with torch.no_grad():
+        a = src(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).last_hidden_state
+        b = dist(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).last_hidden_state
+    assert torch.allclose(b[..., :384], a, atol=1e-4) and torch.allclose(b[..., 384:], a, atol=1e-4)
