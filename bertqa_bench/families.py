@@ -35,8 +35,9 @@ def config_kwargs(family: str, size: str, vocab_size: int, special: dict) -> dic
     dims = dict(_TINY if size == "tiny" else _BASE)
     kw: dict = {"vocab_size": vocab_size, "max_position_embeddings": 512}
     if family == "distilbert":
-        kw.update(dim=dims["hidden_size"], n_layers=dims["num_hidden_layers"], n_heads=dims["num_attention_heads"],
-                  hidden_dim=dims["intermediate_size"])
+        # distilbert-base: BERT-base's width, half its layers
+        kw.update(dim=dims["hidden_size"], n_layers=dims["num_hidden_layers"] // (2 if size == "base" else 1),
+                  n_heads=dims["num_attention_heads"], hidden_dim=dims["intermediate_size"])
     else:
         kw.update(dims)
     if family == "roberta":
