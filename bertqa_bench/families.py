@@ -13,7 +13,8 @@ saved with ``save_pretrained`` (safetensors + tokenizer files), exactly what a u
 holds. Random weights time like trained ones; to score, fine-tune the folder first
 (``bertqa-bench train --set model.base=FOLDER``) — the GPU plan does that.
 
-    python -m bertqa_bench.families roberta OUT_DIR [--size base] [--corpus data/...json]
+    python -m bertqa_bench.families roberta OUT_DIR [--size base] [--corpus FILE | --corpus-suite SUITE]
+    python -m bertqa_bench.families distilbert OUT_DIR --size base --grow-from embedded:all-MiniLM-L6-v2
 """
 from __future__ import annotations
 
@@ -220,8 +221,16 @@ def main(argv=None) -> int:
     p.add_argument("--grow-from", help="bert/distilbert: grow the encoder from this pretrained BERT-family encoder "
                                        "(e.g. embedded:all-MiniLM-L6-v2) instead of random weights")
     p.add_argument("--layers", type=int, help="encoder layers (default: the size's)")
+    p.add_argument("--corpus-suite", help="train the tokenizer on this suite's training file (generated first)")
     a = p.parse_args(argv)
-    texts = corpus_from_squad(a.corpus) if a.corpus else None
+    corpus = a.corpus
+    if a.corpus_suite:
+        from .suite import load_suite
+        from .tasks import get_task
+
+        cfg = load_suite(a.corpus_suite)
+        corpus = get_task(cfg.task.name).data_files(cfg.data, "train")[0]
+    texts = corpus_from_squad(corpus) if corpus else None
     out = build_checkpoint(a.family, a.out_dir, texts=texts, size=a.size, seed=a.seed, vocab_size=a.vocab_size,
                            grow_from=a.grow_from, layers=a.layers)
     print(out)

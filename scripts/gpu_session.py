@@ -5,7 +5,8 @@ background, so that it can outlast one device call:
     setsid python3 scripts/gpu_session.py PLAN [--out device-out] &   # start (returns at once)
     python3 scripts/gpu_session.py --status [--out device-out]        # progress; copies results to $OUT
 
-Plans (PLANS): ``packed-graphs`` (the packed path with CUDA graphs per token bucket; one GPU),
+Plans (PLANS): ``families`` (issue 20: a DistilBERT-base grown from MiniLM and a RoBERTa-base on
+generated SQuAD v2.0, each fine-tuned then benchmarked as a user's checkpoint; one GPU), ``packed-graphs`` (the packed path with CUDA graphs per token bucket; one GPU),
 ``ort-memory`` (ONNX Runtime's prepare memory after the export fix; one GPU),
 ``next`` (the FP8 sweep and the packed rows; a 4-GPU host, ~15 device minutes),
 ``remaining`` and ``squad-sized`` (the 2026-11-26 afternoon runs),
@@ -291,9 +292,37 @@ def step_packed_graphs(s: Session) -> list:
     return []
 
 
+def family(s: Session, suite: str, init: str, make: list[str], model: str) -> None:
+    """Issue 20: one encoder family as a user's checkpoint. Make the initial folder (families.py),
+    fine-tune it with the suite's recipe, then `bench --model` the trained folder: every GPU
+    backend of the suite, speed and parity in one run (the ones that cannot run the family say
+    why). The suite's YAML says how its model is obtained."""
+    if not (ROOT / "models" / init / "config.json").exists():
+        s.run(f"init-{init}", [sys.executable, "-m", "bertqa_bench.families", *make, f"models/{init}"], timeout=600)
+    s.run(f"train-{model}", ["cli", "train", "--suite", suite, "--no-mlflow"], timeout=1500)
+    m = ROOT / "models" / model / "train_metrics.json"
+    metrics = json.loads(m.read_text()) if m.exists() else {}
+    s.say(f"{model}: dev " + ", ".join(f"{k[4:]} {v:.2f}" for k, v in metrics.items()
+                                       if k.startswith("dev_") and isinstance(v, float)))
+    s.run(f"bench-{model}", ["cli", "bench", "--suite", suite, "--model", f"models/{model}", "--no-mlflow",
+                             "--no-progress", "--run-id", f"gpu-{model}"], timeout=2400)
+
+
+def step_families(s: Session) -> list:
+    """DistilBERT-base grown from MiniLM (v1.1, hard), then RoBERTa-base from random init with a
+    BPE tokenizer trained on the generated text (v2.0): ~25 device minutes on one H100."""
+    family(s, "gpu-distilbert", "distilbert-base-grown-init",
+           ["distilbert", "--size", "base", "--grow-from", "embedded:all-MiniLM-L6-v2"], "distilbert-grown-hard")
+    family(s, "gpu-roberta-v2", "roberta-base-init",
+           ["roberta", "--size", "base", "--corpus-suite", "gpu-roberta-v2", "--vocab-size", "8000"],
+           "roberta-base-synth-v2")
+    return []
+
+
 # Most important first: a machine goes back after 30 minutes, and each --status call packs
 # what is done so far.
 PLANS = {
+    "families": [step_families],
     # one GPU: tests, the CPU gate, the suite's model, every backend, a sweep, the calibration points
     "h100": [lambda s: [cpu_gate(s)], lambda s: train(s, MAIN), bench_all,
              lambda s: sweep(s, "all", "eager-fp16,torch-compile-fp16-graph,ort-cuda-fp16-graph"),
