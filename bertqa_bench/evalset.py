@@ -76,7 +76,11 @@ def _tokenizer_fingerprint(tokenizer_source: str) -> str:
 
 def evalset_key(cfg: SuiteConfig, task: Task, tokenizer_source: str, split: str, train: bool) -> str:
     d = cfg.data
+    from .train import ADDED_DEFAULTS
+
     options = dataclasses.asdict(cfg.task.options) if dataclasses.is_dataclass(cfg.task.options) else {}
+    # options added later, at their defaults, keep existing keys (train.ADDED_DEFAULTS)
+    options = {k: v for k, v in options.items() if ADDED_DEFAULTS.get(f"task_options.{k}", object()) != v}
     import tokenizers
     import transformers
 

@@ -41,6 +41,11 @@ def model_is_trained(model_dir: Path) -> bool:
     return (Path(model_dir) / METRICS_FILE).exists() and (Path(model_dir) / "config.json").exists()
 
 
+# Later-added fields -> their defaults (issue 20: checkpoints, SQuAD v2.0). At the default they
+# are left out of recipes and evaluation-set keys, which then stay what they were before.
+ADDED_DEFAULTS = {"model.checkpoint": None, "model.allow_pickle": False, "data.synthetic.unanswerable": 0.0,
+                  "task_options.null_score_diff_threshold": 0.0, "task_options.version_2": None}
+
 # Fields that decide the evaluation only, not the trained weights: changing them keeps the model.
 _EVAL_ONLY = {"dev_file", "max_eval_examples", "target_eval_features", "n_dev_contexts"}
 
@@ -76,7 +81,9 @@ def recipe_fields(cfg: SuiteConfig) -> dict:
             flat[prefix] = value if isinstance(value, (str, int, float, bool, type(None))) else str(value)
 
     walk("", parts)
-    return flat
+    # fields added later, at their defaults, leave the recipe as it was: models trained before
+    # they existed are still found (not retrained)
+    return {k: v for k, v in flat.items() if k not in ADDED_DEFAULTS or ADDED_DEFAULTS[k] != v}
 
 
 def model_recipe(cfg: SuiteConfig, fields: Optional[dict] = None) -> str:

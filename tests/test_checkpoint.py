@@ -285,3 +285,10 @@ def test_distilbert_grown_from_minilm_keeps_the_encoder():
         a = src(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).last_hidden_state
         b = dist(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).last_hidden_state
     assert torch.allclose(b[..., :384], a, atol=1e-4) and torch.allclose(b[..., 384:], a, atol=1e-4)
+
+
+def test_hub_name_offline_is_a_named_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # an empty hub cache
+    with pytest.raises(CheckpointError, match="not in the local hub cache"):
+        resolve_checkpoint("deepset/roberta-base-squad2")
