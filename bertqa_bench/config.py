@@ -320,6 +320,12 @@ class ParityConfig:
                           for k, v in (self.overrides or {}).items()}
 
 
+# Later-added fields -> their defaults (issue 20: checkpoints, SQuAD v2.0). At the default they
+# are left out of model recipes (train.py) and evaluation-set keys (evalset.py), which then stay
+# what they were before the fields existed: models and caches made earlier are still found.
+ADDED_DEFAULTS = {"model.checkpoint": None, "model.allow_pickle": False, "data.synthetic.unanswerable": 0.0,
+                  "task_options.null_score_diff_threshold": 0.0, "task_options.version_2": None}
+
 # What `bertqa-bench train` writes beside a saved model (train.py), and what reads it (scaling.py).
 METRICS_FILE = "train_metrics.json"
 

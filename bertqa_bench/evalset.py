@@ -24,7 +24,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from .config import SuiteConfig
+from .config import ADDED_DEFAULTS, SuiteConfig
 from .features import INPUT_NAMES, Features
 from .io import atomic_dir
 from .tasks import Task
@@ -76,10 +76,8 @@ def _tokenizer_fingerprint(tokenizer_source: str) -> str:
 
 def evalset_key(cfg: SuiteConfig, task: Task, tokenizer_source: str, split: str, train: bool) -> str:
     d = cfg.data
-    from .train import ADDED_DEFAULTS
-
     options = dataclasses.asdict(cfg.task.options) if dataclasses.is_dataclass(cfg.task.options) else {}
-    # options added later, at their defaults, keep existing keys (train.ADDED_DEFAULTS)
+    # options added later, at their defaults, keep existing keys (config.ADDED_DEFAULTS)
     options = {k: v for k, v in options.items() if ADDED_DEFAULTS.get(f"task_options.{k}", object()) != v}
     import tokenizers
     import transformers

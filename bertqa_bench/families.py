@@ -202,10 +202,12 @@ def build_checkpoint(family: str, out_dir: str | Path, *, texts: Optional[Iterab
     if with_head and head_scale != 1.0:
         with torch.no_grad():
             model.qa_outputs.weight.mul_(head_scale)
+    from .io import atomic_dir
+
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)  # safetensors by default
-    tok.save_pretrained(out)
+    with atomic_dir(out) as tmp:  # a folder appears whole or not at all
+        model.save_pretrained(tmp)  # safetensors by default
+        tok.save_pretrained(tmp)
     return out
 
 

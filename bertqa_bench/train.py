@@ -21,7 +21,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from .config import METRICS_FILE, SuiteConfig
+from .config import ADDED_DEFAULTS, METRICS_FILE, SuiteConfig
 from .envinfo import device_name
 from .io import atomic_dir, atomic_write_json
 from .modeling import build_model, count_parameters, load_tokenizer
@@ -40,11 +40,6 @@ def seed_everything(seed: int) -> None:
 def model_is_trained(model_dir: Path) -> bool:
     return (Path(model_dir) / METRICS_FILE).exists() and (Path(model_dir) / "config.json").exists()
 
-
-# Later-added fields -> their defaults (issue 20: checkpoints, SQuAD v2.0). At the default they
-# are left out of recipes and evaluation-set keys, which then stay what they were before.
-ADDED_DEFAULTS = {"model.checkpoint": None, "model.allow_pickle": False, "data.synthetic.unanswerable": 0.0,
-                  "task_options.null_score_diff_threshold": 0.0, "task_options.version_2": None}
 
 # Fields that decide the evaluation only, not the trained weights: changing them keeps the model.
 _EVAL_ONLY = {"dev_file", "max_eval_examples", "target_eval_features", "n_dev_contexts"}
