@@ -53,6 +53,12 @@ FAMILIES = {
     "deberta-v2": "bert",
 }
 
+# Families whose encoder the padding-free path (backends/packed_bert.py) computes, each tested
+# against its padded model (tests/test_checkpoint.py); RoBERTa-style ones number positions after
+# the padding index.
+PACKED_FAMILIES = ("bert", "roberta", "xlm-roberta", "camembert", "electra", "distilbert")
+OFFSET_POSITION_FAMILIES = ("roberta", "xlm-roberta", "camembert")
+
 CONFIG_FILE = "config.json"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")

@@ -209,8 +209,10 @@ def test_family_gates_say_why_not_run():
         assert int8.backend_class.family_reason(int8.options, fam)
     for fam in ("bert", "roberta", "electra"):
         assert fp8.backend_class.family_reason(fp8.options, fam) is None
-    assert packed.backend_class.family_reason(packed.options, "bert") is None
-    assert "BertModel only" in packed.backend_class.family_reason(packed.options, "roberta")
+    for fam in ("bert", "roberta", "electra", "distilbert"):
+        assert packed.backend_class.family_reason(packed.options, fam) is None
+    assert "not packed" in packed.backend_class.family_reason(packed.options, "deberta-v2")
+    assert "not packed" in packed.backend_class.family_reason(packed.options, "albert")
     assert t.get("onnxruntime").backend_class.family_reason(t.get("onnxruntime").options, "deberta-v2") is None
 
 
@@ -292,3 +294,34 @@ def test_hub_name_offline_is_a_named_error(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # an empty hub cache
     with pytest.raises(CheckpointError, match="not in the local hub cache"):
         resolve_checkpoint("deepset/roberta-base-squad2")
+
+
+@pytest.mark.parametrize("family", ["roberta", "electra", "distilbert"])
+def test_packed_encoder_matches_the_padded_model(family, family_checkpoints):
+    """The padding-free path on each family it claims: the same start/end logits on every real
+    token as the padded model (positions offset for RoBERTa, no segment ids for DistilBERT)."""
+    import copy
+
+    import torch
+
+    from bertqa_bench.backends.packed_bert import pack_model
+    from bertqa_bench.modeling import load_inference_module
+
+    m = load_inference_module(family_checkpoints[family], "squad")
+    rng = np.random.default_rng(0)
+    ids = torch.from_numpy(rng.integers(5, 300, size=(4, 40)))
+    mask = torch.ones_like(ids)
+    for r, n in enumerate((40, 31, 7, 19)):
+        mask[r, n:] = 0
+        ids[r, n:] = m.model.config.pad_token_id
+    types = torch.zeros_like(ids)
+    types[:, 10:] = 1 if m.uses_token_type_ids and getattr(m.model.config, "type_vocab_size", 1) > 1 else 0
+    types *= mask
+    with torch.no_grad():
+        ref = m(ids, mask, types)
+        packed = copy.deepcopy(m)
+        pack_model(packed.model)
+        out = packed(ids, mask, types)
+    real = mask.bool()
+    for a, b in zip(ref, out):
+        assert (a - b)[real].abs().max() < 1e-4, family

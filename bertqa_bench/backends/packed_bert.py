@@ -1,6 +1,7 @@
 """A padding-free BERT encoder: real tokens only, variable-length attention.
 
-``PackedEncoder`` replaces a task model's ``bert`` (a transformers BertModel) and computes it on
+``PackedEncoder`` replaces a task model's encoder (BertModel, or the same layout in RoBERTa,
+ELECTRA; DistilBERT's blocks by their own names; ``PACKED_FAMILIES``) and computes it on
 the batch's real tokens packed into one [T, hidden] matrix: embeddings, every projection and
 FFN GEMM, LayerNorm and GELU see T = sum of real lengths rows instead of batch x seq_len, and
 attention runs per sequence through a variable-length kernel given the cumulative sequence
@@ -32,6 +33,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from ..checkpoint import OFFSET_POSITION_FAMILIES, PACKED_FAMILIES
+
 
 def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
@@ -56,6 +59,13 @@ class PackedEncoder(nn.Module):
         self.scale = self.head_dim ** -0.5
         self._kernel = _varlen_kernel() if use_kernel else None
         self.config = cfg
+        self.family = getattr(cfg, "model_type", "bert")
+        # RoBERTa-style embeddings number positions after the padding index (right padding:
+        # the real token t sits at padding_idx + 1 + t)
+        pad_idx = getattr(bert.embeddings, "padding_idx", None)
+        self.position_offset = pad_idx + 1 if self.family in OFFSET_POSITION_FAMILIES and pad_idx is not None else 0
+        # ELECTRA's embeddings may be narrower than the encoder, projected up before it
+        self.project = getattr(bert, "embeddings_project", None)
         self.buckets: Optional["TokenBuckets"] = None  # set by TokenBuckets.attach
 
     @property
@@ -81,16 +91,24 @@ class PackedEncoder(nn.Module):
         lengths = mask.sum(dim=1, dtype=torch.int32)
         cu = torch.nn.functional.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0))
         flat = mask.reshape(-1).nonzero().squeeze(1)  # real token positions in the [b*s] grid
-        positions = torch.arange(s, device=input_ids.device).expand(b, s).reshape(-1)[flat]
+        positions = torch.arange(s, device=input_ids.device).expand(b, s).reshape(-1)[flat] + self.position_offset
+        if token_type_ids is None:  # DistilBERT's forward has none
+            token_type_ids = torch.zeros_like(input_ids)
         return (input_ids.reshape(-1)[flat], positions, token_type_ids.reshape(-1)[flat], cu, flat,
                 int(lengths.max()))
 
     def encode(self, ids, positions, types, cu, max_len: int):
         """The static-shape part: [T] token ids, positions, types and the cumulative lengths of the
         sequences they form -> [T, hidden]. Rows interact only inside attention's sequences."""
+        if self.family == "distilbert":
+            return self._encode_distilbert(ids, positions, cu, max_len)
         emb = self.bert.embeddings
-        x = emb.word_embeddings(ids) + emb.position_embeddings(positions) + emb.token_type_embeddings(types)
+        x = emb.word_embeddings(ids) + emb.position_embeddings(positions)
+        if getattr(emb, "token_type_embeddings", None) is not None:
+            x = x + emb.token_type_embeddings(types)
         x = emb.LayerNorm(x)
+        if self.project is not None:
+            x = self.project(x)
         t = x.shape[0]
         for layer in self.bert.encoder.layer:
             att = layer.attention
@@ -106,6 +124,23 @@ class PackedEncoder(nn.Module):
             x = att.output.LayerNorm(att.output.dense(ctx) + x)
             h = layer.intermediate.intermediate_act_fn(layer.intermediate.dense(x))
             x = layer.output.LayerNorm(layer.output.dense(h) + x)
+        return x
+
+    def _encode_distilbert(self, ids, positions, cu, max_len: int):
+        """DistilBERT's blocks (q_lin/k_lin/v_lin/out_lin, sa_layer_norm, ffn, output_layer_norm)
+        on packed tokens: no segment embeddings, post-LayerNorm like BERT."""
+        emb = self.bert.embeddings
+        x = emb.LayerNorm(emb.word_embeddings(ids) + emb.position_embeddings(positions))
+        t = x.shape[0]
+        for block in self.bert.transformer.layer:
+            a = block.attention
+            q = a.q_lin(x).view(t, self.heads, self.head_dim)
+            k = a.k_lin(x).view(t, self.heads, self.head_dim)
+            v = a.v_lin(x).view(t, self.heads, self.head_dim)
+            ctx = self._attention(q, k, v, cu, max_len).reshape(t, -1).to(x.dtype)
+            x = block.sa_layer_norm(a.out_lin(ctx) + x)
+            f = block.ffn
+            x = block.output_layer_norm(f.lin2(f.activation(f.lin1(x))) + x)
         return x
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, **_ignored):
@@ -210,9 +245,20 @@ class TokenBuckets:
         return self
 
 
+def encoder_of(model: nn.Module) -> nn.Module:
+    """A task model's encoder (``model.bert``, ``model.roberta``, ``model.distilbert``, ...)."""
+    prefix = getattr(model, "base_model_prefix", "bert")
+    if not hasattr(model, prefix):
+        raise ValueError(f"{type(model).__name__} has no .{prefix} encoder to pack")
+    return getattr(model, prefix)
+
+
 def pack_model(model: nn.Module, **kw) -> nn.Module:
-    """Swap a task model's ``bert`` for its padding-free version, in place; returns the model."""
-    if not hasattr(model, "bert"):
-        raise ValueError(f"{type(model).__name__} has no .bert encoder to pack")
-    model.bert = PackedEncoder(model.bert, **kw)
+    """Swap a task model's encoder (``bert``, ``roberta``, ...) for its padding-free version, in
+    place; returns the model."""
+    enc = encoder_of(model)
+    family = getattr(enc.config, "model_type", "bert")
+    if family not in PACKED_FAMILIES:
+        raise ValueError(f"the padding-free encoder does not know the {family} family")
+    setattr(model, getattr(model, "base_model_prefix", "bert"), PackedEncoder(enc, **kw))
     return model

@@ -40,9 +40,9 @@ from .torch_fp8 import SCALINGS, parse_gemms
 
 DTYPES = ("fp32", "fp16", "bf16")
 # Families whose encoder is BertModel's layout (tests/test_checkpoint.py checks the FP8/INT8
-# target Linears are found in each); the packed encoder is written against BertModel itself.
+# target Linears are found in each).
 QUANT_FAMILIES = ("bert", "roberta", "xlm-roberta", "camembert", "electra")
-PACKED_FAMILIES = ("bert",)
+from ..checkpoint import PACKED_FAMILIES  # noqa: E402 - the families the padding-free encoder computes
 COMPILE_MODES = ("none", "default", "max-autotune", "max-autotune-no-cudagraphs")
 CUDA_GRAPHS = ("none", "trees", "manual")
 SDPA_BACKENDS = ("cudnn", "efficient", "flash", "math")
@@ -215,8 +215,8 @@ class TorchBackend(Backend):
     def family_reason(cls, options, family: str) -> Optional[str]:
         o: TorchOptions = options
         if o.packed and family not in PACKED_FAMILIES:
-            return (f"the padding-free encoder (packed_bert.py) rewrites BertModel only; a {family} model "
-                    "is not packed here")
+            return (f"the padding-free encoder (packed_bert.py) computes {', '.join(PACKED_FAMILIES)}; a {family} "
+                    "model is not packed here")
         if (o.fp8 is not None or o.int8 is not None) and family not in QUANT_FAMILIES:
             kind = "FP8" if o.fp8 is not None else "INT8"
             return (f"{kind} GEMMs are swapped into BERT-layout encoder Linears (encoder.layer.N.attention.self.query, "
@@ -319,7 +319,9 @@ class TorchBackend(Backend):
         from .packed_bert import TokenBuckets
 
         o: TorchOptions = self.options
-        enc = self.module.model.bert
+        from .packed_bert import encoder_of
+
+        enc = encoder_of(self.module.model)
         encode = enc.encode
         if o.compile != "none":
             encode = torch.compile(enc.encode, mode=o.inductor_mode(), dynamic=True, fullgraph=o.fullgraph,
@@ -354,7 +356,9 @@ class TorchBackend(Backend):
             from .packed_bert import pack_model
 
             pack_model(module.model)
-            info.update(packed=True, attention_kernel=module.model.bert.kernel_name)
+            from .packed_bert import encoder_of
+
+            info.update(packed=True, attention_kernel=encoder_of(module.model).kernel_name)
         return module, info
 
     @staticmethod
