@@ -77,7 +77,7 @@ class Checkpoint:
     name: str  # as the user gave it (hub name or folder)
     path: Path  # the local folder (a hub snapshot lives in the hub cache)
     model_type: str
-    digest: str  # "sha256:<16 hex>" over config, weights and tokenizer files
+    digest: str  # model_digest: 20 hex of the sha256 over config, weight and tokenizer files
     weights: str  # "safetensors" | "pickle"
     architectures: list = field(default_factory=list)
     files: list = field(default_factory=list)  # the files the digest covers
@@ -129,20 +129,20 @@ def _safetensors_keys(path: Path) -> list[str]:
     return [k for k in header if k != "__metadata__"]
 
 
-def file_sha256(path: Path) -> str:
+def model_digest(model_dir: str | Path) -> str:
+    """The model the rows are measured on: its config, weights and tokenizer files (every .json
+    but train_metrics.json, .safetensors, .bin, .txt, .model), by content: a copy elsewhere has
+    the same digest, a retrained or replaced model another. One digest for a run's identity
+    (results, run.json, MLflow) and its resume check (bench.py)."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-    return h.hexdigest()
-
-
-def digest_files(folder: Path, names: list[str]) -> str:
-    h = hashlib.sha256()
-    for n in sorted(names):
-        h.update(n.encode())
-        h.update(file_sha256(folder / n).encode())
-    return "sha256:" + h.hexdigest()[:16]
+    d = Path(model_dir)
+    for f in sorted(d.iterdir()) if d.is_dir() else []:
+        if f.is_file() and (f.suffix in (".json", ".safetensors", ".bin", ".txt", ".model")) and f.name != "train_metrics.json":
+            h.update(f.name.encode())
+            with open(f, "rb") as fh:
+                while block := fh.read(1 << 22):
+                    h.update(block)
+    return h.hexdigest()[:20]
 
 
 def inspect_folder(name: str, folder: Path, *, allow_pickle: bool = False) -> Checkpoint:
@@ -202,7 +202,7 @@ def inspect_folder(name: str, folder: Path, *, allow_pickle: bool = False) -> Ch
     if not any(f in _TOKENIZER_VOCABS for f in tok_files):
         raise CheckpointError(name, f"{folder} has no tokenizer (none of {', '.join(_TOKENIZER_VOCABS)}); save it "
                                     "beside the model with tokenizer.save_pretrained(folder)")
-    digest = digest_files(folder, [CONFIG_FILE] + weight_files + tok_files)
+    digest = model_digest(folder)
     return Checkpoint(name=name, path=folder, model_type=model_type, digest=digest, weights=weights,
                       architectures=architectures, files=[CONFIG_FILE] + weight_files + tok_files)
 

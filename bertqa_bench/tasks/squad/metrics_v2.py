@@ -119,6 +119,16 @@ def squad_v2_evaluate(examples, predictions: Mapping[str, str], na_probs: Option
     return out
 
 
+def question_scores_v2(examples, predictions: Mapping[str, str]):
+    """[questions, 2] per-question (exact, F1) in 0-1, in ``examples`` order: the terms whose
+    means are ``squad_v2_evaluate``'s exact_match and f1 (parity's paired bootstrap resamples
+    them). A missing prediction scores 0."""
+    import numpy as np
+
+    exact, f1, _ = raw_scores(((ex.id, [a.text for a in ex.answers]) for ex in examples), predictions)
+    return np.array([[exact.get(ex.id, 0.0), f1.get(ex.id, 0.0)] for ex in examples], dtype=np.float64).reshape(-1, 2)
+
+
 def _read_na_probs(path: Path) -> dict:
     from .reader import read_json
 

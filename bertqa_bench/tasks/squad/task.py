@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
+
 from ...config import DataConfig, SuiteConfig, resolve_path
 from ...errors import ConfigError
 from ..base import Task
@@ -119,6 +121,20 @@ class SquadTask(Task):
         # v2.0: the no-answer scores beside the predictions, for `bertqa-bench score --na-prob-file`
         na = getattr(predictions, "na_scores", None)
         return {"na_prob": na} if na is not None else {}
+
+    def question_scores(self, examples, predictions, cfg):
+        from .metrics import question_scores
+
+        if self.is_v2(examples, cfg):
+            # the v2.0 evaluator's per-question exact/F1 (no-answer rules): their means are score()'s
+            from .metrics_v2 import question_scores_v2
+
+            return question_scores_v2(examples, predictions)
+        return question_scores(examples, predictions)
+
+    def metrics_from_sums(self, sums, n):
+        sums = np.asarray(sums, dtype=np.float64)  # columns: exact match, F1 (0-1 per question)
+        return {"exact_match": 100.0 * sums[..., 0] / n, "f1": 100.0 * sums[..., 1] / n}
 
     def agreement(self, predictions, reference):
         # Identical answer text; on v2.0 "" is the no-answer, so a flip to or from no answer is a
