@@ -325,3 +325,17 @@ def test_packed_encoder_matches_the_padded_model(family, family_checkpoints):
     real = mask.bool()
     for a, b in zip(ref, out):
         assert (a - b)[real].abs().max() < 1e-4, family
+
+
+def test_resume_a_checkpoint_run_checks_the_checkpoints_own_files(family_checkpoints, corpus_dir, tmp_path):
+    """--resume of a `bench --model` run finds the model in the checkpoint's folder (not models/),
+    and refuses when that folder's files changed since."""
+    suite = _suite(tmp_path, corpus_dir, ["eager-fp32"])
+    folder = _copy(family_checkpoints["electra"], tmp_path / "mine")
+    assert _run(suite, folder) == 0
+    run = sorted((tmp_path / "results").glob("*-ckpt"))[-1]
+    assert main(["bench", "--resume", str(run), "--no-progress", "--no-mlflow"]) == 0
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["layer_norm_eps"] = 1e-7  # the checkpoint replaced in place
+    (folder / "config.json").write_text(json.dumps(cfg))
+    assert main(["bench", "--resume", str(run), "--no-progress", "--no-mlflow"]) == 2
