@@ -17,11 +17,11 @@ from typing import Callable, Optional
 import numpy as np
 
 from .backends.variants import Variant, VariantTable
+from .checkpoint import model_digest
 from .config import SuiteConfig
 from .errors import ConfigError
 from .envinfo import cuda_visible_devices, device_name, environment
 from .evalset import EvalSet, load_evalset
-from .checkpoint import model_digest
 from .io import atomic_write_json
 from .launcher import launch
 from .parity import Verdict, compare, determinism, tolerance_for, verdict

@@ -443,4 +443,7 @@ def ensure_model(cfg: SuiteConfig, log: Callable[[str], None] = print, tracker=N
     else:
         note = "fine-tuned by bertqa-bench train; dev " + ", ".join(
             f"{m}={metrics[f'dev_{m}']:.2f}" for m in task.metric_names if f"dev_{m}" in metrics)
-    return ModelInfo(model_dir, count_parameters(model_dir), metrics, primary, cfg.model.timing_only, note)
+    from .checkpoint import model_digest, model_family
+
+    return ModelInfo(model_dir, count_parameters(model_dir), metrics, primary, cfg.model.timing_only, note,
+                     digest=model_digest(model_dir), family=model_family(model_dir))
