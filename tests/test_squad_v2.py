@@ -267,3 +267,32 @@ def test_bench_on_v2_set_writes_na_probs_and_scores_officially(tmp_path, capsys)
     row = next(r for r in csv.DictReader((run / "results.csv").open()) if r["backend"] == "eager-fp32")
     for k in ("best_f1", "best_exact_thresh", "NoAns_exact", "HasAns_f1"):
         assert float(row[k]) == pytest.approx(official[k], rel=1e-5, abs=1e-6), k  # csv keeps 6 digits
+
+
+def test_bench_model_with_a_v2_dev_file(tmp_path):
+    """`bench --model FOLDER --dev-file dev-v2.0.json`: the user's path on their own v2.0 file."""
+    import yaml
+
+    from bertqa_bench.families import build_checkpoint
+    from bertqa_bench.results import RunBundle
+
+    dev = tmp_path / "dev-v2.0.json"
+    dev.write_text(json.dumps(_v2([_qa("a", ["Mara Venn"], False, question="Who founded the Hollin Company?"),
+                                   _qa("b", (), True, ["1874"], question="When was the Ostrava Guild founded?"),
+                                   _qa("c", ["Ostrava"], False, question="Where was it founded?")])))
+    folder = build_checkpoint("distilbert", tmp_path / "d", head_scale=30.0)
+    raw = {"name": "mine", "data": {"max_seq_len": 48, "doc_stride": 16, "max_query_len": 16},
+           "bench": {"backends": ["eager-fp32"], "batch_size": 4, "warmup_batches": 1, "min_passes": 1,
+                     "min_duration_s": 0, "isolation": "inprocess"},
+           "models_dir": str(tmp_path / "models"), "results_dir": str(tmp_path / "results"),
+           "cache_dir": str(tmp_path / "cache")}
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(raw))
+    assert main(["bench", "--suite", str(tmp_path / "s.yaml"), "--model", str(folder), "--dev-file", str(dev),
+                 "--no-mlflow", "--no-progress"]) == 0
+    run = sorted((tmp_path / "results").glob("*-mine"))[-1]
+    ref = RunBundle.load(run).results[0]
+    assert ref.ok and ref.n_questions == 3 and ref.model_family == "distilbert"
+    preds = json.loads((run / "predictions" / "eager-fp32.json").read_text())
+    na = json.loads((run / "predictions" / "eager-fp32.na_prob.json").read_text())
+    assert set(preds) == set(na) == {"a", "b", "c"}
+    assert ref.scores["f1"] == pytest.approx(official_evaluate_v2(json.loads(dev.read_text())["data"], preds)["f1"])
