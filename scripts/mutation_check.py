@@ -63,7 +63,7 @@ MUTANTS = [
     M("squad-score-file-first-gold", "bertqa_bench/tasks/squad/metrics.py",
       "    result: dict = _aggregate(((qid, golds) for qid, golds, _ in ds.questions), predictions,",
       "    result: dict = _aggregate(((qid, golds[:1]) for qid, golds, _ in ds.questions), predictions,",
-      ("tests/test_fuzz.py", "-k", "strict_reader or official_script"),
+      ("tests/test_metrics.py", "tests/test_fuzz.py", "-k", "official or strict_reader"),
       "`bertqa-bench score` scores against the first gold answer only"),
     # --- NQ: the task's options reach its metric (tests/official_nq.py is the reference)
     M("nq-task-ignores-thresholds", "bertqa_bench/tasks/nq/task.py",

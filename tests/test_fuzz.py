@@ -303,11 +303,30 @@ def _score_quietly(dataset_path, predictions_path):
     return score_files(dataset_path, predictions_path, warn=lines.append), lines
 
 
+def _gold_texts(doc) -> dict:
+    return {qa["id"]: [a["text"] for a in qa["answers"]] for a in doc["data"] for p in a["paragraphs"]
+            for qa in p["qas"]}
+
+
 @st.composite
 def predictions_for(draw, doc):
+    """Predictions for some of ``doc``'s questions: random text, or one of the question's gold
+    answers (any of them, so "best over the golds" matters), as is or re-cased and punctuated
+    (so normalization matters); random text alone almost never scores above 0."""
     ids = _squad_ids(doc) if isinstance(doc, dict) and isinstance(doc.get("data"), list) else []
     chosen = draw(st.lists(st.sampled_from(ids), unique=True)) if ids else []
-    preds = {qid: draw(TEXT) for qid in chosen}
+    golds = _gold_texts(doc) if ids else {}
+
+    def prediction(qid):
+        kind = draw(st.sampled_from(["text", "gold", "gold", "variant"]), label="prediction kind")
+        if kind == "text" or not golds.get(qid):
+            return draw(TEXT)
+        gold = draw(st.sampled_from(golds[qid]), label="gold answer")
+        if kind == "gold":
+            return gold
+        return draw(st.sampled_from(["The ", "a ", "", " "])) + gold.upper() + draw(st.sampled_from([".", "!", "", " x"]))
+
+    preds = {qid: prediction(qid) for qid in chosen}
     preds.update(draw(st.dictionaries(st.text(max_size=5), TEXT, max_size=2)))
     return preds
 
