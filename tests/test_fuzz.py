@@ -324,7 +324,8 @@ def predictions_for(draw, doc):
         gold = draw(st.sampled_from(golds[qid]), label="gold answer")
         if kind == "gold":
             return gold
-        return draw(st.sampled_from(["The ", "a ", "", " "])) + gold.upper() + draw(st.sampled_from([".", "!", "", " x"]))
+        prefix, suffix = draw(st.sampled_from(["The ", "a ", "", " "])), draw(st.sampled_from([".", "!", "", " x"]))
+        return prefix + gold.upper() + suffix
 
     preds = {qid: prediction(qid) for qid in chosen}
     preds.update(draw(st.dictionaries(st.text(max_size=5), TEXT, max_size=2)))
