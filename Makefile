@@ -61,7 +61,7 @@ test: install
 	$(BIN)/python -m pytest -q -ra tests
 
 # Plants known bugs (scorer, parity rule and gate, scatter, cache key, task/variant wiring) one at a
-# time in a scratch copy and checks the tests catch each; not part of CI (~10 min on 2 cores).
+# time in a scratch copy and checks the tests catch each; not part of CI (~15 min on 2 cores).
 # ARGS='-k cache' runs some of them, ARGS=--list lists them.
 mutation-check: install
 	$(BIN)/python scripts/mutation_check.py $(ARGS)

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """``make mutation-check``: plant known bugs in a scratch copy of the repository and check that the
-tests catch each one (not part of CI: it reruns test files once per bug, ~10 minutes on 2 cores).
+tests catch each one (not part of CI: it reruns test files once per bug, ~15 minutes on 2 cores).
 
 Every mutant is one exact text substitution in one source file, with the few test files that
 should catch it. The substitution must apply exactly once: when a refactor removes or changes the
