@@ -210,8 +210,11 @@ class BenchConfig:
             raise ConfigError("bench.seq_multiple must be >= 1")
         self.min_duration_s = _number(self.min_duration_s, "bench.min_duration_s")
         self.timeout_s = _number(self.timeout_s, "bench.timeout_s")
-        if self.timeout_s <= 0:
-            raise ConfigError("bench.timeout_s must be positive")
+        # `not >`: YAML's .nan passes every `<=` check, and a NaN limit never kills a hung child
+        if not 0 < self.timeout_s < float("inf"):
+            raise ConfigError(f"bench.timeout_s must be a positive number of seconds, not {self.timeout_s}")
+        if not 0 <= self.min_duration_s < float("inf"):
+            raise ConfigError(f"bench.min_duration_s must be a number of seconds >= 0, not {self.min_duration_s}")
 
 
 @dataclass
@@ -239,6 +242,10 @@ class VariantConfig:
     devices: Optional[int] = None
 
     def __post_init__(self):
+        if self.timeout_s is not None:
+            self.timeout_s = _number(self.timeout_s, "variant timeout_s")
+            if not 0 < self.timeout_s < float("inf"):
+                raise ConfigError(f"variant timeout_s must be a positive number of seconds, not {self.timeout_s}")
         if self.devices is not None and self.devices < 1:
             raise ConfigError("variant devices must be >= 1")
         if self.batching is not None and self.batching not in BATCHINGS:
