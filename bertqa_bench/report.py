@@ -101,8 +101,13 @@ def header_lines(meta: RunMeta, env: dict) -> list[str]:
 
 def summary_markdown(bundle: RunBundle) -> str:
     meta, results = bundle.meta, bundle.results
-    lines = [f"# {meta.suite} — {meta.run_id}", "", *header_lines(meta, bundle.env()), "",
-             markdown_table(results, meta), ""]
+    if any(r.scenario for r in results):  # a `bertqa-bench loadgen` bundle: its scenario table
+        from .loadgen import loadgen_table
+
+        table = loadgen_table(results, meta)
+    else:
+        table = markdown_table(results, meta)
+    lines = [f"# {meta.suite} — {meta.run_id}", "", *header_lines(meta, bundle.env()), "", table, ""]
     notes = [r for r in results if not r.ok]
     if notes:
         lines.append("Backends not run or failed:")
@@ -150,7 +155,8 @@ def plot(results: list[BackendResult], meta: RunMeta, path: Path) -> Optional[Pa
 def write_report(bundle: RunBundle) -> str:
     md = summary_markdown(bundle)
     atomic_write_text(bundle.dir / "summary.md", md)
-    plot(bundle.results, bundle.meta, bundle.dir / "comparison.png")
+    if not any(r.scenario for r in bundle.results):  # LoadGen rows have no full-pass throughput to plot
+        plot(bundle.results, bundle.meta, bundle.dir / "comparison.png")
     return md
 
 

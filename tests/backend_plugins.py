@@ -4,6 +4,7 @@ suite, or through a test-made entry point)."""
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 import signal
 import time
 
@@ -51,3 +52,28 @@ class Hang(_Wrapping):
     def predict(self, batch):
         while True:
             time.sleep(1)
+
+
+@dataclass
+class UnderLoadOptions:
+    how: str = "raise"  # raise | segfault | hang
+
+
+class FailsUnderLoad(_Wrapping):
+    """Healthy through prepare, warm-up and the bench passes (the main thread), then fails as
+    soon as LoadGen drives it (its issue thread or the SUT's batcher thread): an exception, a
+    segfault or a hang in the middle of a LoadGen run."""
+
+    Options = UnderLoadOptions
+
+    def predict(self, batch):
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            if self.options.how == "segfault":
+                os.kill(os.getpid(), signal.SIGSEGV)
+            if self.options.how == "hang":
+                while True:
+                    time.sleep(1)
+            raise RuntimeError("kaboom under load")
+        return self.inner.predict(batch)

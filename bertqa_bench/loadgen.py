@@ -1,0 +1,446 @@
+"""``bertqa-bench loadgen``: MLPerf LoadGen scenarios, beside ``bench``'s full-dataset throughput.
+
+``bench`` answers MLPerf's Offline question (how long for the whole dataset?). LoadGen answers
+the other two a deployment asks, with MLPerf's own load generator owning the clock:
+
+* **SingleStream** — one query at a time, the next when the last has answered: the latency of
+  one question (the 90th percentile is the result);
+* **Server** — queries arriving as a Poisson process at a target rate: is the 99th-percentile
+  latency within the bound (130 ms for BERT in MLPerf) — LoadGen's VALID / INVALID — and, with
+  ``--find-peak-qps``, the highest target rate LoadGen calls VALID;
+* **Offline** — every sample in one query: throughput, cross-checked with ``bench``'s.
+
+The evaluation set is LoadGen's query sample library: one sample is one feature (a window of a
+question and its context, as in MLPerf's BERT), so QPS here means features per second. Each
+variant is the system under test in its own worker process (``loadgen_sut.py``), started by
+``launcher.launch`` exactly as ``bench`` starts its workers: the same prepare and warm-up, the
+same crash/hang isolation and time limit. LoadGen's accuracy run goes back through the same
+postprocessor, scorer and parity check as ``bench`` (against the reference variant's own
+accuracy run in the same scenario), and a row without a complete accuracy run is failed, never
+reported as passing. One ``BackendResult`` per variant, with the scenario fields filled; LoadGen's
+``mlperf_log_summary.txt`` and ``mlperf_log_detail.txt`` stay in ``loadgen/<variant>/`` of the
+run bundle.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+
+from .config import SCENARIOS, LoadGenConfig, SuiteConfig
+from .errors import ConfigError
+
+NS_PER_MS = 1e6
+PERCENTILES = {"p50": "50.00", "p90": "90.00", "p99": "99.00", "p999": "99.90"}
+
+
+# --- LoadGen's settings and logs (shared with the worker side) ------------------------------
+def test_settings(lg, cfg: LoadGenConfig, scenario: str, mode: str, target_qps: float, *,
+                  offline_expected_qps: float, single_stream_expected_latency_ns: float):
+    """LoadGen's TestSettings for one run, from the suite's ``loadgen:`` section."""
+    if scenario not in SCENARIOS:
+        raise ConfigError(f"scenario '{scenario}' is not one of {', '.join(SCENARIOS)}")
+    s = lg.TestSettings()
+    s.scenario = getattr(lg.TestScenario, scenario)
+    s.mode = lg.TestMode.AccuracyOnly if mode == "accuracy" else lg.TestMode.PerformanceOnly
+    s.min_duration_ms = int(cfg.min_duration_ms)
+    s.max_duration_ms = int(cfg.max_duration_ms)
+    s.min_query_count = int(cfg.min_query_count)
+    s.max_query_count = int(cfg.max_query_count)
+    s.qsl_rng_seed = s.sample_index_rng_seed = s.schedule_rng_seed = int(cfg.seed)
+    s.single_stream_expected_latency_ns = max(1, int(single_stream_expected_latency_ns))
+    s.single_stream_target_latency_percentile = float(cfg.single_stream_target_latency_percentile)
+    s.server_target_qps = float(target_qps)
+    s.server_target_latency_ns = int(cfg.server_target_latency_ns)
+    s.server_target_latency_percentile = float(cfg.server_target_latency_percentile)
+    s.offline_expected_qps = float(offline_expected_qps)
+    return s
+
+
+def parse_detail(path: Path) -> dict:
+    """``mlperf_log_detail.txt``'s ``:::MLLOG {json}`` lines as {key: value} (the last of each)."""
+    out: dict = {}
+    for line in Path(path).read_text(errors="replace").splitlines():
+        if line.startswith(":::MLLOG "):
+            try:
+                rec = json.loads(line[len(":::MLLOG "):])
+            except json.JSONDecodeError:
+                continue
+            out[rec.get("key")] = rec.get("value")
+    return out
+
+
+def read_result(out_dir: Path) -> dict:
+    """LoadGen's verdict and numbers of one run, from its detail log."""
+    d = parse_detail(Path(out_dir) / "mlperf_log_detail.txt")
+    scenario = d.get("effective_scenario", "")
+    res: dict = {"scenario": scenario, "mode": d.get("effective_test_mode", ""),
+                 "validity": d.get("result_validity", ""), "query_count": d.get("result_query_count"),
+                 "min_duration_ms": d.get("effective_min_duration_ms"),
+                 "min_query_count": d.get("effective_min_query_count"),
+                 "target_latency_ms": (d["effective_target_latency_ns"] / NS_PER_MS
+                                       if d.get("effective_target_latency_ns") else None),
+                 "n_errors": d.get("num_errors", 0)}
+    for name, p in PERCENTILES.items():
+        v = d.get(f"result_{p}_percentile_latency_ns")
+        res[f"{name}_ms"] = v / NS_PER_MS if v is not None else None
+    res["mean_ms"] = d["result_mean_latency_ns"] / NS_PER_MS if "result_mean_latency_ns" in d else None
+    res["achieved_qps"] = (d.get("result_completed_samples_per_sec") if scenario == "Server"
+                           else d.get("result_samples_per_second") if scenario == "Offline"
+                           else d.get("result_qps_without_loadgen_overhead"))
+    res["scheduled_qps"] = d.get("result_scheduled_samples_per_sec")
+    why = []
+    if d.get("result_perf_constraints_met") is False:
+        pct = d.get("effective_target_latency_percentile", 0.99) * 100
+        key = f"result_{pct:.2f}_percentile_latency_ns"
+        got = f"{d[key] / NS_PER_MS:.1f} ms" if key in d else "over"
+        why.append(f"latency p{pct:g} {got} > bound {res['target_latency_ms']:g} ms "
+                   f"({d.get('result_overlatency_query_count', '?')} queries over it)")
+    if d.get("result_min_duration_met") is False:
+        why.append(f"min duration {res['min_duration_ms']} ms not met")
+    if d.get("result_min_queries_met") is False:
+        why.append(f"min query count {res['min_query_count']} not met")
+    if d.get("early_stopping_met") is False:
+        why.append("early stopping: " + " ".join(str(d.get("early_stopping_result", "")).split()))
+    if d.get("result_invalid_reason"):
+        why.append(str(d["result_invalid_reason"]).strip())
+    if res["n_errors"]:
+        why.append(f"{res['n_errors']} LoadGen errors (see mlperf_log_detail.txt)")
+    res["why"] = "; ".join(w for w in why if w)
+    return res
+
+
+def find_peak(run_at: Callable[[float], dict], start_qps: float, precision: float,
+              max_runs: int) -> tuple[Optional[tuple[float, dict]], list]:
+    """The highest target QPS whose LoadGen run is VALID: from ``start_qps``, double while VALID
+    (halve while INVALID) until both a VALID and an INVALID target are known, then bisect until
+    they are within ``precision`` of each other (or ``max_runs`` runs). Returns (the best VALID
+    (qps, result) or None, every (qps, result) in the order run)."""
+    runs: list = []
+    lo: Optional[tuple] = None
+    hi: Optional[float] = None
+    q = float(start_qps)
+    while len(runs) < max_runs:
+        r = run_at(q)
+        runs.append((q, r))
+        if r.get("validity") == "VALID":
+            if lo is None or q > lo[0]:
+                lo = (q, r)
+        elif hi is None or q < hi:
+            hi = q
+        if hi is None:
+            q *= 2.0
+        elif lo is None:
+            q /= 2.0
+        elif (hi - lo[0]) <= precision * lo[0]:
+            break
+        else:
+            q = (lo[0] + hi) / 2.0
+    return lo, runs
+
+
+def decode_accuracy_log(path: Path, layout: list, lengths: np.ndarray, max_seq_len: int) -> tuple[dict, np.ndarray]:
+    """LoadGen's accuracy log back to dataset-order outputs (PAD_LOGIT where nothing came back),
+    and how many times each feature was answered. ``layout`` is the SUT's response layout:
+    [[name, "token" | number of values], ...] (loadgen_sut.Codec)."""
+    from .schedule import PAD_LOGIT
+
+    n = len(lengths)
+    out: dict = {}
+    for name, kind in layout:
+        shape = (n, max_seq_len) if kind == "token" else (n, int(kind))
+        out[name] = np.full(shape, PAD_LOGIT, dtype=np.float32)
+    seen = np.zeros(n, dtype=np.int64)
+    for entry in json.loads(Path(path).read_text()):
+        i = int(entry["qsl_idx"])
+        values = np.frombuffer(bytes.fromhex(entry["data"]), dtype=np.float32)
+        length = int(lengths[i])
+        want = sum(length if kind == "token" else int(kind) for _, kind in layout)
+        if values.size != want:
+            raise ValueError(f"accuracy log entry for sample {i}: {values.size} values, expected {want}")
+        at = 0
+        for name, kind in layout:
+            k = length if kind == "token" else int(kind)
+            if kind == "token":
+                out[name][i, :k] = values[at:at + k]
+            else:
+                out[name][i] = values[at:at + k]
+            at += k
+        seen[i] += 1
+    # Per-feature heads saved flat come back to their own shape by the task when it needs one;
+    # every head the tasks have today is one vector per feature.
+    return out, seen
+
+
+# --- the parent side: one row per variant ---------------------------------------------------
+def _job(cfg: SuiteConfig, task, variant, model, evalset, bundle, scenario: str, find_peak_qps: bool):
+    from .bench import make_job, plan_key
+
+    b = cfg.bench
+    batching, batch_size = plan_key(cfg, variant)
+    tokens = b.tokens_per_batch * batch_size // b.batch_size if b.tokens_per_batch else None
+    job = make_job(cfg, task, variant, model, evalset, bundle)
+    spec = {"scenario": scenario, "settings": dataclasses.asdict(cfg.loadgen), "find_peak": bool(find_peak_qps),
+            "out_dir": str(bundle.path("loadgen", variant.name)), "batch_size": batch_size,
+            "seq_multiple": b.seq_multiple, "tokens_per_batch": tokens, "max_batch_rows": b.max_batch_rows}
+    return dataclasses.replace(job, kind="loadgen", loadgen=spec)
+
+
+def _keep_logs(bundle, name: str, rec: dict) -> list[Path]:
+    """The summary and detail logs of the accuracy run and of the reported performance run, in
+    ``loadgen/<variant>/{accuracy,performance}/``; the traces and empty performance-mode
+    accuracy logs go."""
+    root = bundle.path("loadgen", name)
+    perf = root / "performance"
+    chosen = Path(rec.get("performance", {}).get("log_dir") or perf)
+    if chosen != perf and chosen.exists():  # the peak search's reported run
+        perf.mkdir(parents=True, exist_ok=True)
+        for f in ("mlperf_log_summary.txt", "mlperf_log_detail.txt"):
+            if (chosen / f).exists():
+                shutil.copyfile(chosen / f, perf / f)
+    for f in root.rglob("mlperf_log_trace.json"):
+        f.unlink()
+    for f in root.rglob("mlperf_log_accuracy.json"):
+        if f.parent.name != "accuracy":
+            f.unlink()
+    return [p for p in (perf / "mlperf_log_summary.txt", perf / "mlperf_log_detail.txt",
+                        root / "accuracy" / "mlperf_log_summary.txt") if p.exists()]
+
+
+def _fill_scenario(r, rec: dict, scenario: str) -> None:
+    perf = rec["performance"]
+    r.scenario = scenario
+    r.loadgen_result = perf.get("validity") or "?"
+    r.loadgen_invalid_reason = perf.get("why", "")
+    r.target_qps = perf.get("target_qps")
+    r.achieved_qps = perf.get("achieved_qps")
+    r.sample_latency_p50_ms = perf.get("p50_ms")
+    r.sample_latency_p90_ms = perf.get("p90_ms")
+    r.sample_latency_p99_ms = perf.get("p99_ms")
+    r.sample_latency_p999_ms = perf.get("p999_ms")
+    r.sample_latency_mean_ms = perf.get("mean_ms")
+    r.target_latency_ms = perf.get("target_latency_ms") if scenario == "Server" else None
+    r.loadgen_min_duration_ms = perf.get("min_duration_ms")
+    r.loadgen_min_query_count = perf.get("min_query_count")
+    r.loadgen_query_count = perf.get("query_count")
+    runs = rec.get("peak_runs")
+    if runs:
+        r.peak_search = ", ".join(f"{x['target_qps']:.4g}:{'V' if x['validity'] == 'VALID' else 'I'}" for x in runs)
+    sut = rec.get("sut") or {}
+    if sut:
+        r.sut_batcher = (f"{sut['grouping']}, max batch {sut['max_batch']}, max wait {sut['max_wait_us']} µs, "
+                         f"mean batch {sut['mean_batch_rows']:.1f}" if scenario == "Server" else
+                         (f"batch of one at its own length, in {sut['shapes']} length buckets" if sut["length_aware"]
+                          else "batch of one, padded to max_seq_len") if scenario == "SingleStream" else
+                         "the bench plan over LoadGen's query")
+    bench = rec.get("bench")
+    if bench:
+        r.bench_features_per_s = bench["features_per_s"]
+        if r.achieved_qps:
+            r.qps_vs_bench_pct = r.achieved_qps / bench["features_per_s"] * 100.0
+    r.prepare_s = rec.get("prepare_s")
+    r.prepare_info = dict(rec.get("prepare_info") or {})
+    for k, v in (rec.get("measures") or {}).items():
+        if hasattr(r, k):
+            setattr(r, k, v)
+
+
+def headline(r) -> Optional[float]:
+    """The scenario's result, higher is better: 1/p90 for SingleStream, achieved QPS otherwise."""
+    if r.scenario == "SingleStream":
+        return 1.0 / r.sample_latency_p90_ms if r.sample_latency_p90_ms else None
+    return r.achieved_qps
+
+
+def run_loadgen(cfg: SuiteConfig, scenario: str, *, backends: Optional[list[str]] = None,
+                find_peak_qps: bool = False, run_id: Optional[str] = None, tracker=None, progress: bool = True,
+                command: str = "", log: Callable[[str], None] = print):
+    """Every variant (reference first) as LoadGen's SUT in ``scenario``; one BackendResult each."""
+    from .backends.variants import VariantTable
+    from .bench import BenchOutcome, Reference, identity, plan_for, plan_key, plan_path
+    from .envinfo import device_name, environment
+    from .evalset import load_evalset
+    from .launcher import launch
+    from .parity import compare, tolerance_for, verdict
+    from .results import RunBundle, RunMeta, new_run_id
+    from .schedule import mask_padding
+    from .tasks import get_task
+    from .tracking import Tracker
+    from .train import ensure_model
+    from .worker import format_error, load_outputs
+
+    if scenario not in SCENARIOS:
+        raise ConfigError(f"scenario '{scenario}' is not one of {', '.join(SCENARIOS)}")
+    if find_peak_qps and scenario != "Server":
+        raise ConfigError("--find-peak-qps searches a Server target; it does not apply to " + scenario)
+    try:
+        import mlperf_loadgen  # noqa: F401
+    except ImportError:
+        raise ConfigError("LoadGen is not installed: pip install mlcommons-loadgen (module mlperf_loadgen)") from None
+    reference = cfg.bench.reference
+    table = VariantTable.for_suite(cfg)
+    names = [reference] + [n for n in (backends or cfg.bench.backends) if n != reference]
+    variants = table.require(names)
+    tracker = tracker or Tracker(cfg.results_root, enabled=False)
+    task = get_task(cfg.task.name)
+    model = ensure_model(cfg, log, tracker)
+    evalset = load_evalset(cfg, task, str(model.dir), log=log)
+    plans = {k: plan_for(cfg, evalset, k) for k in dict.fromkeys(plan_key(cfg, v) for v in variants)}
+    plan = plans[plan_key(cfg, variants[0])]
+    lg = cfg.loadgen
+    env = environment()
+    meta = RunMeta(suite=cfg.name, run_id=run_id or new_run_id(f"{cfg.name}-{scenario.lower()}"), task=task.name,
+                   metric_names=list(task.metric_names), primary_metric=task.primary_metric, reference=reference,
+                   metric_labels=dict(task.metric_labels), command=command,
+                   date=time.strftime("%Y-%m-%d", time.gmtime()), model=cfg.model.name, model_note=model.note,
+                   model_params=model.params, model_dev_metric=model.dev_primary, timing_only=model.timing_only,
+                   batching=plan.batching, batch_size=cfg.bench.batch_size, max_seq_len=evalset.features.seq_len,
+                   n_features=evalset.n_features, n_questions=evalset.n_questions,
+                   device_name=device_name(variants[0].device))
+    meta.notes.append(
+        f"MLPerf LoadGen {scenario}" + (" with the peak search (highest VALID target QPS)" if find_peak_qps else "")
+        + f": the query sample library is the evaluation set, one sample = one feature (as in MLPerf's BERT), "
+          f"{evalset.n_features} samples; QPS counts features. min duration {lg.min_duration_ms} ms, "
+          f"min queries {lg.min_query_count}"
+        + (f"; bound {lg.server_target_latency_ns / NS_PER_MS:g} ms at p{lg.server_target_latency_percentile * 100:g}"
+           if scenario == "Server" else ""))
+    bundle = RunBundle.create(cfg.results_root, meta, cfg.to_dict(), env)
+    for k, p in plans.items():
+        p.save(plan_path(bundle, k))
+    env_tags = {f"env.{k}": v for k, v in env.items()}
+    tracker.start_bench(meta, tags=env_tags | {"results_dir": str(bundle.dir), "scenario": scenario})
+    log(f"loadgen {scenario}: {evalset.n_features} samples (features) of {evalset.n_questions} questions")
+
+    ref: Optional[Reference] = None
+    ref_row = None
+    problems: list[str] = []
+    features = evalset.features
+    lengths = evalset.lengths()
+    for variant in variants:
+        r = identity(cfg, task, variant, model, evalset, plans[plan_key(cfg, variant)])
+        r.scenario = scenario
+        why = variant.backend_class.batching_reason(variant.options, r.batching)
+        if why:
+            r.status, r.error = "not run", why
+            _log_row(log, task, r)
+            bundle.add(r)
+            tracker.log_backend(meta, r, env_tags | {"scenario": scenario})
+            continue
+        log(f"[{variant.name}] prepare, warm-up, bench passes, then LoadGen {scenario} (accuracy, performance) ...")
+        job = _job(cfg, task, variant, model, evalset, bundle, scenario, find_peak_qps)
+        rec = launch(job, timeout_s=variant.timeout_s or cfg.bench.timeout_s,
+                     log_path=bundle.path("logs", f"{variant.name}.log"), echo=progress, isolation=cfg.bench.isolation)
+        r.status, r.error = rec["status"], rec.get("error", "")
+        kept: list[Path] = []
+        pred_path = None
+        if r.ok:
+            try:
+                kept = _keep_logs(bundle, variant.name, rec)
+                _fill_scenario(r, rec, scenario)
+                acc_log = Path(rec["accuracy_log"])
+                lg_out, seen = decode_accuracy_log(acc_log, rec["layout"], lengths, features.seq_len)
+                missing = int((seen == 0).sum())
+                r.accuracy_samples = int((seen > 0).sum())
+                if missing:
+                    raise RuntimeError(f"LoadGen's accuracy log answers {r.accuracy_samples} of {len(seen)} features: "
+                                       "without every answer the row cannot be scored")
+                outputs = mask_padding(lg_out, features.attention_mask, task.token_outputs)
+                t0 = time.perf_counter()
+                predictions = task.postprocess(evalset.examples, features, outputs, cfg)
+                r.postprocess_s = time.perf_counter() - t0
+                r.scores = {k: float(v) for k, v in task.score(evalset.examples, predictions, cfg).items()}
+                r.accuracy_run = f"ok: {r.accuracy_samples} samples"
+                pred_path = bundle.write_predictions(variant.name, predictions)
+                if rec.get("bench"):  # the same process's bench outputs: LoadGen's path changes no answer
+                    bench_out = mask_padding(load_outputs(job.outputs), features.attention_mask, task.token_outputs)
+                    k, n = task.agreement(task.postprocess(evalset.examples, features, bench_out, cfg), predictions)
+                    r.bench_answer_agreement = k / n if n else 1.0
+                if variant.name == reference:
+                    ref, ref_row = Reference(outputs, predictions, r.scores, []), r
+                if ref is not None:
+                    p = compare(parity_class=variant.parity_class,
+                                tolerance=tolerance_for(cfg.parity, variant.name, variant.parity_class),
+                                primary_metric=task.primary_metric, ref_scores=ref.scores, scores=r.scores,
+                                agreement=task.agreement(predictions, ref.predictions), ref_outputs=ref.outputs,
+                                outputs=outputs, attention_mask=features.attention_mask)
+                    r.apply_parity(p, judged=not model.timing_only)
+                    a, b = headline(r), headline(ref_row) if ref_row else None
+                    r.speedup = a / b if a and b else None
+                if r.loadgen_result != "VALID":
+                    problems.append(f"{variant.name}: LoadGen {scenario} {r.loadgen_result}: {r.loadgen_invalid_reason}")
+                if variant.name != reference:
+                    acc_log.unlink(missing_ok=True)  # large; the reference's stays, as bench keeps its logits
+                if not cfg.bench.keep_outputs:
+                    Path(job.outputs).unlink(missing_ok=True)
+            except Exception as e:  # noqa: BLE001 - one row's scoring must not lose the others
+                r.status, r.error = "failed", f"while scoring the LoadGen run: {format_error(e)}"
+        _log_row(log, task, r)
+        bundle.add(r)
+        tracker.log_backend(meta, r, env_tags | {"scenario": scenario, "loadgen_result": r.loadgen_result},
+                            [pred_path, *kept] if pred_path else kept, bundle.path("logs", f"{variant.name}.log"))
+
+    v = verdict(bundle.results, reference, timing_only=model.timing_only, problems=problems)
+    meta.verdict, meta.verdict_reasons = v.status, v.reasons
+    bundle.write_meta()
+    from .report import write_report
+
+    summary = write_report(bundle)
+    tracker.finish_bench(bundle, v)
+    return BenchOutcome(bundle, summary, v, evalset, ref, problems)
+
+
+def _log_row(log, task, r) -> None:
+    if not r.ok:
+        log(f"[{r.backend}] {r.status.upper()}: {r.error}")
+        return
+    scores = "  ".join(f"{k}={r.scores.get(k, float('nan')):.2f}" for k in task.metric_names)
+    lat = "  ".join(f"{k}={getattr(r, f'sample_latency_{k}_ms'):.2f}ms" for k in ("p50", "p90", "p99")
+                    if getattr(r, f"sample_latency_{k}_ms") is not None)
+    log(f"[{r.backend}] {r.scenario} {r.loadgen_result}  {lat}  {r.achieved_qps or 0:,.1f} samples/s"
+        + (f" (target {r.target_qps:,.1f})" if r.target_qps else "")
+        + (f"  bench {r.bench_features_per_s:,.1f} features/s" if r.bench_features_per_s else "")
+        + f"  {scores}  parity={r.parity or '—'}" + (f"  [{r.loadgen_invalid_reason}]" if r.loadgen_invalid_reason else ""))
+
+
+# --- views ----------------------------------------------------------------------------------
+def _f(v, fmt: str) -> str:
+    return "—" if v is None else format(v, fmt)
+
+
+def loadgen_table(results: list, meta) -> str:
+    """The scenario rows of a bundle (summary.md, reference tables)."""
+    metrics = list(meta.metric_names)
+    head = ["Backend", "Precision", "Batching", "Scenario", "LoadGen", "Target QPS", "Achieved QPS",
+            "Latency p50 / p90 / p99 / p99.9 (ms)", "Queries", "Bench features/s (same process)", "QPS / bench",
+            *[meta.metric_labels.get(m, m) for m in metrics], "Answer agreement [95% CI]", "Parity",
+            "Accuracy run", "= bench answers", "Prepare (s)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    for r in results:
+        if not r.ok:
+            cells = [r.backend, r.precision, r.batching, r.scenario or "—", f"{r.status}: {r.error}"]
+            cells += [""] * (len(head) - len(cells))
+            lines.append("| " + " | ".join(str(c).replace("|", "/").replace("\n", " ") for c in cells) + " |")
+            continue
+        lat = " / ".join(_f(getattr(r, f"sample_latency_{k}_ms"), ".2f") for k in ("p50", "p90", "p99", "p999"))
+        agree = "—" if r.answer_agreement is None else (
+            f"{r.answer_agreement:.2%} [{r.agreement_ci_low:.1%}–{r.agreement_ci_high:.1%}]")
+        cells = [r.backend, r.precision, r.batching, r.scenario, f"**{r.loadgen_result}**",
+                 _f(r.target_qps, ",.1f"), _f(r.achieved_qps, ",.1f"), lat, _f(r.loadgen_query_count, ","),
+                 _f(r.bench_features_per_s, ",.1f"), "—" if r.qps_vs_bench_pct is None else f"{r.qps_vs_bench_pct:.1f}%",
+                 *[_f(r.scores.get(m), ".2f") for m in metrics], agree, r.parity or "—", r.accuracy_run or "missing",
+                 _f(r.bench_answer_agreement, ".2%"), _f(r.prepare_s, ".1f")]
+        lines.append("| " + " | ".join(cells) + " |")
+    notes = []
+    for r in results:
+        if r.ok and r.loadgen_result != "VALID":
+            notes.append(f"- `{r.backend}`: LoadGen {r.loadgen_result}: {r.loadgen_invalid_reason}")
+        if r.ok and r.peak_search:
+            notes.append(f"- `{r.backend}` peak search (target QPS: V valid, I invalid): {r.peak_search}")
+        if r.ok and r.sut_batcher:
+            notes.append(f"- `{r.backend}` SUT: {r.sut_batcher}")
+    return "\n".join(lines + ([""] + notes if notes else []))
