@@ -60,16 +60,22 @@ class UnderLoadOptions:
 
 
 class FailsUnderLoad(_Wrapping):
-    """Healthy through prepare, warm-up and the bench passes (the main thread), then fails as
-    soon as LoadGen drives it (its issue thread or the SUT's batcher thread): an exception, a
-    segfault or a hang in the middle of a LoadGen run."""
+    """Healthy through prepare, warm-up and the bench passes, then fails as soon as LoadGen drives
+    it (a call from the SUT's IssueQuery callback or its batcher thread): an exception, a segfault
+    or a hang in the middle of a LoadGen run."""
 
     Options = UnderLoadOptions
 
     def predict(self, batch):
-        import threading
+        import sys
 
-        if threading.current_thread() is not threading.main_thread():
+        frame, under_load = sys._getframe(1), False
+        while frame is not None:  # called from the SUT's LoadGen callbacks (loadgen_sut.SUT)?
+            if frame.f_code.co_filename.endswith("loadgen_sut.py") and frame.f_code.co_name in ("_issue", "serve"):
+                under_load = True
+                break
+            frame = frame.f_back
+        if under_load:
             if self.options.how == "segfault":
                 os.kill(os.getpid(), signal.SIGSEGV)
             if self.options.how == "hang":
