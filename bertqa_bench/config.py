@@ -244,6 +244,9 @@ class LoadGenConfig:
     # size), a batch leaves when full or when its oldest sample has waited max_wait_us
     server_max_batch: Optional[int] = None
     server_max_wait_us: int = 2000
+    # Batch sizes a Server batch is padded up to (each x every sequence bucket is a shape to
+    # compile / capture in prepare); empty: powers of two up to server_max_batch
+    server_batch_sizes: list = field(default_factory=list)
     # --find-peak-qps: double the target until INVALID, then bisect to this relative precision
     peak_precision: float = 0.05
     peak_max_runs: int = 14
@@ -269,6 +272,8 @@ class LoadGenConfig:
             raise ConfigError("loadgen.server_target_latency_ns must be positive")
         if self.server_max_batch is not None and self.server_max_batch < 1:
             raise ConfigError("loadgen.server_max_batch must be >= 1")
+        if not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in self.server_batch_sizes):
+            raise ConfigError(f"loadgen.server_batch_sizes must be positive integers, not {self.server_batch_sizes!r:.80}")
         if self.performance_sample_count is not None and self.performance_sample_count < 1:
             raise ConfigError("loadgen.performance_sample_count must be >= 1")
         if not 0.0 < self.peak_precision < 1.0 or self.peak_max_runs < 2:

@@ -55,8 +55,11 @@ def _round_up(x: int, m: int) -> int:
     return -(-int(x) // m) * m
 
 
-def batch_buckets(max_batch: int) -> list[int]:
-    """Batch sizes a Server batch is padded up to: powers of two, and max_batch itself."""
+def batch_buckets(max_batch: int, sizes=()) -> list[int]:
+    """Batch sizes a Server batch is padded up to: ``sizes`` (those below max_batch) or powers of
+    two, and max_batch itself."""
+    if sizes:
+        return sorted({int(b) for b in sizes if b < max_batch} | {int(max_batch)})
     out, b = [], 1
     while b < max_batch:
         out.append(b)
@@ -68,11 +71,11 @@ class Shapes:
     """The bounded shape family of a variant under LoadGen: its batching decides the sequence
     length a feature is padded to, ``batch_buckets`` the batch size."""
 
-    def __init__(self, batching: str, max_seq_len: int, seq_multiple: int, max_batch: int):
+    def __init__(self, batching: str, max_seq_len: int, seq_multiple: int, max_batch: int, batch_sizes=()):
         self.batching, self.max_seq_len, self.seq_multiple = batching, int(max_seq_len), int(seq_multiple)
         self.packed = batching == "packed"
         self.length_aware = batching in LENGTH_AWARE
-        self.buckets = batch_buckets(max_batch)
+        self.buckets = batch_buckets(max_batch, batch_sizes)
 
     def seq(self, length: int) -> int:
         if not self.length_aware:
@@ -307,6 +310,19 @@ def run_test(lg, sut: SUT, qsl, settings, out_dir: Path) -> dict:
     return read_result(out_dir)
 
 
+def _allow_recompiles(n_shapes: int) -> None:
+    """torch.compile without dynamic shapes compiles once per shape, and dynamo stops at its
+    recompile limit (8) and runs the rest eagerly, silently; a Server shape set (batch sizes x
+    length buckets) can pass it, so the limit is raised to the shapes prepare will compile."""
+    try:
+        import torch._dynamo.config as dc
+    except Exception:  # noqa: BLE001 - no torch, or no dynamo: nothing compiles
+        return
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(dc, name):
+            setattr(dc, name, max(int(getattr(dc, name)), n_shapes + 8))
+
+
 def on_backend_thread(fn, *args):
     """Run ``fn`` on one dedicated thread and return (or raise) what it did. Prepare, warm-up,
     the bench passes and every LoadGen batch then run on the same thread: a thread's CUDA
@@ -367,13 +383,14 @@ def _execute(job) -> tuple[dict, Optional[dict]]:
     plan = Plan.load(Path(job.plan))
     batches = materialize(inputs, plan)
     max_batch = int(cfg.server_max_batch or spec["batch_size"])
-    shapes = Shapes(plan.batching, job.max_seq_len, spec["seq_multiple"], max_batch)
+    shapes = Shapes(plan.batching, job.max_seq_len, spec["seq_multiple"], max_batch, cfg.server_batch_sizes)
     sut_shapes = shapes.all(lengths, scenario)
     all_shapes = tuple(sorted(set(plan.shapes) | sut_shapes, key=lambda s: (s[0] * s[1], s), reverse=True))
     ctx = BackendContext(model_dir=Path(job.model_dir), task=job.task, artifacts_dir=Path(job.artifacts_dir),
                          output_names=tuple(job.output_names), sample_batches=sample_batches(plan, batches),
                          shapes=all_shapes, max_batch_size=max(s[0] for s in all_shapes),
                          max_seq_len=int(job.max_seq_len))
+    _allow_recompiles(len(all_shapes))
     probe = Probe(cuda=variant.device == "cuda")
     backend = variant.create()
     record: dict = {"status": "ok", "pid": os.getpid(), "scenario": scenario}
