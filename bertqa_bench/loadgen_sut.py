@@ -261,9 +261,7 @@ class SUT:
         """Keep the first error; answer these samples empty so LoadGen can finish its run."""
         if self.error is None:
             traceback.print_exception(e)
-            from .worker import format_error
-
-            self.error = format_error(e) if isinstance(e, Exception) else repr(e)
+            self.error = f"{type(e).__name__}: {e}"
         try:
             self._respond(items, None)
         except BaseException:  # noqa: BLE001 - nothing more can be done for these samples
@@ -278,7 +276,7 @@ def run_test(lg, sut: SUT, qsl, settings, out_dir: Path) -> dict:
     thread: SingleStream's IssueQuery runs right here inside StartTest (no hand-off in the
     latency); for Server and Offline, StartTest runs on a helper thread while this thread
     batches and predicts, so every backend call of the process stays on one thread."""
-    from .loadgen import read_result
+    from .loadgen_results import read_result
 
     out_dir.mkdir(parents=True, exist_ok=True)
     log = lg.LogSettings()
@@ -355,7 +353,7 @@ def _execute(job) -> tuple[dict, Optional[dict]]:
     from .config import LoadGenConfig, build
     from .evalset import load_inputs
     from .flops import model_dims, plan_flops
-    from .loadgen import find_peak, test_settings
+    from .loadgen_results import find_peak, test_settings
     from .measure import Probe
     from .runner import materialize, sample_batches, timed_passes, warm_up
     from .schedule import Plan

@@ -102,7 +102,7 @@ def header_lines(meta: RunMeta, env: dict) -> list[str]:
 def summary_markdown(bundle: RunBundle) -> str:
     meta, results = bundle.meta, bundle.results
     if any(r.scenario for r in results):  # a `bertqa-bench loadgen` bundle: its scenario table
-        from .loadgen import loadgen_table
+        from .loadgen_results import loadgen_table
 
         table = loadgen_table(results, meta)
     else:

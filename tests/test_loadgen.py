@@ -13,7 +13,8 @@ from conftest import TINY_BERT
 pytest.importorskip("mlperf_loadgen")
 
 from bertqa_bench.bench import run_bench  # noqa: E402
-from bertqa_bench.loadgen import decode_accuracy_log, find_peak, read_result, run_loadgen  # noqa: E402
+from bertqa_bench.loadgen import run_loadgen  # noqa: E402
+from bertqa_bench.loadgen_results import decode_accuracy_log, find_peak, read_result  # noqa: E402
 from bertqa_bench.loadgen_sut import Codec, Shapes, batch_buckets  # noqa: E402
 from bertqa_bench.results import RunBundle  # noqa: E402
 from bertqa_bench.suite import load_suite  # noqa: E402
@@ -201,3 +202,22 @@ def test_shapes_stay_a_bounded_set():
     assert srt.all(lengths, "SingleStream") == {(1, 32), (1, 64), (1, 96)}
     assert srt.all(lengths, "Server") == {(b, s) for b in (1, 2, 4, 8) for s in (32, 64, 96)}
     assert srt.rows(3) == 4 and Shapes("packed", 96, 32, 8).rows(3) == 3
+
+
+def test_loadgen_settings_are_typed_and_the_command_parses(suite):
+    from bertqa_bench.cli import build_parser
+    from bertqa_bench.errors import ConfigError
+
+    cfg = load_suite(suite)
+    assert cfg.loadgen.server_target_latency_ns == 130_000_000  # MLPerf's BERT bound by default
+    assert cfg.loadgen.min_query_count == 100  # the suite's CI-sized preset
+    with pytest.raises(ConfigError, match="unknown field.*valid:.*server_target_qps"):
+        load_suite(suite, ["loadgen.server_target_qpss=10"])
+    with pytest.raises(ConfigError, match="server_target_latency_percentile"):
+        load_suite(suite, ["loadgen.server_target_latency_percentile=99"])
+    with pytest.raises(ConfigError, match="find-peak-qps"):
+        run_loadgen(cfg, "Offline", find_peak_qps=True)
+    a = build_parser().parse_args(["loadgen", "--suite", "ci", "--scenario", "Server", "--find-peak-qps"])
+    assert a.scenario == "Server" and a.find_peak_qps
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["loadgen", "--scenario", "MultiStream"])
