@@ -247,6 +247,9 @@ class LoadGenConfig:
     # Batch sizes a Server batch is padded up to (each x every sequence bucket is a shape to
     # compile / capture in prepare); empty: powers of two up to server_max_batch
     server_batch_sizes: list = field(default_factory=list)
+    # LoadGen may hand several due queries to one IssueQuery call (fewer Python callbacks at
+    # thousands of QPS); arrival times and latencies are still per query
+    server_coalesce_queries: bool = False
     # --find-peak-qps: double the target until INVALID, then bisect to this relative precision
     peak_precision: float = 0.05
     peak_max_runs: int = 14

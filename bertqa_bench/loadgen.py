@@ -65,8 +65,9 @@ def _keep_logs(bundle, name: str, rec: dict) -> list[Path]:
     for f in root.rglob("mlperf_log_accuracy.json"):
         if f.parent.name != "accuracy":
             f.unlink()
-    return [p for p in (perf / "mlperf_log_summary.txt", perf / "mlperf_log_detail.txt",
-                        root / "accuracy" / "mlperf_log_summary.txt") if p.exists()]
+    # The performance run's pair goes to MLflow (artifacts are keyed by file name: the accuracy
+    # run's files of the same names stay in the bundle only).
+    return [p for p in (perf / "mlperf_log_summary.txt", perf / "mlperf_log_detail.txt") if p.exists()]
 
 
 def _fill_scenario(r, rec: dict, scenario: str) -> None:

@@ -38,6 +38,7 @@ def test_settings(lg, cfg: LoadGenConfig, scenario: str, mode: str, target_qps: 
     s.server_target_qps = float(target_qps)
     s.server_target_latency_ns = int(cfg.server_target_latency_ns)
     s.server_target_latency_percentile = float(cfg.server_target_latency_percentile)
+    s.server_coalesce_queries = bool(cfg.server_coalesce_queries)
     s.offline_expected_qps = float(offline_expected_qps)
     return s
 
