@@ -24,11 +24,12 @@ PLUGINS = "tests.backend_plugins"
 # CI-sized LoadGen: early stopping needs ~64 queries for SingleStream at p90 and ~460 for Server
 # at p99 before LoadGen can call a run VALID.
 CI_LOADGEN = {"min_duration_ms": 200, "min_query_count": 100}
-# The 130 ms bound is MLPerf's for BERT on a GPU; on a shared 2-core CI machine one scheduling
-# hiccup past it would make a 480-query run INVALID by early stopping, so the VALID runs here take
-# a 1 s bound (the overload test below keeps a tight one).
-SERVER = ["loadgen.min_query_count=480", "loadgen.server_target_latency_ns=1000000000",
-          "loadgen.server_qps_fraction=0.7"]
+# The 130 ms bound is MLPerf's for BERT on a GPU; on a shared 2-core machine one scheduling hiccup
+# past it makes a 480-query run INVALID by early stopping, and the bench throughput the target is
+# taken from moves with the neighbours' load, so the VALID runs here take a 2 s bound at 30% of
+# that throughput (the overload test below keeps a tight bound).
+SERVER = ["loadgen.min_query_count=480", "loadgen.server_target_latency_ns=2000000000",
+          "loadgen.server_qps_fraction=0.3"]
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +108,7 @@ def test_each_scenario_end_to_end_for_two_backends(suite, scenario, backends, se
         assert lg_preds == bench_preds and len(lg_preds) == bench.results[0].n_questions
         assert ref.scores == pytest.approx(bench.results[0].scores)
     if scenario == "Server":
-        assert ref.target_qps > 0 and ref.target_latency_ms == 1000.0 and ref.loadgen_query_count >= 480
+        assert ref.target_qps > 0 and ref.target_latency_ms == 2000.0 and ref.loadgen_query_count >= 480
         assert "first come" in ref.sut_batcher and "length-aware" in rows["sorted-eager"].sut_batcher
         assert rows["sorted-eager"].max_abs_logit_diff < 1e-4  # length buckets change no answer
     assert out.verdict.status == "PASS", out.verdict
