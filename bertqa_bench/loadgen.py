@@ -212,6 +212,7 @@ def run_loadgen(cfg: SuiteConfig, scenario: str, *, backends: Optional[list[str]
                 predictions = task.postprocess(evalset.examples, features, outputs, cfg)
                 r.postprocess_s = time.perf_counter() - t0
                 r.scores = {k: float(v) for k, v in task.score(evalset.examples, predictions, cfg).items()}
+                per_question = task.question_scores(evalset.examples, predictions, cfg)
                 r.accuracy_run = f"ok: {r.accuracy_samples} samples"
                 pred_path = bundle.write_predictions(variant.name, predictions)
                 if rec.get("bench"):  # the same process's bench outputs: LoadGen's path changes no answer
@@ -219,13 +220,16 @@ def run_loadgen(cfg: SuiteConfig, scenario: str, *, backends: Optional[list[str]
                     k, n = task.agreement(task.postprocess(evalset.examples, features, bench_out, cfg), predictions)
                     r.bench_answer_agreement = k / n if n else 1.0
                 if variant.name == reference:
-                    ref, ref_row = Reference(outputs, predictions, r.scores, []), r
-                if ref is not None:
+                    ref, ref_row = Reference(outputs, predictions, r.scores, [], per_question), r
+                if ref is not None:  # exactly bench's comparison (bench._run_variant), paired bootstrap included
+                    paired = (ref.question_scores, per_question) if (
+                        ref.question_scores is not None and per_question is not None) else None
                     p = compare(parity_class=variant.parity_class,
                                 tolerance=tolerance_for(cfg.parity, variant.name, variant.parity_class),
                                 primary_metric=task.primary_metric, ref_scores=ref.scores, scores=r.scores,
                                 agreement=task.agreement(predictions, ref.predictions), ref_outputs=ref.outputs,
-                                outputs=outputs, attention_mask=features.attention_mask)
+                                outputs=outputs, attention_mask=features.attention_mask, question_scores=paired,
+                                metrics_from_sums=task.metrics_from_sums if paired else None)
                     r.apply_parity(p, judged=not model.timing_only)
                     a, b = headline(r), headline(ref_row) if ref_row else None
                     r.speedup = a / b if a and b else None

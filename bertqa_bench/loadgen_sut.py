@@ -355,7 +355,7 @@ def _execute(job) -> tuple[dict, Optional[dict]]:
     from .flops import model_dims, plan_flops
     from .loadgen_results import find_peak, test_settings
     from .measure import Probe
-    from .runner import materialize, sample_batches, timed_passes, warm_up
+    from .runner import check_contract, materialize, sample_batches, timed_passes, warm_up
     from .schedule import Plan
 
     try:
@@ -399,14 +399,16 @@ def _execute(job) -> tuple[dict, Optional[dict]]:
         record["prepare_s"] = time.perf_counter() - t0
         record["prepare_info"] = dict(backend.prepare_info)
         probe.end_phase("prepare")
-        n_warm = warm_up(backend, plan, batches, job.warmup_batches)
+        names, token = tuple(job.output_names), tuple(job.token_outputs)
+        n_warm = warm_up(backend, plan, batches, job.warmup_batches, names, token)  # contract checked, as bench
         # Every scenario shape once more on real features, so LoadGen never meets a cold shape.
         order = np.argsort(lengths, kind="stable")
         for b, s in sorted(sut_shapes):
             fits = np.array([shapes.seq(int(v)) <= s for v in lengths[order]], dtype=bool)
             fit = order[fits] if not shapes.packed else order
             rows = np.resize(fit[-b:] if len(fit) else order[:1], b)
-            backend.predict(batch_inputs(inputs, Batch(rows, (b, s))))
+            x = batch_inputs(inputs, Batch(rows, (b, s)))
+            check_contract(backend.name, backend.predict(x), x, names, token)
             n_warm += 1
         record["warmup_batches"] = n_warm
         probe.end_phase("warmup")

@@ -26,10 +26,10 @@ PLUGINS = "tests.backend_plugins"
 CI_LOADGEN = {"min_duration_ms": 200, "min_query_count": 100}
 # The 130 ms bound is MLPerf's for BERT on a GPU; on a shared 2-core machine one scheduling hiccup
 # past it makes a 480-query run INVALID by early stopping, and the bench throughput the target is
-# taken from moves with the neighbours' load, so the VALID runs here take a 2 s bound at 30% of
+# taken from moves with the neighbours' load, so the VALID runs here take a 2 s bound at half of
 # that throughput (the overload test below keeps a tight bound).
 SERVER = ["loadgen.min_query_count=480", "loadgen.server_target_latency_ns=2000000000",
-          "loadgen.server_qps_fraction=0.3"]
+          "loadgen.server_qps_fraction=0.5"]
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +45,11 @@ def suite(tmp_path_factory):
         "model": {"name": "tiny-qa", "base": "embedded:all-MiniLM-L6-v2", "random_init": True,
                   "config_overrides": dict(TINY_BERT)},
         "train": {"epochs": 1, "batch_size": 8, "learning_rate": 1e-3, "seed": 1},
+        # One torch thread: on a 2-core machine shared with other jobs, two OpenMP threads ran the
+        # tiny model 18x slower (bench 59 vs 1,060 features/s) and a Server run saturated at a
+        # third of that (measured 2026-11-26, load average 8 on 2 cores).
         "bench": {"backends": ["eager-fp32", "onnxruntime"], "batch_size": 8, "warmup_batches": 1, "min_passes": 2,
-                  "min_duration_s": 0},
+                  "min_duration_s": 0, "num_threads": 1},
         "loadgen": dict(CI_LOADGEN),
         "variants": {"sorted-eager": {"base": "eager-fp32", "batching": "sorted"},
                      "raises-under-load": {"implementation": f"{PLUGINS}:FailsUnderLoad", "device": "cpu"},
