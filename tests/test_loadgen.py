@@ -121,6 +121,12 @@ def test_each_scenario_end_to_end_for_two_backends(suite, scenario, backends, se
     if tracker is not None:
         from mlflow.tracking import MlflowClient
 
+        from bertqa_bench.report import reference_tables
+
+        # a committed reference table (results/reference/) shows the scenario columns too
+        md = reference_tables([out.run_dir], tmp_path / "ref", "LoadGen Offline")
+        assert "| eager-fp32 | fp32 | padded | Offline | **VALID** |" in md and "Achieved QPS" in md
+
         client = MlflowClient(tracker.uri)
         exp = client.get_experiment_by_name("bertqa-tiny")
         children = [r for r in client.search_runs([exp.experiment_id]) if r.data.tags.get("mlflow.parentRunId")]
