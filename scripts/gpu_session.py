@@ -374,7 +374,9 @@ def pack(out: Path, dest: Path) -> Path:
 
     def keep(info: tarfile.TarInfo):
         parts = Path(info.name).parts
-        if "outputs" in parts or "predictions" in parts or info.name.endswith((".npz", ".npy", ".safetensors", ".onnx")):
+        # LoadGen's accuracy logs (tens of MB of hex logits) are decoded into the bundle's rows already
+        if "outputs" in parts or "predictions" in parts or info.name.endswith(
+                (".npz", ".npy", ".safetensors", ".onnx", "mlperf_log_accuracy.json")):
             return None
         return info
 
