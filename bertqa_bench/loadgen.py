@@ -120,17 +120,14 @@ def run_loadgen(cfg: SuiteConfig, scenario: str, *, backends: Optional[list[str]
                 command: str = "", log: Callable[[str], None] = print):
     """Every variant (reference first) as LoadGen's SUT in ``scenario``; one BackendResult each."""
     from .backends.variants import VariantTable
-    from .bench import BenchOutcome, Reference, identity, plan_for, plan_key, plan_path
+    from .bench import plan_for, plan_key, plan_path
     from .envinfo import device_name, environment
     from .evalset import load_evalset
-    from .launcher import launch
-    from .parity import compare, tolerance_for, verdict
+    from .parity import verdict
     from .results import RunBundle, RunMeta, new_run_id
-    from .schedule import mask_padding
     from .tasks import get_task
     from .tracking import Tracker
     from .train import ensure_model
-    from .worker import format_error, load_outputs
 
     if scenario not in SCENARIOS:
         raise ConfigError(f"scenario '{scenario}' is not one of {', '.join(SCENARIOS)}")
@@ -174,6 +171,38 @@ def run_loadgen(cfg: SuiteConfig, scenario: str, *, backends: Optional[list[str]
     tracker.start_bench(meta, tags=env_tags | {"results_dir": str(bundle.dir), "scenario": scenario})
     log(f"loadgen {scenario}: {evalset.n_features} samples (features) of {evalset.n_questions} questions")
 
+    meta.status, meta.variants = "running", list(names)
+    bundle.write_meta()
+    try:
+        return _rows_of(cfg, scenario, find_peak_qps, variants, task, model, evalset, plans, bundle, meta, tracker,
+                        env_tags, progress, log)
+    except KeyboardInterrupt as e:  # interrupt.Interrupted (SIGTERM, SIGINT, SIGHUP): finished rows stay
+        from .interrupt import as_interrupted
+
+        stop = as_interrupted(e)
+        v = verdict(bundle.results, reference, timing_only=model.timing_only, problems=list(meta.problems))
+        meta.status, meta.interrupted_by = "interrupted", stop.signal_name
+        meta.verdict, meta.verdict_reasons = v.status, v.reasons
+        bundle.write_meta()
+        from .report import write_report
+
+        write_report(bundle)
+        tracker.interrupt_bench(bundle, v, stop.signal_name)
+        log(f"interrupted by {stop.signal_name}: {len(bundle.results)} of {len(names)} variants finished; "
+            f"results in {bundle.dir}")
+        raise stop from None
+
+
+def _rows_of(cfg, scenario, find_peak_qps, variants, task, model, evalset, plans, bundle, meta, tracker, env_tags,
+             progress, log):
+    """The variants one after the other (reference first), each row written as it finishes."""
+    from .bench import BenchOutcome, Reference, identity, plan_key
+    from .launcher import launch
+    from .parity import compare, tolerance_for, verdict
+    from .schedule import mask_padding
+    from .worker import format_error, load_outputs
+
+    reference = cfg.bench.reference
     ref: Optional[Reference] = None
     ref_row = None
     problems: list[str] = []
@@ -235,6 +264,7 @@ def run_loadgen(cfg: SuiteConfig, scenario: str, *, backends: Optional[list[str]
                     r.speedup = a / b if a and b else None
                 if r.loadgen_result != "VALID":
                     problems.append(f"{variant.name}: LoadGen {scenario} {r.loadgen_result}: {r.loadgen_invalid_reason}")
+                    meta.problems = list(problems)
                 if variant.name != reference:
                     acc_log.unlink(missing_ok=True)  # large; the reference's stays, as bench keeps its logits
                 if not cfg.bench.keep_outputs:
@@ -247,7 +277,7 @@ def run_loadgen(cfg: SuiteConfig, scenario: str, *, backends: Optional[list[str]
                             [pred_path, *kept] if pred_path else kept, bundle.path("logs", f"{variant.name}.log"))
 
     v = verdict(bundle.results, reference, timing_only=model.timing_only, problems=problems)
-    meta.verdict, meta.verdict_reasons = v.status, v.reasons
+    meta.verdict, meta.verdict_reasons, meta.status = v.status, v.reasons, "complete"
     bundle.write_meta()
     from .report import write_report
 
