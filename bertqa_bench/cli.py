@@ -1,4 +1,4 @@
-"""``bertqa-bench``: train | bench | report | parity | score | score-nq | profile | backends | track | reference."""
+"""``bertqa-bench``: train | bench | loadgen | report | parity | score | score-nq | profile | backends | track | reference."""
 from __future__ import annotations
 
 import argparse
@@ -117,6 +117,23 @@ def _model_overrides(a) -> list[str]:
     if getattr(a, "dev_file", None):
         out += ["data.source=squad-json", f"data.dev_file={json.dumps(a.dev_file)}"]
     return out
+
+
+def cmd_loadgen(a) -> int:
+    from .loadgen import run_loadgen
+    from .suite import load_suite
+    from .tracking import Tracker
+
+    cfg = load_suite(a.suite, a.overrides)
+    _threads(cfg)
+    tracker = Tracker(cfg.results_root, enabled=not a.no_mlflow)
+    out = run_loadgen(cfg, a.scenario, backends=_backend_list(a.backends), find_peak_qps=a.find_peak_qps,
+                      run_id=a.run_id, tracker=tracker, progress=not a.no_progress, command=_command_line())
+    print()
+    print(out.summary)
+    print(f"results: {out.run_dir}")
+    print(f"verdict: {out.verdict}")
+    return 0
 
 
 def cmd_sweep(a) -> int:
@@ -287,6 +304,18 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-mlflow", action="store_true")
     b.add_argument("--no-progress", action="store_true")
     b.set_defaults(fn=cmd_bench)
+
+    lgp = sub.add_parser("loadgen", help="MLPerf LoadGen scenarios: each backend as the system under test "
+                                         "(SingleStream latency, Server QPS under a latency bound, Offline)")
+    _suite_args(lgp)
+    lgp.add_argument("--scenario", required=True, choices=["SingleStream", "Server", "Offline"])
+    lgp.add_argument("--backends", help="comma-separated backend names (default: the suite's list)")
+    lgp.add_argument("--find-peak-qps", action="store_true",
+                     help="Server: search the highest target QPS that LoadGen calls VALID")
+    lgp.add_argument("--run-id")
+    lgp.add_argument("--no-mlflow", action="store_true")
+    lgp.add_argument("--no-progress", action="store_true")
+    lgp.set_defaults(fn=cmd_loadgen)
 
     sw = sub.add_parser("sweep", help="backend x batch size x batching in one run (one MLflow parent), with the best "
                                       "configuration per backend at parity and a throughput plot")

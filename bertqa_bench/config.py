@@ -242,8 +242,80 @@ class BenchConfig:
             raise ConfigError("bench.seq_multiple must be >= 1")
         self.min_duration_s = _number(self.min_duration_s, "bench.min_duration_s")
         self.timeout_s = _number(self.timeout_s, "bench.timeout_s")
-        if self.timeout_s <= 0:
-            raise ConfigError("bench.timeout_s must be positive")
+        # `not >`: YAML's .nan passes every `<=` check, and a NaN limit never kills a hung child
+        if not 0 < self.timeout_s < float("inf"):
+            raise ConfigError(f"bench.timeout_s must be a positive number of seconds, not {self.timeout_s}")
+        if not 0 <= self.min_duration_s < float("inf"):
+            raise ConfigError(f"bench.min_duration_s must be a number of seconds >= 0, not {self.min_duration_s}")
+
+
+SCENARIOS = ("SingleStream", "Server", "Offline")
+
+
+@dataclass
+class LoadGenConfig:
+    """``loadgen:`` — MLPerf LoadGen settings for ``bertqa-bench loadgen`` (see loadgen.py).
+
+    The evaluation set is LoadGen's query sample library, one sample = one feature (as in MLPerf's
+    BERT); each variant is the system under test in its own worker process. LoadGen's defaults are
+    MLPerf's (130 ms at the 99th percentile is its Server bound for BERT); durations and query
+    counts are the suite's, so a CI suite can run a scenario in seconds.
+    """
+
+    min_duration_ms: int = 10000
+    max_duration_ms: int = 0  # 0: no limit
+    # LoadGen's early stopping needs enough queries to bound the percentile with 99% confidence:
+    # ~460 for Server at p99 with none over the bound, ~64 for SingleStream at p90.
+    min_query_count: int = 1024
+    max_query_count: int = 0  # 0: no limit
+    performance_sample_count: Optional[int] = None  # samples LoadGen may draw from (None: every feature)
+    single_stream_target_latency_percentile: float = 0.90
+    # None: from the same process's bench throughput (bench features/s x server_qps_fraction)
+    server_target_qps: Optional[float] = None
+    server_qps_fraction: float = 0.5
+    server_target_latency_ns: int = 130_000_000
+    server_target_latency_percentile: float = 0.99
+    # The SUT's dynamic batcher: at most this many samples a batch (None: the variant's batch
+    # size), a batch leaves when full or when its oldest sample has waited max_wait_us
+    server_max_batch: Optional[int] = None
+    server_max_wait_us: int = 2000
+    # Batch sizes a Server batch is padded up to (each x every sequence bucket is a shape to
+    # compile / capture in prepare); empty: powers of two up to server_max_batch
+    server_batch_sizes: list = field(default_factory=list)
+    # LoadGen may hand several due queries to one IssueQuery call (fewer Python callbacks at
+    # thousands of QPS); arrival times and latencies are still per query
+    server_coalesce_queries: bool = False
+    # --find-peak-qps: double the target until INVALID, then bisect to this relative precision
+    peak_precision: float = 0.05
+    peak_max_runs: int = 14
+    # Time the bench passes in the same worker (after warm-up, before LoadGen): the Offline
+    # cross-check and the Server peak's share of bench throughput come from one process
+    compare_bench: bool = True
+    seed: int = 0  # LoadGen's qsl / sample-index / schedule seeds
+
+    def __post_init__(self):
+        for k in ("min_duration_ms", "max_duration_ms", "min_query_count", "max_query_count", "server_max_wait_us"):
+            if getattr(self, k) < 0:
+                raise ConfigError(f"loadgen.{k} must be >= 0")
+        if self.min_query_count < 1:
+            raise ConfigError("loadgen.min_query_count must be >= 1")
+        for k in ("single_stream_target_latency_percentile", "server_target_latency_percentile"):
+            if not 0.0 < getattr(self, k) < 1.0:
+                raise ConfigError(f"loadgen.{k} must be in (0, 1)")
+        if self.server_target_qps is not None and self.server_target_qps <= 0:
+            raise ConfigError("loadgen.server_target_qps must be positive")
+        if not 0.0 < self.server_qps_fraction:
+            raise ConfigError("loadgen.server_qps_fraction must be positive")
+        if self.server_target_latency_ns <= 0:
+            raise ConfigError("loadgen.server_target_latency_ns must be positive")
+        if self.server_max_batch is not None and self.server_max_batch < 1:
+            raise ConfigError("loadgen.server_max_batch must be >= 1")
+        if not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in self.server_batch_sizes):
+            raise ConfigError(f"loadgen.server_batch_sizes must be positive integers, not {self.server_batch_sizes!r:.80}")
+        if self.performance_sample_count is not None and self.performance_sample_count < 1:
+            raise ConfigError("loadgen.performance_sample_count must be >= 1")
+        if not 0.0 < self.peak_precision < 1.0 or self.peak_max_runs < 2:
+            raise ConfigError("loadgen: peak_precision must be in (0, 1) and peak_max_runs >= 2")
 
 
 @dataclass
@@ -271,6 +343,10 @@ class VariantConfig:
     devices: Optional[int] = None
 
     def __post_init__(self):
+        if self.timeout_s is not None:
+            self.timeout_s = _number(self.timeout_s, "variant timeout_s")
+            if not 0 < self.timeout_s < float("inf"):
+                raise ConfigError(f"variant timeout_s must be a positive number of seconds, not {self.timeout_s}")
         if self.devices is not None and self.devices < 1:
             raise ConfigError("variant devices must be >= 1")
         if self.batching is not None and self.batching not in BATCHINGS:
@@ -340,6 +416,7 @@ class SuiteConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
     parity: ParityConfig = field(default_factory=ParityConfig)
+    loadgen: LoadGenConfig = field(default_factory=LoadGenConfig)  # `bertqa-bench loadgen` (loadgen.py)
     variants: dict = field(default_factory=dict)  # {name: VariantConfig}
     models_dir: str = "models"
     results_dir: str = "results"
@@ -347,7 +424,8 @@ class SuiteConfig:
 
     def __post_init__(self):
         for name, cls in (("data", DataConfig), ("task", TaskConfig), ("model", ModelConfig),
-                          ("train", TrainConfig), ("bench", BenchConfig), ("parity", ParityConfig)):
+                          ("train", TrainConfig), ("bench", BenchConfig), ("parity", ParityConfig),
+                          ("loadgen", LoadGenConfig)):
             if isinstance(getattr(self, name), dict):
                 setattr(self, name, build(cls, getattr(self, name), name))
         bad = [k for k in (self.variants or {}) if not isinstance(k, str)]

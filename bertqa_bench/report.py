@@ -130,10 +130,19 @@ def header_lines(meta: RunMeta, env: dict) -> list[str]:
     return lines
 
 
+def results_table(results: list[BackendResult], meta: RunMeta) -> str:
+    """The bench table, or for a `bertqa-bench loadgen` bundle its scenario table."""
+    if any(r.scenario for r in results):
+        from .loadgen_results import loadgen_table
+
+        return loadgen_table(results, meta)
+    return markdown_table(results, meta)
+
+
 def summary_markdown(bundle: RunBundle) -> str:
     meta, results = bundle.meta, bundle.results
     lines = [f"# {meta.suite} — {meta.run_id}", "", *header_lines(meta, bundle.env()), "",
-             markdown_table(results, meta), ""]
+             results_table(results, meta), ""]
     notes = [r for r in results if not r.ok]
     if notes:
         lines.append("Backends not run or failed:")
@@ -181,7 +190,8 @@ def plot(results: list[BackendResult], meta: RunMeta, path: Path) -> Optional[Pa
 def write_report(bundle: RunBundle) -> str:
     md = summary_markdown(bundle)
     atomic_write_text(bundle.dir / "summary.md", md)
-    plot(bundle.results, bundle.meta, bundle.dir / "comparison.png")
+    if not any(r.scenario for r in bundle.results):  # LoadGen rows have no full-pass throughput to plot
+        plot(bundle.results, bundle.meta, bundle.dir / "comparison.png")
     return md
 
 
@@ -202,7 +212,7 @@ def reference_tables(run_dirs: list[Path], out_stem: Path, title: str, notes: st
         # Two bundles of one run id (the same plan run twice) stay apart by their folder's name.
         folder = f" (bundle `{d.name}`)" if d.name != meta.run_id else ""
         sections += [f"## {meta.suite} — run `{meta.run_id}`{folder}", "", *header_lines(meta, env), "",
-                     markdown_table(bundle.results, meta), ""]
+                     results_table(bundle.results, meta), ""]
         rows += [{"run_id": meta.run_id, "bundle": d.name, "suite": meta.suite, "date": meta.date, "card": env.get("gpu") or env.get("cpu"),
                   "driver": env.get("driver", ""), "command": meta.command, **r.to_row()} for r in bundle.results]
     md = "\n".join(sections)

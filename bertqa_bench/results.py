@@ -124,6 +124,29 @@ class BackendResult:
     # --- what went wrong, what prepare did
     error: str = ""
     prepare_info: dict = field(default_factory=dict)
+    # --- MLPerf LoadGen scenario rows (``bertqa-bench loadgen``, loadgen.py); empty for bench rows.
+    # A LoadGen sample is one feature, so QPS counts features; latencies are LoadGen's per sample.
+    scenario: str = ""  # SingleStream | Server | Offline
+    loadgen_result: str = ""  # VALID | INVALID, LoadGen's own verdict of the performance run
+    loadgen_invalid_reason: str = ""
+    target_qps: Optional[float] = None  # Server: the Poisson arrival rate asked for
+    achieved_qps: Optional[float] = None  # Server: completed; Offline: samples/s; SingleStream: 1 / mean
+    sample_latency_p50_ms: Optional[float] = None
+    sample_latency_p90_ms: Optional[float] = None
+    sample_latency_p99_ms: Optional[float] = None
+    sample_latency_p999_ms: Optional[float] = None
+    sample_latency_mean_ms: Optional[float] = None
+    target_latency_ms: Optional[float] = None  # Server: the bound at its percentile
+    loadgen_min_duration_ms: Optional[int] = None
+    loadgen_min_query_count: Optional[int] = None
+    loadgen_query_count: Optional[int] = None
+    peak_search: str = ""  # --find-peak-qps: every target tried and LoadGen's verdict
+    sut_batcher: str = ""
+    bench_features_per_s: Optional[float] = None  # bench passes in the same worker process
+    qps_vs_bench_pct: Optional[float] = None  # achieved QPS / bench features/s
+    accuracy_run: str = ""  # LoadGen's accuracy run: "ok: N samples" (a row without it fails)
+    accuracy_samples: Optional[int] = None
+    bench_answer_agreement: Optional[float] = None  # LoadGen-path answers = bench-path answers, same process
 
     @property
     def ok(self) -> bool:

@@ -48,6 +48,10 @@ class Job:
     shard_count: int = 1
     barrier_dir: str = ""
     barrier_timeout_s: float = 1800.0
+    # "bench" (execute below) or "loadgen": the variant as MLPerf LoadGen's system under test
+    # (loadgen_sut.execute); ``loadgen`` holds the scenario and its settings
+    kind: str = "bench"
+    loadgen: dict = dataclasses.field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -134,7 +138,12 @@ def run_job_safely(job: Job) -> dict:
     """Execute and save the outputs; exceptions become a failed (or not-run) record. What both
     the child process and the in-process mode report."""
     try:
-        record, outputs = execute(job)
+        if job.kind == "loadgen":
+            from .loadgen_sut import execute as execute_loadgen
+
+            record, outputs = execute_loadgen(job)
+        else:
+            record, outputs = execute(job)
         if outputs is not None:
             save_outputs(job.outputs, outputs)
         return record

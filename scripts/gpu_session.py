@@ -6,7 +6,9 @@ background, so that it can outlast one device call:
     python3 scripts/gpu_session.py --status [--out device-out]        # progress; copies results to $OUT
 
 Plans (PLANS): ``families`` (issue 20: a DistilBERT-base grown from MiniLM and a RoBERTa-base on
-generated SQuAD v2.0, each fine-tuned then benchmarked as a user's checkpoint; one GPU), ``packed-graphs`` (the packed path with CUDA graphs per token bucket; one GPU),
+generated SQuAD v2.0, each fine-tuned then benchmarked as a user's checkpoint; one GPU),
+``loadgen`` (issue 21: MLPerf LoadGen SingleStream, Server peak and Offline rows;
+one GPU, or two lanes on a 2-GPU host), ``packed-graphs`` (the packed path with CUDA graphs per token bucket; one GPU),
 ``ort-memory`` (ONNX Runtime's prepare memory after the export fix; one GPU),
 ``next`` (the FP8 sweep and the packed rows; a 4-GPU host, ~15 device minutes),
 ``remaining`` and ``squad-sized`` (the 2026-11-26 afternoon runs),
@@ -316,6 +318,47 @@ def step_families(s: Session) -> list:
     family(s, "gpu-roberta-v2", "roberta-base-init",
            ["roberta", "--size", "base", "--corpus-suite", "gpu-roberta-v2", "--vocab-size", "8000"],
            "roberta-base-synth-v2")
+
+
+# Issue 21's H100 rows: eager FP16, torch.compile + CUDA graphs FP16, ONNX Runtime + CUDA graphs
+# FP16 and compiled FP8, padded and length-aware (sorted; FP8 also padding-free), each the SUT of
+# MLPerf LoadGen; the suite's reference (eager-fp32-cuda) runs first in every scenario for parity.
+LOADGEN_BACKENDS = ("eager-fp16,torch-compile-fp16-graph,ort-cuda-fp16-graph,torch-compile-fp8,eager-fp16-sorted,"
+                    "torch-compile-fp16-graph-sorted,ort-cuda-fp16-graph-sorted,torch-compile-fp8-sorted,"
+                    "torch-compile-fp8-packed")
+# Server: batches up to 128 rows padded to 8, 32 or 128 (x 6 length buckets of 64 tokens: 18
+# shapes a compiled variant prepares), 2 ms max wait; each peak-search run lasts >= 5 s (MLPerf:
+# 600 s), at most 8 runs from half the bench throughput of the same process.
+LOADGEN_SERVER = ["--set", "loadgen.server_max_batch=128", "--set", "loadgen.server_batch_sizes=[8,32,128]",
+                  "--set", "loadgen.min_duration_ms=5000", "--set", "loadgen.peak_max_runs=8"]
+
+
+def loadgen(s: Session, scenario: str, backends: str = LOADGEN_BACKENDS, extra: tuple = (),
+            env: dict | None = None, timeout: float = 3000) -> None:
+    """One `bertqa-bench loadgen` run (run id gpu-loadgen-SCENARIO); trains the suite's model first
+    if it is missing (ensure_model)."""
+    s.run(f"loadgen-{scenario.lower()}", ["cli", "loadgen", "--suite", SUITE, "--scenario", scenario, "--no-mlflow",
+                                          "--no-progress", "--run-id", f"gpu-loadgen-{scenario.lower()}",
+                                          "--backends", backends, "--set", f"model.name={model_name(MAIN)}", *A,
+                                          *extra], timeout=timeout, env=env)
+
+
+def step_loadgen(s: Session) -> list:
+    """Issue 21 (~30 device minutes on one GPU, ~18 on two): SingleStream p90 of every row, then
+    the Offline cross-check of the two best length-aware rows (their LoadGen Offline samples/s
+    against their bench features/s from the same process) | the Server peak search (highest
+    target QPS LoadGen calls VALID at p99 <= 130 ms). With two GPUs the lanes run side by side
+    (one host: its CPU is shared; compare rows within a run)."""
+    first = lambda env: (loadgen(s, "SingleStream", env=env),  # noqa: E731
+                         loadgen(s, "Offline", "torch-compile-fp8-sorted,ort-cuda-fp16-graph-sorted,"
+                                 "torch-compile-fp8-packed", env=env, timeout=1200))
+    server = lambda env: loadgen(s, "Server", extra=("--find-peak-qps", *LOADGEN_SERVER), env=env)  # noqa: E731
+    train(s, MAIN, env=on(0))  # the suite's model, once, before two lanes could both start training it
+    if gpus() >= 2:
+        lanes(lambda: first(on(0)), lambda: server(on(1)))
+    else:
+        first(None)
+        server(None)
     return []
 
 
@@ -336,6 +379,7 @@ PLANS = {
     "ort-memory": [step_ort_memory],
     "packed-graphs": [step_packed_graphs],
     "tests": [step_tests],
+    "loadgen": [step_loadgen],
 }
 
 
@@ -359,7 +403,9 @@ def pack(out: Path, dest: Path) -> Path:
 
     def keep(info: tarfile.TarInfo):
         parts = Path(info.name).parts
-        if "outputs" in parts or "predictions" in parts or info.name.endswith((".npz", ".npy", ".safetensors", ".onnx")):
+        # LoadGen's accuracy logs (tens of MB of hex logits) are decoded into the bundle's rows already
+        if "outputs" in parts or "predictions" in parts or info.name.endswith(
+                (".npz", ".npy", ".safetensors", ".onnx", "mlperf_log_accuracy.json")):
             return None
         return info
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -85,4 +86,35 @@ class Misdeclared(_Wrapping):
     variants = {"misdeclared": {"device": "cpu", "timout_s": 20}}
 
     def predict(self, batch):
+        return self.inner.predict(batch)
+
+
+@dataclass
+class UnderLoadOptions:
+    how: str = "raise"  # raise | segfault | hang
+
+
+class FailsUnderLoad(_Wrapping):
+    """Healthy through prepare, warm-up and the bench passes, then fails as soon as LoadGen drives
+    it (a call from the SUT's IssueQuery callback or its batcher thread): an exception, a segfault
+    or a hang in the middle of a LoadGen run."""
+
+    Options = UnderLoadOptions
+
+    def predict(self, batch):
+        import sys
+
+        frame, under_load = sys._getframe(1), False
+        while frame is not None:  # called from the SUT's LoadGen callbacks (loadgen_sut.SUT)?
+            if frame.f_code.co_filename.endswith("loadgen_sut.py") and frame.f_code.co_name in ("_issue", "serve"):
+                under_load = True
+                break
+            frame = frame.f_back
+        if under_load:
+            if self.options.how == "segfault":
+                os.kill(os.getpid(), signal.SIGSEGV)
+            if self.options.how == "hang":
+                while True:
+                    time.sleep(1)
+            raise RuntimeError("kaboom under load")
         return self.inner.predict(batch)

@@ -74,3 +74,14 @@ def test_one_atomic_writer():
     offenders = [str(p.relative_to(PKG)) for p in PKG.rglob("*.py")
                  if p.name != "io.py" and ("mkstemp" in p.read_text() or "os.replace(" in p.read_text())]
     assert not offenders, f"atomic writes belong in bertqa_bench/io.py: {offenders}"
+
+
+@pytest.mark.parametrize("helper", ["official_squad.py", "official_nq.py"])
+def test_reference_scorers_share_no_code_with_the_suite(helper):
+    # A reference that imported the suite's own scorer would agree with any bug in it (an audit
+    # swapped normalization steps in the suite and every comparison still passed).
+    tree = ast.parse((Path(__file__).resolve().parent / helper).read_text())
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert not [m for m in imported if m.split(".")[0] in ("bertqa_bench", "tests")], imported
+    assert {m.split(".")[0] for m in imported} <= {"re", "string", "collections", "gzip", "json"}, imported

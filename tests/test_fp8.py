@@ -467,3 +467,75 @@ def test_fp8_recipe_with_a_sensitivity_sweep_keeps_the_most_sensitive_layers(tmp
     kept = info["sensitivity_kept"]
     assert len(kept.split(",")) == 1 and info["fp8_keep_layers"] == kept
     assert len(info["sensitivity_max_abs_logit_shift"].split(";")) == 3
+
+
+# --------------------------------------------------------------------------- the variant's options reach the model
+
+def _layer_io(model, index):
+    """The args, kwargs and output of encoder layer ``index`` in one forward of ``model``."""
+    layer = _encoder(model).layer[index]
+    seen = {}
+
+    def hook(_m, args, kwargs, output):
+        seen.update(args=args, kwargs=kwargs, output=output)
+
+    h = layer.register_forward_hook(hook, with_kwargs=True)
+    return h, seen
+
+
+def _encoder(module):
+    return module.model.bert.encoder
+
+
+def _first(output):
+    return output[0] if isinstance(output, tuple) else output
+
+
+@needs_cpu_scaled_mm
+def test_a_variants_kept_layers_stay_unquantized_in_the_model_it_builds(tmp_path):
+    """keep_layers declared in a variant's options reaches the module tree the backend predicts
+    with: the kept layer is the 16-bit model's own (its Linears by type, its output bit for bit on
+    the same input), the others are FP8 — not just reported so in prepare_info."""
+    from bertqa_bench.backends.torch_backend import TorchBackend
+    from bertqa_bench.modeling import load_inference_module
+
+    path = tmp_path / "m"
+    tiny_bert(hidden=64, layers=3).save_pretrained(path)
+    rng = np.random.default_rng(0)
+    b = {"input_ids": rng.integers(5, 1000, (4, 32)).astype(np.int64), "attention_mask": np.ones((4, 32), np.int64),
+         "token_type_ids": np.zeros((4, 32), np.int64)}
+    ctx = BackendContext(model_dir=path, task="squad", artifacts_dir=tmp_path / "a", output_names=OUTPUTS,
+                         sample_batches=(b,), shapes=((4, 32),), max_batch_size=4, max_seq_len=32)
+    v = make_variant("fp8-keep", "torch", "cpu", {"weights": "fp16", "autocast": "none", "fp8": {"keep_layers": "1"}})
+    backend = v.create()
+    assert isinstance(backend, TorchBackend)
+    module, info = backend._build_model(ctx)
+    assert info["fp8_keep_layers"] == "1"
+    Fp8Linear, Fp8SelfAttention = fp8.fp8_classes()
+    layers = _encoder(module).layer
+    for i, layer in enumerate(layers):
+        linears = [layer.attention.self.query, layer.attention.self.key, layer.attention.self.value,
+                   layer.intermediate.dense, layer.output.dense] if i == 1 else []
+        if i == 1:  # by type: plain 16-bit Linears, the unfused attention
+            assert not isinstance(layer.attention.self, Fp8SelfAttention)
+            assert all(type(m) is nn.Linear and m.weight.dtype == torch.float16 for m in linears)
+        else:
+            assert isinstance(layer.attention.self, Fp8SelfAttention)
+            assert isinstance(layer.intermediate.dense, Fp8Linear) and isinstance(layer.output.dense, Fp8Linear)
+    assert not any(isinstance(m, (Fp8Linear, Fp8SelfAttention)) for m in layers[1].modules())
+
+    # by output: each layer against the unquantized 16-bit model's same layer, on the same input
+    ref = load_inference_module(path, "squad", dtype=torch.float16).eval()
+    x = tuple(torch.from_numpy(b[n]) for n in ("input_ids", "attention_mask", "token_type_ids"))
+    hooks, seen = zip(*(_layer_io(module, i) for i in range(3)))
+    with torch.inference_mode():
+        module(*x)
+        for h in hooks:
+            h.remove()
+        for i, s in enumerate(seen):
+            want = _first(_encoder(ref).layer[i](*s["args"], **s["kwargs"]))
+            got = _first(s["output"])
+            if i == 1:
+                assert torch.equal(got, want), "the kept layer computes something else than the 16-bit layer"
+            else:
+                assert not torch.equal(got, want) and rel_l2(got, want) < 0.1  # quantized, and close

@@ -3,7 +3,10 @@ import io
 import json
 
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
+import official_squad as official
 from bertqa_bench.tasks.squad.metrics import (evaluate_dataset, exact_match_score, f1_score, load_predictions,
                                        metric_max_over_ground_truths, normalize_answer, score_files,
                                        squad_evaluate)
@@ -27,6 +30,75 @@ from official_squad import official_evaluate
 ])
 def test_normalize_answer(raw, expected):
     assert normalize_answer(raw) == expected
+
+
+# --- the suite's scorer against the restated official one (tests/official_squad.py), on strings
+# built to hit what normalization does: articles as whole words and inside words, ASCII
+# punctuation glued to them, non-ASCII punctuation and letters (which the official script keeps),
+# case that changes length when lowered, and every kind of whitespace.
+_PIECES = st.sampled_from([
+    "a", "an", "the", "The", "A", "AN", "THE", "theater", "ant", "bathe", "Anne", "apple", "Paris", "1,552",
+    "U.S.A.", "e.g.", ".", ",", "-", "'", '"', "(", ")", "!", "?", ";", ":", "/", "_", "$",
+    " ", "  ", "\t", "\n", "\u00a0", "\u2003", "\u3000", "–", "—", "«", "»", "¿", "café", "über", "İ", "ß",
+    "Σ", "ﬁ", "東京", "e\u0301", "٣",
+])
+SQUADISH = st.one_of(st.lists(_PIECES, max_size=12).map("".join),
+                     st.lists(st.one_of(_PIECES, st.text(max_size=3)), max_size=8).map("".join),
+                     st.text(max_size=20))
+PROPERTY = settings(max_examples=300, deadline=None, database=None)
+
+
+@PROPERTY
+@given(SQUADISH)
+@example("a.b")        # punctuation removed before articles: "ab"; the other order gives "b"
+@example("the. cat")
+@example("theater an-the")
+@example("İstanbul THE")
+def test_normalize_answer_is_the_official_one(text):
+    assert normalize_answer(text) == official.normalize_answer(text)
+
+
+@PROPERTY
+@given(SQUADISH, SQUADISH)
+@example("York York", "York York city")  # token counts, not sets: 2 common tokens, not 1
+@example("the cat cat", "cat cat")
+@example("a.b", "b")
+@example("the the cat", "cat the")
+def test_em_and_f1_are_the_official_ones(prediction, gold):
+    assert exact_match_score(prediction, gold) == float(official.exact_match_score(prediction, gold))
+    assert f1_score(prediction, gold) == pytest.approx(official.f1_score(prediction, gold), abs=1e-12)
+
+
+@PROPERTY
+@given(st.lists(st.tuples(SQUADISH, st.lists(SQUADISH, min_size=1, max_size=3), st.booleans()), min_size=1,
+                max_size=6))
+def test_dataset_scores_are_the_official_ones(questions):
+    data = [{"title": "t", "paragraphs": [{"context": "c", "qas": [
+        {"id": f"q{i}", "question": "?", "answers": [{"text": g, "answer_start": 0} for g in golds]}
+        for i, (_, golds, _) in enumerate(questions)]}]}]
+    preds = {f"q{i}": p for i, (p, _, answered) in enumerate(questions) if answered}
+    assert evaluate_dataset({"data": data}, preds) == pytest.approx(official.official_evaluate(data, preds))
+
+
+def test_score_files_matches_the_official_evaluator_on_every_gold_answer(tmp_path):
+    """A file whose questions have several gold answers, predicted by each of them in turn (and by
+    variants of them): ``bertqa-bench score`` takes the best over all golds, as the official script
+    does — a scorer that looked at the first gold only would agree on the first round alone."""
+    data = [{"title": "t", "paragraphs": [{"context": _CTX, "qas": [
+        {"id": "q1", "question": "When?", "answers": [{"text": "1874", "answer_start": 36},
+                                                      {"text": "in 1874", "answer_start": 33}]},
+        {"id": "q2", "question": "Who?", "answers": [{"text": "Okafor", "answer_start": 7},
+                                                     {"text": "Marisa Okafor", "answer_start": 0},
+                                                     {"text": "Marisa", "answer_start": 0}]}]}]}]
+    path = tmp_path / "dev.json"
+    path.write_text(json.dumps({"version": "1.1", "data": data}))
+    rounds = [{"q1": "1874", "q2": "Okafor"}, {"q1": "in 1874", "q2": "Marisa Okafor"},
+              {"q1": "In 1874.", "q2": "marisa"}, {"q1": "born in 1874", "q2": "the Marisa Okafor family"}]
+    for preds in rounds:
+        result, _ = _score(tmp_path, path, preds)
+        want = official.official_evaluate(data, preds)
+        assert (result["exact_match"], result["f1"]) == pytest.approx((want["exact_match"], want["f1"])), preds
+    assert official.official_evaluate(data, rounds[1]) == {"exact_match": 100.0, "f1": 100.0}
 
 
 def test_exact_match_ignores_case_punctuation_articles():

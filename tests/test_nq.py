@@ -537,3 +537,69 @@ def test_model_outputs_and_loss(tmp_path):
     assert json.loads((tmp_path / "config.json").read_text())["architectures"] == ["BertJointForNaturalQuestions"]
     module = load_inference_module(tmp_path, "nq")  # the task names its head: no guessing from the architecture
     assert module.names == NQ_OUTPUTS
+
+
+# ----------------------------------------------------------------------------- metric vs a restated reference
+
+def _predictions_from_annotations(records, seed):
+    """Predictions copied from one random annotator per example (null for about a third), with random
+    scores: right on some examples, wrong or null on others, so thresholds and gold rules matter."""
+    rng = np.random.default_rng(seed)
+    preds = []
+    for rec in records:
+        ann = rec["annotations"][int(rng.integers(len(rec["annotations"])))]
+        null = {"start_token": -1, "end_token": -1}
+        keep = rng.random() > 0.33
+        preds.append({"example_id": rec["example_id"],
+                      "long_answer": ann["long_answer"] if keep else null,
+                      "long_answer_score": float(rng.normal()),
+                      "short_answers": ann["short_answers"] if keep else [],
+                      "short_answers_score": float(rng.normal()),
+                      "yes_no_answer": ann["yes_no_answer"] if keep else "NONE"})
+    return preds
+
+
+def test_task_options_reach_the_metric_and_match_the_restated_official_rules(tmp_path):
+    """NQTask.score with the suite's task options against tests/official_nq.py (which reads the raw
+    files itself): each non-null threshold gives the reference's numbers, and changing it changes
+    them — a task that ignored its options would score every threshold alike."""
+    import official_nq
+
+    from bertqa_bench.tasks import get_task
+
+    task = get_task("nq")
+    base = DataConfig(source="nq-synthetic", data_dir=str(tmp_path), max_seq_len=128, doc_stride=64,
+                      synthetic=SyntheticConfig(**{**_TINY, "n_dev_contexts": 8}))
+    dev = task.load_examples(SuiteConfig(data=base, task=TaskConfig("nq", NQOptions())), "dev")
+    records = official_nq.read_jsonl(task.data_files(base, "dev")[0])
+    assert [str(r["example_id"]) for r in records] == [ex.key for ex in dev]
+    preds = {"predictions": _predictions_from_annotations(records, seed=5)}
+    seen = {}
+    for long_t, short_t in [(1, 1), (2, 2), (3, 3), (1, 3), (3, 1)]:
+        cfg = SuiteConfig(data=base, task=TaskConfig("nq", NQOptions(long_non_null_threshold=long_t,
+                                                                      short_non_null_threshold=short_t)))
+        got = task.score(dev, preds, cfg)
+        want = official_nq.nq_scores(records, preds["predictions"], long_non_null_threshold=long_t,
+                                     short_non_null_threshold=short_t)
+        for k, v in want.items():
+            assert got[k] == pytest.approx(v, abs=1e-9), (long_t, short_t, k)
+        seen[(long_t, short_t)] = (got["long_f1"], got["short_f1"])
+    # the generated dev set's annotators disagree, so the thresholds move both scores
+    assert len({v[0] for v in seen.values()}) >= 2 and len({v[1] for v in seen.values()}) >= 2
+    assert seen[(1, 3)][0] == seen[(1, 1)][0] and seen[(1, 3)][1] == seen[(3, 3)][1]  # each option its own score
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_metric_matches_the_restated_official_rules_on_the_hand_made_set(seed):
+    import official_nq
+
+    gold = _gold_set()
+    records = [{"example_id": ex.example_id, "annotations": [
+        {"long_answer": {"start_token": a.long_start, "end_token": a.long_end},
+         "short_answers": [{"start_token": s, "end_token": e} for s, e in a.short_answers],
+         "yes_no_answer": a.yes_no_answer} for a in ex.annotations]} for ex in gold]
+    preds = _predictions_from_annotations(records, seed)
+    for t in (1, 2):
+        got = nq_evaluate(gold, preds, long_non_null_threshold=t, short_non_null_threshold=t)
+        want = official_nq.nq_scores(records, preds, long_non_null_threshold=t, short_non_null_threshold=t)
+        assert {k: got[k] for k in want} == pytest.approx(want)

@@ -23,17 +23,14 @@ def _inputs(lengths, s=64):
 class Echo(Backend):
     """Returns, for every token, the row's id token (so outputs say which row they came from)."""
 
-    def __init__(self, name="echo", sleep_s=0.0):
-        self.name, self.calls, self.shapes, self.sleep_s = name, 0, [], sleep_s
+    def __init__(self, name="echo"):
+        self.name, self.calls, self.shapes = name, 0, []
         self.prepare_info = {}
 
     def prepare(self, ctx):
         pass
 
     def predict(self, batch):
-        import time
-
-        time.sleep(self.sleep_s)
         self.calls += 1
         self.shapes.append(batch["input_ids"].shape)
         ids = batch["input_ids"].astype(np.float32)
@@ -108,6 +105,37 @@ def test_scatter_leaves_positions_a_short_batch_never_computed_at_pad_logit():
     assert np.all(arrays["start_logits"][:, :8] == 1) and np.all(arrays["start_logits"][:, 8:] == PAD_LOGIT)
 
 
+def test_packed_batches_scatter_back_to_dataset_order():
+    """The packed plan reorders rows by length and cuts each batch's token axis to its longest row:
+    rows of different lengths, shuffled, with padding inside a batch and positions past its width.
+    After scatter (and the padding mask the bench applies) every row holds exactly its own outputs
+    at its own index — checked against arrays built directly from the lengths."""
+    from bertqa_bench.schedule import mask_padding
+
+    rng = np.random.default_rng(7)
+    lengths = rng.permutation(np.array([3, 17, 5, 64, 9, 33, 2, 48, 12, 7, 26, 40, 4, 61, 19]))
+    s = 64
+    x = _inputs(lengths, s)
+    plan = make_plan(lengths, batching="packed", batch_size=2, max_seq_len=s, tokens_per_batch=80)
+    order = np.concatenate([b.rows for b in plan.batches])
+    assert sorted(order.tolist()) == list(range(len(lengths))) and order.tolist() != sorted(order.tolist())
+    assert any(b.shape[1] < s for b in plan.batches) and any(lengths[b.rows].min() < b.shape[1] for b in plan.batches)
+    echo, outputs = Echo(), {}
+    for b in plan.batches:
+        out = echo.predict(batch_inputs(x, b))
+        assert out["start_logits"].shape == b.shape
+        if not outputs:
+            outputs = empty_outputs(out, plan.n_features, s, TOKEN)
+        scatter(outputs, b, out)
+    mask_padding(outputs, x["attention_mask"], TOKEN)
+    want_start = np.full((len(lengths), s), PAD_LOGIT, np.float32)
+    for i, n in enumerate(lengths):
+        want_start[i, :n] = 100 + i  # row i's id token, at row i, on its real tokens only
+    np.testing.assert_array_equal(outputs["start_logits"], want_start)
+    np.testing.assert_array_equal(outputs["end_logits"], np.where(want_start == PAD_LOGIT, PAD_LOGIT, -want_start))
+    np.testing.assert_array_equal(outputs["answer_type_logits"][:, 0], 100 + np.arange(len(lengths)))
+
+
 def test_warm_up_runs_every_shape_of_the_plan_before_timing():
     lengths = np.array([10] * 40 + [60] * 10 + [120] * 5)
     plan = make_plan(lengths, batching="sorted", batch_size=4, max_seq_len=128, seq_multiple=32)
@@ -118,17 +146,49 @@ def test_warm_up_runs_every_shape_of_the_plan_before_timing():
     assert warm_up(echo2, plan, materialize(_inputs(lengths, 128), plan), 7) == 7
 
 
-def test_timed_passes_repeat_until_both_minimums_are_met():
+class SimulatedClock:
+    """A clock that moves only when a backend works: each predict() takes exactly ``step_s``."""
+
+    def __init__(self):
+        self.now = 1024.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Ticking(Echo):
+    def __init__(self, clock, step_s):
+        super().__init__()
+        self.clock, self.step_s = clock, step_s
+
+    def predict(self, batch):
+        self.clock.now += self.step_s
+        return super().predict(batch)
+
+
+# Steps of 1/32 s from a round start: every sum below is exact in binary floating point.
+STEP = 0.03125
+PASS = 3 * STEP  # 3 batches a pass
+
+
+@pytest.mark.parametrize("min_passes, min_duration_s, want_passes", [
+    (3, 0.0, 3),           # the passes decide
+    (1, 0.2, 3),           # the duration decides: 0.094, 0.1875 (< 0.2), 0.281
+    (5, 0.2, 5),           # both: the duration is met after 3 passes, the passes after 5
+    (1, 2 * PASS, 2),      # a duration reached exactly is met: no extra pass
+])
+def test_timed_passes_repeat_until_both_minimums_are_met(min_passes, min_duration_s, want_passes):
     lengths = np.full(12, 5)
     plan = make_plan(lengths, batching="padded", batch_size=4, max_seq_len=8)
     batches = materialize(_inputs(lengths, 8), plan)
-    echo = Echo()
-    _, t = timed_passes(echo, plan, batches, TOKEN, TOKEN, 8, min_passes=3, min_duration_s=0.0)
-    assert len(t.pass_s) == 3 and echo.calls == 9 and len(t.batch_ms) == 9
-    slow = Echo(sleep_s=0.01)
-    _, t = timed_passes(slow, plan, batches, TOKEN, TOKEN, 8, min_passes=1, min_duration_s=0.2)
-    assert sum(t.pass_s) >= 0.2 and len(t.pass_s) >= 5  # ~0.03 s a pass
-    assert t.identical_passes
+    clock = SimulatedClock()
+    backend = Ticking(clock, step_s=STEP)
+    _, t = timed_passes(backend, plan, batches, TOKEN, TOKEN, 8, min_passes=min_passes,
+                        min_duration_s=min_duration_s, clock=clock)
+    assert len(t.pass_s) == want_passes and backend.calls == 3 * want_passes
+    assert t.pass_s == [PASS] * want_passes  # each pass timed from its first batch to its last
+    assert t.batch_ms.tolist() == [STEP * 1e3] * (3 * want_passes)
+    assert t.identical_passes and t.predict_s == PASS
 
 
 def test_timing_summary_reports_the_median_pass_and_its_spread():

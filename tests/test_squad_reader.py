@@ -131,13 +131,17 @@ def test_malformed_file_names_file_record_and_field(tmp_path, case):
     assert (err.value.record, err.value.field) == (record, field)
 
 
-def test_error_in_last_record_returns_nothing_partial(tmp_path):
-    # Three valid questions come first; the loader must still fail as a whole.
+def test_error_in_last_record_fails_the_whole_file(tmp_path):
+    # Three valid questions come first; the loader must still fail as a whole (no partial list of
+    # the questions before the flaw), and name the last record as the one at fault.
+    valid = load_squad_json(_write(tmp_path, _valid(), "valid.json"))
     obj = _mutate(lambda o: _qa(o, a=1)["answers"][0].__setitem__("text", "Varnesse"))
-    result = None
-    with pytest.raises(DatasetFormatError):
-        result = load_squad_json(_write(tmp_path, obj))
-    assert result is None
+    path = _write(tmp_path, obj)
+    with pytest.raises(DatasetFormatError) as err:
+        load_squad_json(path)
+    assert err.value.record.startswith("data[1].paragraphs[0].qas[0]") and err.value.path == str(path)
+    assert err.value.field in ("answer_start", "text"), err.value
+    assert [ex.id for ex in valid][-1] in err.value.record  # the flawed question is the file's last
 
 
 def test_duplicate_id_message_points_to_first_use(tmp_path):

@@ -1,0 +1,300 @@
+"""``bertqa-bench loadgen``: MLPerf LoadGen scenarios, beside ``bench``'s full-dataset throughput.
+
+``bench`` answers MLPerf's Offline question (how long for the whole dataset?). LoadGen answers
+the other two a deployment asks, with MLPerf's own load generator owning the clock:
+
+* **SingleStream** — one query at a time, the next when the last has answered: the latency of
+  one question (the 90th percentile is the result);
+* **Server** — queries arriving as a Poisson process at a target rate: is the 99th-percentile
+  latency within the bound (130 ms for BERT in MLPerf) — LoadGen's VALID / INVALID — and, with
+  ``--find-peak-qps``, the highest target rate LoadGen calls VALID;
+* **Offline** — every sample in one query: throughput, cross-checked with ``bench``'s.
+
+The evaluation set is LoadGen's query sample library: one sample is one feature (a window of a
+question and its context, as in MLPerf's BERT), so QPS here means features per second. Each
+variant is the system under test in its own worker process (``loadgen_sut.py``), started by
+``launcher.launch`` exactly as ``bench`` starts its workers: the same prepare and warm-up, the
+same crash/hang isolation and time limit. LoadGen's accuracy run goes back through the same
+postprocessor, scorer and parity check as ``bench`` (against the reference variant's own
+accuracy run in the same scenario), and a row without a complete accuracy run is failed, never
+reported as passing. One ``BackendResult`` per variant, with the scenario fields filled; LoadGen's
+``mlperf_log_summary.txt`` and ``mlperf_log_detail.txt`` stay in ``loadgen/<variant>/`` of the
+run bundle.
+"""
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+from .config import SCENARIOS, SuiteConfig
+from .errors import ConfigError
+from .loadgen_results import NS_PER_MS, decode_accuracy_log
+
+
+# --- the parent side: one row per variant ---------------------------------------------------
+def _job(cfg: SuiteConfig, task, variant, model, evalset, bundle, scenario: str, find_peak_qps: bool):
+    from .bench import make_job, plan_key
+
+    b = cfg.bench
+    batching, batch_size = plan_key(cfg, variant)
+    tokens = b.tokens_per_batch * batch_size // b.batch_size if b.tokens_per_batch else None
+    job = make_job(cfg, task, variant, model, evalset, bundle)
+    spec = {"scenario": scenario, "settings": dataclasses.asdict(cfg.loadgen), "find_peak": bool(find_peak_qps),
+            "out_dir": str(bundle.path("loadgen", variant.name)), "batch_size": batch_size,
+            "seq_multiple": b.seq_multiple, "tokens_per_batch": tokens, "max_batch_rows": b.max_batch_rows}
+    return dataclasses.replace(job, kind="loadgen", loadgen=spec)
+
+
+def _keep_logs(bundle, name: str, rec: dict) -> list[Path]:
+    """The summary and detail logs of the accuracy run and of the reported performance run, in
+    ``loadgen/<variant>/{accuracy,performance}/``; the traces and empty performance-mode
+    accuracy logs go."""
+    root = bundle.path("loadgen", name)
+    perf = root / "performance"
+    chosen = Path(rec.get("performance", {}).get("log_dir") or perf)
+    if chosen != perf and chosen.exists():  # the peak search's reported run
+        perf.mkdir(parents=True, exist_ok=True)
+        for f in ("mlperf_log_summary.txt", "mlperf_log_detail.txt"):
+            if (chosen / f).exists():
+                shutil.copyfile(chosen / f, perf / f)
+    for f in root.rglob("mlperf_log_trace.json"):
+        f.unlink()
+    for f in root.rglob("mlperf_log_accuracy.json"):
+        if f.parent.name != "accuracy":
+            f.unlink()
+    # The performance run's pair goes to MLflow (artifacts are keyed by file name: the accuracy
+    # run's files of the same names stay in the bundle only).
+    return [p for p in (perf / "mlperf_log_summary.txt", perf / "mlperf_log_detail.txt") if p.exists()]
+
+
+def _fill_scenario(r, rec: dict, scenario: str) -> None:
+    perf = rec["performance"]
+    r.scenario = scenario
+    r.loadgen_result = perf.get("validity") or "?"
+    r.loadgen_invalid_reason = perf.get("why", "")
+    r.target_qps = perf.get("target_qps")
+    r.achieved_qps = perf.get("achieved_qps")
+    r.sample_latency_p50_ms = perf.get("p50_ms")
+    r.sample_latency_p90_ms = perf.get("p90_ms")
+    r.sample_latency_p99_ms = perf.get("p99_ms")
+    r.sample_latency_p999_ms = perf.get("p999_ms")
+    r.sample_latency_mean_ms = perf.get("mean_ms")
+    r.target_latency_ms = perf.get("target_latency_ms") if scenario == "Server" else None
+    r.loadgen_min_duration_ms = perf.get("min_duration_ms")
+    r.loadgen_min_query_count = perf.get("min_query_count")
+    r.loadgen_query_count = perf.get("query_count")
+    runs = rec.get("peak_runs")
+    if runs:
+        r.peak_search = ", ".join(f"{x['target_qps']:.4g}:{'V' if x['validity'] == 'VALID' else 'I'}" for x in runs)
+    sut = rec.get("sut") or {}
+    if sut:
+        r.sut_batcher = (f"{sut['grouping']}, max batch {sut['max_batch']}, max wait {sut['max_wait_us']} µs, "
+                         f"mean batch {sut['mean_batch_rows']:.1f}" if scenario == "Server" else
+                         (f"batch of one at its own length, in {sut['shapes']} length buckets" if sut["length_aware"]
+                          else "batch of one, padded to max_seq_len") if scenario == "SingleStream" else
+                         "the bench plan over LoadGen's query")
+    bench = rec.get("bench")
+    if bench:
+        r.bench_features_per_s = bench["features_per_s"]
+        if r.achieved_qps:
+            r.qps_vs_bench_pct = r.achieved_qps / bench["features_per_s"] * 100.0
+    r.prepare_s = rec.get("prepare_s")
+    r.prepare_info = dict(rec.get("prepare_info") or {})
+    for k, v in (rec.get("measures") or {}).items():
+        if hasattr(r, k):
+            setattr(r, k, v)
+
+
+def headline(r) -> Optional[float]:
+    """The scenario's result, higher is better: 1/p90 for SingleStream, achieved QPS otherwise."""
+    if r.scenario == "SingleStream":
+        return 1.0 / r.sample_latency_p90_ms if r.sample_latency_p90_ms else None
+    return r.achieved_qps
+
+
+def run_loadgen(cfg: SuiteConfig, scenario: str, *, backends: Optional[list[str]] = None,
+                find_peak_qps: bool = False, run_id: Optional[str] = None, tracker=None, progress: bool = True,
+                command: str = "", log: Callable[[str], None] = print):
+    """Every variant (reference first) as LoadGen's SUT in ``scenario``; one BackendResult each."""
+    from .backends.variants import VariantTable
+    from .bench import plan_for, plan_key, plan_path
+    from .envinfo import device_name, environment
+    from .evalset import load_evalset
+    from .parity import verdict
+    from .results import RunBundle, RunMeta, new_run_id
+    from .tasks import get_task
+    from .tracking import Tracker
+    from .train import ensure_model
+
+    if scenario not in SCENARIOS:
+        raise ConfigError(f"scenario '{scenario}' is not one of {', '.join(SCENARIOS)}")
+    if find_peak_qps and scenario != "Server":
+        raise ConfigError("--find-peak-qps searches a Server target; it does not apply to " + scenario)
+    try:
+        import mlperf_loadgen  # noqa: F401
+    except ImportError:
+        raise ConfigError("LoadGen is not installed: pip install mlcommons-loadgen (module mlperf_loadgen)") from None
+    reference = cfg.bench.reference
+    table = VariantTable.for_suite(cfg)
+    names = [reference] + [n for n in (backends or cfg.bench.backends) if n != reference]
+    variants = table.require(names)
+    tracker = tracker or Tracker(cfg.results_root, enabled=False)
+    task = get_task(cfg.task.name)
+    model = ensure_model(cfg, log, tracker)
+    evalset = load_evalset(cfg, task, str(model.dir), log=log)
+    plans = {k: plan_for(cfg, evalset, k) for k in dict.fromkeys(plan_key(cfg, v) for v in variants)}
+    plan = plans[plan_key(cfg, variants[0])]
+    lg = cfg.loadgen
+    env = environment()
+    meta = RunMeta(suite=cfg.name, run_id=run_id or new_run_id(f"{cfg.name}-{scenario.lower()}"), task=task.name,
+                   metric_names=list(task.metric_names), primary_metric=task.primary_metric, reference=reference,
+                   metric_labels=dict(task.metric_labels), command=command,
+                   date=time.strftime("%Y-%m-%d", time.gmtime()), model=cfg.model.name, model_note=model.note,
+                   model_params=model.params, model_dev_metric=model.dev_primary, timing_only=model.timing_only,
+                   batching=plan.batching, batch_size=cfg.bench.batch_size, max_seq_len=evalset.features.seq_len,
+                   n_features=evalset.n_features, n_questions=evalset.n_questions,
+                   device_name=device_name(variants[0].device))
+    meta.notes.append(
+        f"MLPerf LoadGen {scenario}" + (" with the peak search (highest VALID target QPS)" if find_peak_qps else "")
+        + f": the query sample library is the evaluation set, one sample = one feature (as in MLPerf's BERT), "
+          f"{evalset.n_features} samples; QPS counts features. min duration {lg.min_duration_ms} ms, "
+          f"min queries {lg.min_query_count}"
+        + (f"; bound {lg.server_target_latency_ns / NS_PER_MS:g} ms at p{lg.server_target_latency_percentile * 100:g}"
+           if scenario == "Server" else ""))
+    bundle = RunBundle.create(cfg.results_root, meta, cfg.to_dict(), env)
+    for k, p in plans.items():
+        p.save(plan_path(bundle, k))
+    env_tags = {f"env.{k}": v for k, v in env.items()}
+    tracker.start_bench(meta, tags=env_tags | {"results_dir": str(bundle.dir), "scenario": scenario})
+    log(f"loadgen {scenario}: {evalset.n_features} samples (features) of {evalset.n_questions} questions")
+
+    meta.status, meta.variants = "running", list(names)
+    bundle.write_meta()
+    try:
+        return _rows_of(cfg, scenario, find_peak_qps, variants, task, model, evalset, plans, bundle, meta, tracker,
+                        env_tags, progress, log)
+    except KeyboardInterrupt as e:  # interrupt.Interrupted (SIGTERM, SIGINT, SIGHUP): finished rows stay
+        from .interrupt import as_interrupted
+
+        stop = as_interrupted(e)
+        v = verdict(bundle.results, reference, timing_only=model.timing_only, problems=list(meta.problems))
+        meta.status, meta.interrupted_by = "interrupted", stop.signal_name
+        meta.verdict, meta.verdict_reasons = v.status, v.reasons
+        bundle.write_meta()
+        from .report import write_report
+
+        write_report(bundle)
+        tracker.interrupt_bench(bundle, v, stop.signal_name)
+        log(f"interrupted by {stop.signal_name}: {len(bundle.results)} of {len(names)} variants finished; "
+            f"results in {bundle.dir}")
+        raise stop from None
+
+
+def _rows_of(cfg, scenario, find_peak_qps, variants, task, model, evalset, plans, bundle, meta, tracker, env_tags,
+             progress, log):
+    """The variants one after the other (reference first), each row written as it finishes."""
+    from .bench import BenchOutcome, Reference, identity, plan_key
+    from .launcher import launch
+    from .parity import compare, tolerance_for, verdict
+    from .schedule import mask_padding
+    from .worker import format_error, load_outputs
+
+    reference = cfg.bench.reference
+    ref: Optional[Reference] = None
+    ref_row = None
+    problems: list[str] = []
+    features = evalset.features
+    lengths = evalset.lengths()
+    for variant in variants:
+        r = identity(cfg, task, variant, model, evalset, plans[plan_key(cfg, variant)])
+        r.scenario = scenario
+        why = (variant.backend_class.batching_reason(variant.options, r.batching)
+               or variant.backend_class.family_reason(variant.options, model.family))  # as bench does
+        if why:
+            r.status, r.error = "not run", why
+            _log_row(log, task, r)
+            bundle.add(r)
+            tracker.log_backend(meta, r, env_tags | {"scenario": scenario})
+            continue
+        log(f"[{variant.name}] prepare, warm-up, bench passes, then LoadGen {scenario} (accuracy, performance) ...")
+        job = _job(cfg, task, variant, model, evalset, bundle, scenario, find_peak_qps)
+        rec = launch(job, timeout_s=variant.timeout_s or cfg.bench.timeout_s,
+                     log_path=bundle.path("logs", f"{variant.name}.log"), echo=progress, isolation=cfg.bench.isolation)
+        r.status, r.error = rec["status"], rec.get("error", "")
+        kept: list[Path] = []
+        pred_path = None
+        if r.ok:
+            try:
+                kept = _keep_logs(bundle, variant.name, rec)
+                _fill_scenario(r, rec, scenario)
+                acc_log = Path(rec["accuracy_log"])
+                lg_out, seen = decode_accuracy_log(acc_log, rec["layout"], lengths, features.seq_len)
+                missing = int((seen == 0).sum())
+                r.accuracy_samples = int((seen > 0).sum())
+                if missing:
+                    raise RuntimeError(f"LoadGen's accuracy log answers {r.accuracy_samples} of {len(seen)} features: "
+                                       "without every answer the row cannot be scored")
+                outputs = mask_padding(lg_out, features.attention_mask, task.token_outputs)
+                t0 = time.perf_counter()
+                predictions = task.postprocess(evalset.examples, features, outputs, cfg)
+                r.postprocess_s = time.perf_counter() - t0
+                r.scores = {k: float(v) for k, v in task.score(evalset.examples, predictions, cfg).items()}
+                per_question = task.question_scores(evalset.examples, predictions, cfg)
+                r.accuracy_run = f"ok: {r.accuracy_samples} samples"
+                pred_path = bundle.write_predictions(variant.name, predictions)
+                if rec.get("bench"):  # the same process's bench outputs: LoadGen's path changes no answer
+                    bench_out = mask_padding(load_outputs(job.outputs), features.attention_mask, task.token_outputs)
+                    k, n = task.agreement(task.postprocess(evalset.examples, features, bench_out, cfg), predictions)
+                    r.bench_answer_agreement = k / n if n else 1.0
+                if variant.name == reference:
+                    ref, ref_row = Reference(outputs, predictions, r.scores, [], per_question), r
+                if ref is not None:  # exactly bench's comparison (bench._run_variant), paired bootstrap included
+                    paired = (ref.question_scores, per_question) if (
+                        ref.question_scores is not None and per_question is not None) else None
+                    p = compare(parity_class=variant.parity_class,
+                                tolerance=tolerance_for(cfg.parity, variant.name, variant.parity_class),
+                                primary_metric=task.primary_metric, ref_scores=ref.scores, scores=r.scores,
+                                agreement=task.agreement(predictions, ref.predictions), ref_outputs=ref.outputs,
+                                outputs=outputs, attention_mask=features.attention_mask, question_scores=paired,
+                                metrics_from_sums=task.metrics_from_sums if paired else None)
+                    r.apply_parity(p, judged=not model.timing_only)
+                    a, b = headline(r), headline(ref_row) if ref_row else None
+                    r.speedup = a / b if a and b else None
+                if r.loadgen_result != "VALID":
+                    problems.append(f"{variant.name}: LoadGen {scenario} {r.loadgen_result}: {r.loadgen_invalid_reason}")
+                    meta.problems = list(problems)
+                if variant.name != reference:
+                    acc_log.unlink(missing_ok=True)  # large; the reference's stays, as bench keeps its logits
+                if not cfg.bench.keep_outputs:
+                    Path(job.outputs).unlink(missing_ok=True)
+            except Exception as e:  # noqa: BLE001 - one row's scoring must not lose the others
+                r.status, r.error = "failed", f"while scoring the LoadGen run: {format_error(e)}"
+        _log_row(log, task, r)
+        bundle.add(r)
+        tracker.log_backend(meta, r, env_tags | {"scenario": scenario, "loadgen_result": r.loadgen_result},
+                            [pred_path, *kept] if pred_path else kept, bundle.path("logs", f"{variant.name}.log"))
+
+    v = verdict(bundle.results, reference, timing_only=model.timing_only, problems=problems)
+    meta.verdict, meta.verdict_reasons, meta.status = v.status, v.reasons, "complete"
+    bundle.write_meta()
+    from .report import write_report
+
+    summary = write_report(bundle)
+    tracker.finish_bench(bundle, v)
+    return BenchOutcome(bundle, summary, v, evalset, ref, problems)
+
+
+def _log_row(log, task, r) -> None:
+    if not r.ok:
+        log(f"[{r.backend}] {r.status.upper()}: {r.error}")
+        return
+    scores = "  ".join(f"{k}={r.scores.get(k, float('nan')):.2f}" for k in task.metric_names)
+    lat = "  ".join(f"{k}={getattr(r, f'sample_latency_{k}_ms'):.2f}ms" for k in ("p50", "p90", "p99")
+                    if getattr(r, f"sample_latency_{k}_ms") is not None)
+    log(f"[{r.backend}] {r.scenario} {r.loadgen_result}  {lat}  {r.achieved_qps or 0:,.1f} samples/s"
+        + (f" (target {r.target_qps:,.1f})" if r.target_qps else "")
+        + (f"  bench {r.bench_features_per_s:,.1f} features/s" if r.bench_features_per_s else "")
+        + f"  {scores}  parity={r.parity or '—'}" + (f"  [{r.loadgen_invalid_reason}]" if r.loadgen_invalid_reason else ""))

@@ -1,0 +1,259 @@
+#!/usr/bin/env python3
+"""``make mutation-check``: plant known bugs in a scratch copy of the repository and check that the
+tests catch each one (not part of CI: it reruns test files once per bug, ~15 minutes on 2 cores).
+
+Every mutant is one exact text substitution in one source file, with the few test files that
+should catch it. The substitution must apply exactly once: when a refactor removes or changes the
+target text, the mutant is reported as NOT APPLIED (and the check fails) instead of passing
+silently as "killed". A mutant is KILLED when its tests fail (pytest exit status 1), SURVIVED when
+they pass; any other outcome (a collection error, no tests selected, a timeout) is an ERROR. First
+the selected tests run once on the unmutated copy: they must pass, or no kill means anything.
+
+    python scripts/mutation_check.py             # every mutant
+    python scripts/mutation_check.py -k cache    # mutants whose name contains "cache"
+    python scripts/mutation_check.py --list
+
+The working tree is copied as it is (tracked files and untracked ones git does not ignore), so
+uncommitted changes are checked too; the repository itself is never modified.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    path: str  # relative to the repository root
+    old: str  # must occur exactly once in the file
+    new: str
+    tests: tuple  # pytest arguments: files, node ids, -k expressions
+    why: str  # the bug it stands for
+
+
+M = Mutant
+MUTANTS = [
+    # --- SQuAD scorer (tests/official_squad.py is the independent reference)
+    M("squad-normalize-order", "bertqa_bench/tasks/squad/metrics.py",
+      '    s = "".join(ch for ch in s if ch not in _PUNCTUATION)\n    s = _ARTICLES.sub(" ", s)\n',
+      '    s = _ARTICLES.sub(" ", s)\n    s = "".join(ch for ch in s if ch not in _PUNCTUATION)\n',
+      ("tests/test_metrics.py", "-k", "official"),
+      "articles removed before punctuation ('a.b' -> 'b', officially 'ab')"),
+    M("squad-articles-inside-words", "bertqa_bench/tasks/squad/metrics.py",
+      '_ARTICLES = re.compile(r"\\b(a|an|the)\\b")', '_ARTICLES = re.compile(r"(a|an|the)")',
+      ("tests/test_metrics.py", "-k", "official"), "articles removed inside words ('theater' -> 'ter')"),
+    M("squad-f1-token-sets", "bertqa_bench/tasks/squad/metrics.py",
+      "common = Counter(prediction_tokens) & Counter(ground_truth_tokens)",
+      "common = Counter(set(prediction_tokens)) & Counter(set(ground_truth_tokens))",
+      ("tests/test_metrics.py", "-k", "official"), "F1 over token sets instead of token counts"),
+    M("squad-first-gold-only", "bertqa_bench/tasks/squad/metrics.py",
+      "exact_match += metric_max_over_ground_truths(exact_match_score, prediction, golds)",
+      "exact_match += metric_max_over_ground_truths(exact_match_score, prediction, golds[:1])",
+      ("tests/test_metrics.py", "-k", "official"), "EM against the first gold answer, not the best one"),
+    M("squad-score-file-first-gold", "bertqa_bench/tasks/squad/metrics.py",
+      "    result: dict = _aggregate(((qid, golds) for qid, golds, _ in ds.questions), predictions,",
+      "    result: dict = _aggregate(((qid, golds[:1]) for qid, golds, _ in ds.questions), predictions,",
+      ("tests/test_metrics.py", "tests/test_fuzz.py", "-k", "official or strict_reader"),
+      "`bertqa-bench score` scores against the first gold answer only"),
+    # --- NQ: the task's options reach its metric (tests/official_nq.py is the reference)
+    M("nq-task-ignores-thresholds", "bertqa_bench/tasks/nq/task.py",
+      "return nq_evaluate(examples, predictions, long_non_null_threshold=o.long_non_null_threshold,\n"
+      "                           short_non_null_threshold=o.short_non_null_threshold)",
+      "return nq_evaluate(examples, predictions)",
+      ("tests/test_nq.py", "-k", "restated"), "NQTask.score ignores the suite's non-null thresholds"),
+    M("nq-task-short-threshold-from-long", "bertqa_bench/tasks/nq/task.py",
+      "nq_evaluate(examples, predictions, long_non_null_threshold=o.long_non_null_threshold,\n"
+      "                           short_non_null_threshold=o.short_non_null_threshold)",
+      "nq_evaluate(examples, predictions, long_non_null_threshold=o.long_non_null_threshold,\n"
+      "                           short_non_null_threshold=o.long_non_null_threshold)",
+      ("tests/test_nq.py", "-k", "restated"), "the short threshold option wired to the long one"),
+    M("nq-gold-rule-strict", "bertqa_bench/tasks/nq/metrics.py",
+      "return (sum(a.has_long for a in ex.annotations) >= long_needed,",
+      "return (sum(a.has_long for a in ex.annotations) > long_needed,",
+      ("tests/test_nq.py", "-k", "restated"), "a gold long answer needs more annotations than the threshold"),
+    # --- parity: the compare rule, the verdict, the gate's expected-scores file
+    M("parity-agreement-vs-f1-tolerance", "bertqa_bench/parity.py",
+      "agree_fails = not share >= tolerance.min_agreement", "agree_fails = not share >= tolerance.min_f1_ratio",
+      ("tests/test_parity.py",), "answer agreement judged against the F1-ratio tolerance"),
+    M("parity-verdict-ignores-parity-failures", "bertqa_bench/parity.py",
+      'if r.parity == "FAIL" and not getattr(r, "parity_within_noise", False)]',
+      'if r.parity == "never" and not getattr(r, "parity_within_noise", False)]',
+      ("tests/test_parity.py", "tests/test_parity_noise.py"), "a backend that broke its tolerance does not fail the run"),
+    # --- parity's uncertainty (issue 19)
+    M("parity-bootstrap-unpaired", "bertqa_bench/parity.py",
+      "m_ref, m_out = metrics(ref[idx].sum(axis=1), n), metrics(out[idx].sum(axis=1), n)",
+      "m_ref, m_out = metrics(ref[idx].sum(axis=1), n), metrics(out[rng.integers(0, n, size=(b, n))].sum(axis=1), n)",
+      ("tests/test_parity_noise.py",), "backend and reference resampled on different questions (not paired)"),
+    M("parity-inconclusive-passes", "bertqa_bench/parity.py",
+      'return Verdict("INCONCLUSIVE", noisy)', 'return Verdict("PASS", noisy)',
+      ("tests/test_parity_noise.py",), "a run whose failures are within noise passes the gate"),
+    M("parity-noise-any-broken-rule", "bertqa_bench/parity.py",
+      "all(v[0] for v in deciding.values())", "any(v[0] for v in deciding.values())",
+      ("tests/test_parity_noise.py",), "a failure called within noise when only one of its broken rules is"),
+    M("contract-shape-unchecked", "bertqa_bench/runner.py",
+      "if tuple(v.shape) != want:", "if False:",
+      ("tests/test_contracts.py", "-k", "contract"), "a backend's wrong output shape reaches the scatter"),
+    M("gate-drift-one-sided", "bertqa_bench/parity.py",
+      "if abs(delta) > tolerance_points:", "if delta > tolerance_points:",
+      ("tests/test_parity_gate.py",), "a score that dropped past the tolerance passes the gate"),
+    M("gate-drift-at-tolerance-fails", "bertqa_bench/parity.py",
+      "if abs(delta) > tolerance_points:", "if abs(delta) >= tolerance_points:",
+      ("tests/test_parity_gate.py",), "a drift of exactly the tolerance fails"),
+    M("gate-tolerance-off-by-one-question", "bertqa_bench/parity_check.py",
+      "return 100.0 * q / evalset.n_questions if q is not None",
+      "return 100.0 * (q + 1) / evalset.n_questions if q is not None",
+      ("tests/test_parity_gate.py",), "questions -> points conversion one question too loose"),
+    M("gate-update-expected-rounds", "bertqa_bench/parity_check.py",
+      "**{m: r.scores.get(m) for m in task.metric_names}}",
+      "**{m: round(r.scores.get(m), 1) for m in task.metric_names}}",
+      ("tests/test_parity_gate.py",), "--update-expected writes rounded scores, not the run's"),
+    # --- batch plans and the scatter back to dataset order
+    M("scatter-narrow-rows-sorted", "bertqa_bench/schedule.py",
+      "dst[batch.rows, : o.shape[1]] = o[:k]", "dst[np.sort(batch.rows), : o.shape[1]] = o[:k]",
+      ("tests/test_runner.py", "-k", "packed or dataset_order"),
+      "a length-sorted batch's outputs written in index order, not the batch's row order"),
+    M("packed-batch-too-narrow", "bertqa_bench/schedule.py",
+      "_round_up(lengths[chunk].max(), 8)", "_round_up(lengths[chunk].min(), 8)",
+      ("tests/test_runner.py", "-k", "packed"), "a packed batch cut to its shortest row"),
+    M("padding-reaches-postprocessing", "bertqa_bench/schedule.py",
+      "            o[pad[:, : o.shape[1]]] = PAD_LOGIT", "            pass",
+      ("tests/test_runner.py", "-k", "packed or padding"), "padding logits are left for postprocessing"),
+    M("timed-passes-either-minimum", "bertqa_bench/runner.py",
+      "while len(pass_s) < min_passes or clock() - started < min_duration_s:",
+      "while len(pass_s) < min_passes and clock() - started < min_duration_s:",
+      ("tests/test_runner.py", "-k", "timed_passes"), "timing stops once either minimum is met"),
+    # --- the evaluation-set cache key
+    M("cache-key-tokenizer-by-name", "bertqa_bench/evalset.py",
+      '"tokenizer": _tokenizer_fingerprint(tokenizer_source)', '"tokenizer": tokenizer_source',
+      ("tests/test_evalset.py",), "a changed tokenizer file in the same folder reuses stale features"),
+    M("cache-key-some-tokenizer-files", "bertqa_bench/evalset.py",
+      'for name in ("tokenizer.json", "vocab.txt", "tokenizer_config.json", "special_tokens_map.json"):',
+      'for name in ("tokenizer_config.json",):',
+      ("tests/test_evalset.py",), "only one tokenizer file is part of the key"),
+    M("cache-key-no-doc-stride", "bertqa_bench/evalset.py",
+      '"doc_stride": d.doc_stride, ', "",
+      ("tests/test_evalset.py",), "a changed doc_stride reuses windows of the old stride"),
+    M("cache-key-data-by-path", "bertqa_bench/tasks/base.py",
+      "parts += [file_fingerprint(f) for f in files] if files else [d.hf_name]",
+      "parts += [str(f) for f in files] if files else [d.hf_name]",
+      ("tests/test_evalset.py",), "an edited data file at the same path reuses stale features"),
+    M("cache-key-no-featurizer-version", "bertqa_bench/tasks/base.py",
+      "parts = [self.name, split, d.source, FEATURIZER_VERSION]", "parts = [self.name, split, d.source]",
+      ("tests/test_evalset.py",), "a new featurizer reuses features of the old one"),
+    # --- a variant's options reach the model: FP8 keep_layers
+    M("fp8-backend-quantizes-kept-layers", "bertqa_bench/backends/torch_backend.py",
+      "done = swap(module, keep)", "done = swap(module, [])",
+      ("tests/test_fp8.py", "-k", "kept_layers_stay or sensitivity"),
+      "the backend quantizes every layer while prepare_info reports the kept ones"),
+    M("fp8-swap-quantizes-kept-linears", "bertqa_bench/backends/torch_fp8.py",
+      '            kept[name] = f"layer {layer_index(name)} kept in 16 bits (keep_layers)"\n'
+      "            done.add(name)\n",
+      '            kept[name] = f"layer {layer_index(name)} kept in 16 bits (keep_layers)"\n',
+      ("tests/test_fp8.py", "-k", "kept_layers_stay"), "a kept layer's Linears are swapped anyway"),
+    M("fp8-swap-fuses-kept-attention", "bertqa_bench/backends/torch_fp8.py",
+      "            if layer_index(attn_name) in keep:\n                continue\n",
+      "            if layer_index(attn_name) in keep:\n                pass\n",
+      ("tests/test_fp8.py", "-k", "kept_layers_stay"), "a kept layer's attention is fused into FP8 anyway"),
+    # --- configuration
+    M("config-nan-timeout-loads", "bertqa_bench/config.py",
+      'if not 0 < self.timeout_s < float("inf"):\n            raise ConfigError(f"bench.timeout_s',
+      'if self.timeout_s <= 0:\n            raise ConfigError(f"bench.timeout_s',
+      ("tests/test_fuzz.py", "-k", "found_suites"), "timeout_s: .nan loads, and never kills a hung backend"),
+    # --- a data-parallel run is judged against the reference's own outputs (end to end, ~1.5 min)
+    M("data-parallel-judged-against-itself", "bertqa_bench/bench.py",
+      "agreement=task.agreement(predictions, ref.predictions), ref_outputs=ref.outputs,",
+      "agreement=task.agreement(predictions, ref.predictions), ref_outputs=outputs,",
+      ("tests/test_e2e.py", "-k", "data_parallel_prediction"),
+      "logit parity compares a backend's outputs with themselves, not with the reference's"),
+]
+
+
+def copy_tree(dest: Path) -> None:
+    """The working tree as it is: tracked files and untracked ones git does not ignore."""
+    listing = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                             check=True, capture_output=True).stdout.decode().split("\0")
+    for rel in filter(None, listing):
+        src = ROOT / rel
+        if src.is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / rel)
+
+
+def run_tests(work: Path, tests: tuple, timeout_s: float) -> tuple[int, str]:
+    env = {**os.environ, "PYTHONPATH": str(work), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "TOKENIZERS_PARALLELISM": "false", "PYTHONDONTWRITEBYTECODE": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "--no-header", *tests]
+    try:
+        p = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return -1, f"timed out after {timeout_s:.0f} s"
+    return p.returncode, (p.stdout + p.stderr)[-3000:]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("-k", dest="select", default="", help="only mutants whose name contains this")
+    ap.add_argument("--list", action="store_true", help="list the mutants and exit")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per test run")
+    a = ap.parse_args(argv)
+    mutants = [m for m in MUTANTS if a.select in m.name]
+    if a.list:
+        for m in mutants:
+            print(f"{m.name:40s} {m.path}: {m.why}")
+        return 0
+    if not mutants:
+        print(f"no mutant name contains '{a.select}'", file=sys.stderr)
+        return 2
+    t_all = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="bertqa-mutants-") as d:
+        work = Path(d)
+        copy_tree(work)
+        # Baseline: the tests each mutant relies on pass on the unmutated copy.
+        for tests in dict.fromkeys(m.tests for m in mutants):
+            rc, out = run_tests(work, tests, a.timeout)
+            if rc != 0:
+                print(f"baseline FAILED (rc {rc}) for {' '.join(tests)}: mutants would be 'killed' by "
+                      f"a test that fails anyway\n{out}", file=sys.stderr)
+                return 2
+        results = []
+        for m in mutants:
+            target = work / m.path
+            original = target.read_text()
+            n = original.count(m.old)
+            if n != 1:
+                results.append((m, "NOT APPLIED", f"target text found {n} times in {m.path}: update the mutant", 0.0))
+                print(f"{'NOT APPLIED':12s} {m.name}", flush=True)
+                continue
+            target.write_text(original.replace(m.old, m.new))
+            t0 = time.perf_counter()
+            try:
+                rc, out = run_tests(work, m.tests, a.timeout)
+            finally:
+                target.write_text(original)
+            status = {0: "SURVIVED", 1: "KILLED"}.get(rc, "ERROR")
+            results.append((m, status, out if status != "KILLED" else "", time.perf_counter() - t0))
+            print(f"{status:12s} {m.name} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    print()
+    print(f"{'mutant':40s} {'result':12s} {'s':>5s}  tests")
+    for m, status, _, s in results:
+        print(f"{m.name:40s} {status:12s} {s:5.0f}  {' '.join(m.tests)}")
+    bad = [(m, status, detail) for m, status, detail, _ in results if status != "KILLED"]
+    killed = len(results) - len(bad)
+    print(f"\n{killed}/{len(results)} mutants killed in {time.perf_counter() - t_all:.0f} s")
+    for m, status, detail in bad:
+        print(f"\n{status}: {m.name} — {m.why}\n  {m.path}\n{detail}", file=sys.stderr)
+    return 0 if not bad else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
