@@ -36,11 +36,11 @@ def _agreement(r: BackendResult) -> str:
 
 
 def _memory(r: BackendResult) -> str:
-    # Prepare's peak beside prediction's: an export that held 79.5 GB while preparing was only
-    # visible in the CSV while the table showed prediction's 4.9 GB.
-    host = f"{_f(r.prepare_host_peak_mb, ',.0f')} / {_f(r.predict_host_peak_mb, ',.0f')}"
+    # Prepare's peak beside prediction's: an export that held 79,514 MiB while preparing was only
+    # visible in the CSV while the table showed prediction's 4,9xx MiB. MiB = 2**20 bytes.
+    host = f"{_f(r.prepare_host_peak_mib, ',.0f')} / {_f(r.predict_host_peak_mib, ',.0f')}"
     if r.device == "cuda":
-        dev = r.predict_device_used_mb if r.predict_device_used_mb is not None else r.predict_cuda_reserved_peak_mb
+        dev = r.predict_device_used_mib if r.predict_device_used_mib is not None else r.predict_cuda_reserved_peak_mib
         return f"{host} / {_f(dev, ',.0f')}"
     return host
 
@@ -53,7 +53,7 @@ def markdown_table(results: list[BackendResult], meta: RunMeta) -> str:
     if gpu:
         head += ["TFLOP/s (real)"]
     head += [meta.metric_labels.get(m, m) for m in metrics] + ["Answer agreement [95% CI]", "Max |Δ logit|", "Parity",
-                                                    "Prepare (s)", ("Peak MB (host prepare / predict / GPU)" if gpu else "Peak host MB (prepare / predict)")]
+                                                    "Prepare (s)", ("Peak MiB (host prepare / predict / GPU)" if gpu else "Peak host MiB (prepare / predict)")]
     if gpu:
         head += ["J / 1k features"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]

@@ -80,11 +80,11 @@ def best_table(results: list[BackendResult]) -> str:
             continue
         if p[0] not in best or r.features_per_s > best[p[0]].features_per_s:
             best[p[0]] = r
-    lines = ["| Backend | Best batch size | Batching | Features/s | Speedup | Parity | Peak GPU MB | J / 1k features |",
+    lines = ["| Backend | Best batch size | Batching | Features/s | Speedup | Parity | Peak GPU MiB | J / 1k features |",
              "|---|---|---|---|---|---|---|---|"]
     for name, r in sorted(best.items(), key=lambda kv: -kv[1].features_per_s):
         _, bs, bt = _point(r)
-        mem = r.predict_device_used_mb or r.predict_cuda_reserved_peak_mb
+        mem = r.predict_device_used_mib or r.predict_cuda_reserved_peak_mib
         lines.append(f"| {name} | {bs} | {bt} | {r.features_per_s:,.0f} | {r.speedup:.2f}× | {r.parity} | "
                      f"{'—' if mem is None else f'{mem:,.0f}'} | "
                      f"{'—' if r.energy_j_per_1k_features is None else f'{r.energy_j_per_1k_features:.1f}'} |")
