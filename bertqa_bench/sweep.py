@@ -109,11 +109,14 @@ def plot(results: list[BackendResult], path: Path) -> Optional[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from .colors import for_results
+
+    colour = for_results(results)  # the same colour as the backend's bar in comparison.png
     fig, ax = plt.subplots(figsize=(9, 5))
     for (name, batching), pts in sorted(series.items()):
         pts.sort()
-        line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
-                        linestyle="-" if batching == "padded" else "--", label=f"{name} ({batching})")
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=colour(name, batching),
+                linestyle="-" if batching == "padded" else "--", label=f"{name} ({batching})")
         bad = [p for p in pts if not p[2]]
         if bad:
             ax.scatter([p[0] for p in bad], [p[1] for p in bad], marker="x", s=80, color="red", zorder=3)
@@ -121,10 +124,12 @@ def plot(results: list[BackendResult], path: Path) -> Optional[Path]:
     ax.set_xlabel("batch size (rows; sorted batching: the token budget of this many padded rows)")
     ax.set_ylabel("features / s (median pass)")
     ax.set_title("Throughput vs batch size (red x: parity FAIL)")
-    ax.legend(fontsize=8)
+    # The legend sits outside the axes (it covered the lines inside them) and bbox_inches="tight"
+    # grows the figure to hold it whole, however many series and however long their names.
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path
 
