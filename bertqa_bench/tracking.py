@@ -29,8 +29,8 @@ installed MLflow's UI (3.17.2, its JS bundle under mlflow/server/js/build) actua
   read it.
 
 Training is logged live (``Tracker.training``): the run starts and ends with the training, with
-loss, learning rate and samples/s per optimizer step as its only step-wise metrics, so its charts
-are those curves. The store is a local SQLite file under results/ unless MLFLOW_TRACKING_URI says
+loss, learning rate and samples/s per optimizer step as its only metrics, so its charts are those
+curves; its final numbers (dev scores, times) are params ``final.<name>`` and train_metrics.json. The store is a local SQLite file under results/ unless MLFLOW_TRACKING_URI says
 otherwise. Tracking problems are reported and never lose the result bundle, which is written first,
 nor stop a training.
 """
@@ -72,8 +72,6 @@ PARITY_VALUE = {"pass": 1.0, "FAIL": 0.0}
 VERDICT_VALUE = {"PASS": 1.0, "FAIL": 0.0, "INCONCLUSIVE": 0.5}
 # Live training: at most about this many points per metric, whatever the number of steps.
 TRAIN_LOG_POINTS = 200
-# A training's final numbers that stay metrics beside its dev_* scores (the rest become params).
-TRAIN_FINAL_METRICS = ("train_s",)
 DEFAULT_UI = "http://127.0.0.1:5000"
 
 
@@ -285,7 +283,11 @@ class Tracker:
         # bench's runs (its run_id tag) and groups them by kind, groups open by default, oldest
         # first: the parent with the verdict, then the backends in the suite's order.
         state = {"selectedColumns": columns, "columnOrder": columns,
+                 # wide enough for "PASS 20261126-150016-default" (the grid's default cuts it short)
+                 "columnWidths": {"attributes.`Run Name`": 280},
                  "searchFilter": f"tags.run_id = '{meta.run_id}'",
+                 # the chart view plots each backend in its own colour, not the groups' aggregates
+                 "useGroupedValuesInCharts": False,
                  "groupBy": {"aggregateFunction": "max", "groupByKeys": [{"mode": "tag", "groupByData": "kind"}]},
                  "orderByKey": "attributes.start_time", "orderByAsc": True}
         envelope = {"name": f"bench {meta.run_id}" + (f" ({verdict})" if verdict else ""),
@@ -441,14 +443,12 @@ class TrainingRun:
         t = self.tracker
 
         def go():
-            # Only the trained model's scores and the training time are metrics (one value each, a
-            # bar in the UI's charts): the run page's charts are then its curves (train_loss, lr,
-            # samples_per_s) and these few, not 19 single-value bars in alphabetical order. Every
-            # other final number is a param, and all of them are in train_metrics.json.
-            values = numeric(metrics)
-            final = {k: v for k, v in values.items() if k in TRAIN_FINAL_METRICS or k.startswith("dev_")}
-            rest = {f"final.{k}": v for k, v in values.items() if k not in final}
-            t.log(self.run_id, final, rest, {"model_dir": str(model_dir)})
+            # The final numbers (dev scores, times, sizes) are params, ``final.<name>``, and all of
+            # them are in train_metrics.json: as metrics each was a single-value bar chart, and the
+            # run page opened on 19 of them in alphabetical order with the curves below. Its only
+            # metrics are now the step-wise curves (train_loss, lr, samples_per_s).
+            t.log(self.run_id, {}, {f"final.{k}": v for k, v in numeric(metrics).items()},
+                  {"model_dir": str(model_dir)})
             t.artifacts(self.run_id, [Path(model_dir) / "train_metrics.json"])
 
         t._try(go)
