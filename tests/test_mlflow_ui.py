@@ -167,7 +167,8 @@ def _assert_runs_table_shows_the_comparison(page, bench) -> None:
         def cell(col):
             return row.locator(f'[col-id="{col}"]').first.inner_text().strip()
 
-        assert cell("attributes.`Run Name`") == name
+        # the name, after its colour pill: the backend's colour from comparison.png (mlflow.runColor)
+        assert cell("attributes.`Run Name`").split("\n") == [run.data.tags["mlflow.runColor"], name]
         assert cell("metrics.`f1`") == _shown(m["f1"]), name
         assert cell("metrics.`features_per_s`") == _shown(m["features_per_s"]), name
         assert cell("metrics.`speedup`") == _shown(m["speedup"]), name
