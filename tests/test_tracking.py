@@ -298,3 +298,14 @@ def test_two_benches_have_one_table_each(tmp_path):
     assert sorted(r.info.run_id for r in tagged) == sorted(parents)
     for run_id in parents:  # log_table appends to an existing file: each bench's table holds its own rows only
         assert list(_table(client, run_id)["backend"]) == ["eager-fp32", "onnxruntime", "eager-fp16"]
+
+
+def test_make_mlflow_ui_prints_the_latest_bench_links(tmp_path):
+    from bertqa_bench.tracking import ui_links
+
+    tracker, client, parent, kids = _bench(tmp_path)
+    lines = ui_links(tmp_path / "store")
+    assert lines[0].startswith("bertqa-tiny: ") and lines[0].endswith(
+        f"#/experiments/{tracker.experiment_id}/runs?workflowType=machine_learning")
+    assert any(f"viewStateShareKey={parent.info.run_id}&" in line for line in lines)
+    assert any("#/compare-runs?runs=" in line and all(r.info.run_id in line for r in kids.values()) for line in lines)
