@@ -39,6 +39,7 @@ class Reference:
     predictions: object
     scores: dict
     pass_s: list
+    question_scores: Optional[np.ndarray] = None  # per-question contributions (parity's bootstrap)
 
 
 @dataclass
@@ -121,20 +122,73 @@ def _speedup(r: BackendResult, ref_pass: list, pass_s: list) -> None:
     r.pct_change_vs_ref = (float(np.median(pass_s)) / float(np.median(ref_pass)) - 1.0) * 100.0
 
 
+def model_digest(model_dir: Path) -> str:
+    """The model the rows are measured on: its config, weights and tokenizer files (a resume on
+    other weights, even of the same recipe, is not the same run)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    d = Path(model_dir)
+    for f in sorted(d.iterdir()) if d.is_dir() else []:
+        if f.is_file() and (f.suffix in (".json", ".safetensors", ".bin", ".txt", ".model")) and f.name != "train_metrics.json":
+            h.update(f.name.encode())
+            with open(f, "rb") as fh:
+                while block := fh.read(1 << 22):
+                    h.update(block)
+    return h.hexdigest()[:20]
+
+
+def config_diff(saved: dict, wanted: dict, prefix: str = "") -> list[str]:
+    """``section.field: saved -> wanted`` for every field that differs between two config dicts."""
+    out = []
+    for k in sorted(set(saved) | set(wanted), key=str):
+        a, b = saved.get(k, "<absent>"), wanted.get(k, "<absent>")
+        where = f"{prefix}.{k}" if prefix else str(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += config_diff(a, b, where)
+        elif a != b:
+            out.append(f"{where}: {a!r} -> {b!r}")
+    return out
+
+
 def run_bench(cfg: SuiteConfig, *, backends: Optional[list[str]] = None, run_id: Optional[str] = None,
               tracker: Optional[Tracker] = None, progress: bool = True, command: str = "",
-              log: Callable[[str], None] = print, check_determinism: bool = False) -> BenchOutcome:
+              log: Callable[[str], None] = print, check_determinism: bool = False,
+              resume: Optional[RunBundle] = None) -> BenchOutcome:
+    """Benchmark the suite's variants (reference first), or, with ``resume``, finish a run that
+    was interrupted or partly failed: its finished rows are kept, the reference's saved outputs
+    are reused, only the missing (or failed) variants run, against the same evaluation set and
+    plans. A signal (``interrupt.Interrupted``) ends the run ``interrupted``: finished rows stay,
+    run.json has the verdict of what finished, the MLflow runs end KILLED; then it propagates."""
     reference = cfg.bench.reference
     table = VariantTable.for_suite(cfg)
-    names = [reference] + [n for n in (backends or cfg.bench.backends) if n != reference]
+    if resume is not None:
+        if backends:
+            raise ConfigError("--resume finishes the run as it was planned; it takes no --backends")
+        names = list(resume.meta.variants) or [r.backend for r in resume.results]
+    else:
+        names = [reference] + [n for n in (backends or cfg.bench.backends) if n != reference]
     variants = table.require(names)  # an unknown name fails here, before any work
     tracker = tracker or Tracker(cfg.results_root, enabled=False)
     task = get_task(cfg.task.name)
+    if resume is not None and not resume.meta.model_digest == model_digest(cfg.model_dir):
+        raise ConfigError(f"cannot resume {resume.meta.run_id}: its rows were measured on model "
+                          f"{resume.meta.model_digest or '?'} and {cfg.model_dir} is "
+                          f"{model_digest(cfg.model_dir) if cfg.model_dir.is_dir() else 'missing'} "
+                          "(retrained or replaced); start a new run")
     model = ensure_model(cfg, log, tracker)
     evalset = load_evalset(cfg, task, str(model.dir), log=log)
+    if resume is not None and resume.meta.evalset_key and resume.meta.evalset_key != evalset.key:
+        raise ConfigError(f"cannot resume {resume.meta.run_id}: its evaluation set was {resume.meta.evalset_key}, "
+                          f"this one is {evalset.key} (data, tokenizer or windowing changed); start a new run")
     # One plan per (batching, batch size) among the variants: each is made once and every
-    # variant that shares it runs exactly the same batches.
-    plans = {k: plan_for(cfg, evalset, k) for k in dict.fromkeys(plan_key(cfg, v) for v in variants)}
+    # variant that shares it runs exactly the same batches (a resume reads the run's own).
+    keys = list(dict.fromkeys(plan_key(cfg, v) for v in variants))
+    if resume is not None:
+        plans = {k: Plan.load(plan_path(resume, k)) if plan_path(resume, k).exists() else plan_for(cfg, evalset, k)
+                 for k in keys}
+    else:
+        plans = {k: plan_for(cfg, evalset, k) for k in keys}
     plan = plans[plan_key(cfg, variants[0])]  # the reference's
     tiling = plan.n_rows / plan.n_features
     log(f"data: {evalset.n_questions} questions -> {evalset.n_features} features (seq {evalset.features.seq_len}), "
@@ -143,86 +197,166 @@ def run_bench(cfg: SuiteConfig, *, backends: Optional[list[str]] = None, run_id:
             for k, p in plans.items()))
 
     env = environment()
-    meta = RunMeta(suite=cfg.name, run_id=run_id or new_run_id(cfg.name), task=task.name,
-                   metric_names=list(task.metric_names), primary_metric=task.primary_metric, reference=reference,
-                   metric_labels=dict(task.metric_labels),
-                   command=command, date=time.strftime("%Y-%m-%d", time.gmtime()), model=cfg.model.name,
-                   model_note=model.note, model_params=model.params, model_dev_metric=model.dev_primary,
-                   timing_only=model.timing_only, batching=plan.batching, batch_size=cfg.bench.batch_size,
-                   max_seq_len=evalset.features.seq_len, n_features=plan.n_rows, n_questions=evalset.n_questions,
-                   device_name=device_name(variants[0].device))
-    bundle = RunBundle.create(cfg.results_root, meta, cfg.to_dict(), env)
-    for k, p in plans.items():
-        p.save(plan_path(bundle, k))
     env_tags = {f"env.{k}": v for k, v in env.items()}
-    tracker.start_bench(meta, tags=env_tags | {"results_dir": str(bundle.dir)})
+    if resume is None:
+        meta = RunMeta(suite=cfg.name, run_id=run_id or new_run_id(cfg.name), task=task.name,
+                       metric_names=list(task.metric_names), primary_metric=task.primary_metric, reference=reference,
+                       metric_labels=dict(task.metric_labels),
+                       command=command, date=time.strftime("%Y-%m-%d", time.gmtime()), model=cfg.model.name,
+                       model_note=model.note, model_params=model.params, model_dev_metric=model.dev_primary,
+                       timing_only=model.timing_only, batching=plan.batching, batch_size=cfg.bench.batch_size,
+                       max_seq_len=evalset.features.seq_len, n_features=plan.n_rows, n_questions=evalset.n_questions,
+                       device_name=device_name(variants[0].device), status="running", variants=list(names),
+                       model_recipe=str(model.metrics.get("recipe", "")), model_digest=model_digest(model.dir),
+                       evalset_key=evalset.key)
+        bundle = RunBundle.create(cfg.results_root, meta, cfg.to_dict(), env)
+        for k, p in plans.items():
+            p.save(plan_path(bundle, k))
+        tracker.start_bench(meta, tags=env_tags | {"results_dir": str(bundle.dir)})
+        meta.mlflow_parent_id = tracker.parent_id or ""
+    else:
+        bundle, meta = resume, resume.meta
+        kept = [r.backend for r in bundle.results if r.status in KEPT]
+        todo = [n for n in names if n not in kept]
+        meta.resumes.append({"date": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "command": command,
+                             "ran": todo})
+        meta.status, meta.interrupted_by = "running", ""
+        for k, p in plans.items():
+            if not plan_path(bundle, k).exists():
+                p.save(plan_path(bundle, k))
+        log(f"resume {meta.run_id}: keeping {', '.join(kept) or 'nothing'}; running {', '.join(todo) or 'nothing'}")
+        tracker.reopen_bench(meta, tags=env_tags | {"results_dir": str(bundle.dir)})
+        meta.mlflow_parent_id = tracker.parent_id or meta.mlflow_parent_id
+    bundle.write_meta()
 
-    ref: Optional[Reference] = None
-    problems: list[str] = []
-    features = evalset.features
-    for variant in variants:
-        r = identity(cfg, task, variant, model, evalset, plans[plan_key(cfg, variant)])
-        why = variant.backend_class.batching_reason(variant.options, r.batching)
-        if why:
-            r.status, r.error = "not run", why
+    problems: list[str] = list(meta.problems)
+    try:
+        ref = _saved_reference(cfg, task, evalset, bundle, reference) if resume is not None else None
+        for variant in variants:
+            done = next((r for r in bundle.results if r.backend == variant.name), None)
+            if done is not None and done.status in KEPT and (variant.name != reference or ref is not None):
+                continue
+            if done is not None:  # a failed row (or a reference without its saved outputs) runs again
+                tracker.delete_run(meta.mlflow_children.pop(done.backend, ""))
+            r, new_ref, found = _run_variant(cfg, task, variant, model, evalset, bundle, plans, tiling, ref, progress,
+                                             log, check_determinism and variant.name == reference)
+            ref = new_ref or ref
+            problems += found
+            meta.problems = list(problems)
             _log_row(log, task, r)
-            bundle.add(r)
-            tracker.log_backend(meta, r, env_tags)
-            continue
-        log(f"[{variant.name}] prepare, warm-up and {cfg.bench.min_passes}+ timed passes"
-            + (f" on {variant.devices} GPUs" if (variant.devices or 1) > 1 else "") + " ...")
-        job = make_job(cfg, task, variant, model, evalset, bundle, progress=progress)
-        timeout = variant.timeout_s or cfg.bench.timeout_s
-        if (variant.devices or 1) > 1:
-            rec = run_data_parallel(job, variant.devices, timeout, bundle, plans[plan_key(cfg, variant)], model, evalset)
-        else:
-            rec = launch(job, timeout_s=timeout, log_path=bundle.path("logs", f"{variant.name}.log"), echo=progress,
-                         isolation=cfg.bench.isolation)
-        r.status = rec["status"]
-        r.error = rec.get("error", "")
-        pred_path = None
-        if r.ok:
-            try:
-                outputs = mask_padding(load_outputs(rec["outputs"]), features.attention_mask, task.token_outputs)
-                _fill_timing(r, rec, tiling, evalset.n_questions)
-                t0 = time.perf_counter()
-                predictions = task.postprocess(evalset.examples, features, outputs, cfg)
-                r.postprocess_s = (time.perf_counter() - t0) * tiling
-                r.tokenize_s = evalset.build_s * tiling
-                r.end_to_end_s = r.tokenize_s + r.predict_s + r.postprocess_s
-                r.scores = {k: float(v) for k, v in task.score(evalset.examples, predictions, cfg).items()}
-                pred_path = bundle.write_predictions(variant.name, predictions)
-                if variant.name == reference:
-                    ref = Reference(outputs, predictions, r.scores, rec["pass_s"])
-                    if check_determinism:
-                        problems += _determinism(cfg, task, variant, model, evalset, bundle, ref, r, log)
-                if ref is not None:
-                    _speedup(r, ref.pass_s, rec["pass_s"])
-                    p = compare(parity_class=variant.parity_class,
-                                tolerance=tolerance_for(cfg.parity, variant.name, variant.parity_class),
-                                primary_metric=task.primary_metric, ref_scores=ref.scores, scores=r.scores,
-                                agreement=task.agreement(predictions, ref.predictions), ref_outputs=ref.outputs,
-                                outputs=outputs, attention_mask=features.attention_mask)
-                    # Random weights give near-tied spans everywhere: logit differences are still
-                    # informative, answer-level pass/fail is not. Parity is judged on trained models.
-                    r.apply_parity(p, judged=not model.timing_only)
-                if variant.name != reference and not cfg.bench.keep_outputs:
-                    Path(rec["outputs"]).unlink(missing_ok=True)
-            except Exception as e:  # noqa: BLE001 - scoring one backend must not lose the others
-                from .worker import format_error
+            bundle.put(r, order=names)
+            child = tracker.log_backend(meta, r, env_tags, [bundle.path("predictions", f"{r.backend}.json")]
+                                        if r.ok else [], bundle.path("logs", f"{variant.name}.log"))
+            if child:
+                meta.mlflow_children[r.backend] = child
+            bundle.write_meta()
+    except KeyboardInterrupt as e:  # interrupt.Interrupted: every signal the bench handles
+        from .interrupt import as_interrupted
 
-                r.status, r.error = "failed", f"while scoring: {format_error(e)}"
-        _log_row(log, task, r)
-        bundle.add(r)
-        tracker.log_backend(meta, r, env_tags, [pred_path] if pred_path else [],
-                            bundle.path("logs", f"{variant.name}.log"))
+        stop = as_interrupted(e)
+        v = verdict(bundle.results, reference, timing_only=model.timing_only, problems=problems)
+        meta.status, meta.interrupted_by = "interrupted", stop.signal_name
+        meta.verdict, meta.verdict_reasons = v.status, v.reasons
+        bundle.write_meta()
+        write_report(bundle)
+        tracker.interrupt_bench(bundle, v, stop.signal_name)
+        log(f"interrupted by {stop.signal_name}: {len(bundle.results)} of {len(names)} variants finished "
+            f"(verdict of those: {v.status}); results in {bundle.dir}; finish it with "
+            f"`bertqa-bench bench --resume {bundle.dir}`")
+        raise stop from None
 
     v = verdict(bundle.results, reference, timing_only=model.timing_only, problems=problems)
-    meta.verdict, meta.verdict_reasons = v.status, v.reasons
+    meta.verdict, meta.verdict_reasons, meta.status = v.status, v.reasons, "complete"
     bundle.write_meta()
     summary = write_report(bundle)
     tracker.finish_bench(bundle, v)
     return BenchOutcome(bundle, summary, v, evalset, ref, problems)
+
+
+# Rows a resume keeps as they are; a failed row runs again.
+KEPT = ("ok", "not run")
+
+
+def _saved_reference(cfg: SuiteConfig, task: Task, evalset: EvalSet, bundle: RunBundle,
+                     reference: str) -> Optional[Reference]:
+    """The reference as the interrupted run measured it: its kept outputs, its saved predictions,
+    its scores and timed passes. None when it did not finish (it then runs first)."""
+    import json
+
+    row = next((r for r in bundle.results if r.backend == reference and r.ok), None)
+    outputs_file, worker_file = bundle.path("outputs", f"{reference}.npz"), bundle.path("workers", f"{reference}.json")
+    preds_file = bundle.path("predictions", f"{reference}.json")
+    if row is None or not (outputs_file.exists() and worker_file.exists() and preds_file.exists()):
+        return None
+    outputs = mask_padding(load_outputs(outputs_file), evalset.features.attention_mask, task.token_outputs)
+    predictions = json.loads(preds_file.read_text())
+    # Scores recomputed from the saved predictions: results.csv keeps 6 significant digits, and a
+    # delta against a rounded reference would differ from an uninterrupted run's.
+    scores = {k: float(v) for k, v in task.score(evalset.examples, predictions, cfg).items()}
+    return Reference(outputs, predictions, scores, json.loads(worker_file.read_text())["pass_s"],
+                     task.question_scores(evalset.examples, predictions, cfg))
+
+
+def _run_variant(cfg, task, variant, model, evalset, bundle, plans, tiling, ref, progress, log, determinism):
+    """One variant end to end: its worker, then postprocess, score and compare here.
+    Returns (its row, the Reference when this was the reference, run-level problems found)."""
+    reference = cfg.bench.reference
+    features = evalset.features
+    problems: list[str] = []
+    new_ref = None
+    r = identity(cfg, task, variant, model, evalset, plans[plan_key(cfg, variant)])
+    why = variant.backend_class.batching_reason(variant.options, r.batching)
+    if why:
+        r.status, r.error = "not run", why
+        return r, None, problems
+    log(f"[{variant.name}] prepare, warm-up and {cfg.bench.min_passes}+ timed passes"
+        + (f" on {variant.devices} GPUs" if (variant.devices or 1) > 1 else "") + " ...")
+    job = make_job(cfg, task, variant, model, evalset, bundle, progress=progress)
+    timeout = variant.timeout_s or cfg.bench.timeout_s
+    if (variant.devices or 1) > 1:
+        rec = run_data_parallel(job, variant.devices, timeout, bundle, plans[plan_key(cfg, variant)], model, evalset)
+    else:
+        rec = launch(job, timeout_s=timeout, log_path=bundle.path("logs", f"{variant.name}.log"), echo=progress,
+                     isolation=cfg.bench.isolation)
+    r.status = rec["status"]
+    r.error = rec.get("error", "")
+    if not r.ok:
+        return r, None, problems
+    try:
+        outputs = mask_padding(load_outputs(rec["outputs"]), features.attention_mask, task.token_outputs)
+        _fill_timing(r, rec, tiling, evalset.n_questions)
+        t0 = time.perf_counter()
+        predictions = task.postprocess(evalset.examples, features, outputs, cfg)
+        r.postprocess_s = (time.perf_counter() - t0) * tiling
+        r.tokenize_s = evalset.build_s * tiling
+        r.end_to_end_s = r.tokenize_s + r.predict_s + r.postprocess_s
+        r.scores = {k: float(v) for k, v in task.score(evalset.examples, predictions, cfg).items()}
+        per_question = task.question_scores(evalset.examples, predictions, cfg)
+        bundle.write_predictions(variant.name, predictions)
+        if variant.name == reference:
+            ref = new_ref = Reference(outputs, predictions, r.scores, rec["pass_s"], per_question)
+            if determinism:
+                problems += _determinism(cfg, task, variant, model, evalset, bundle, ref, r, log)
+        if ref is not None:
+            _speedup(r, ref.pass_s, rec["pass_s"])
+            paired = (ref.question_scores, per_question) if (
+                ref.question_scores is not None and per_question is not None) else None
+            p = compare(parity_class=variant.parity_class,
+                        tolerance=tolerance_for(cfg.parity, variant.name, variant.parity_class),
+                        primary_metric=task.primary_metric, ref_scores=ref.scores, scores=r.scores,
+                        agreement=task.agreement(predictions, ref.predictions), ref_outputs=ref.outputs,
+                        outputs=outputs, attention_mask=features.attention_mask, question_scores=paired,
+                        metrics_from_sums=task.metrics_from_sums if paired else None)
+            # Random weights give near-tied spans everywhere: logit differences are still
+            # informative, answer-level pass/fail is not. Parity is judged on trained models.
+            r.apply_parity(p, judged=not model.timing_only)
+        if variant.name != reference and not cfg.bench.keep_outputs:
+            Path(rec["outputs"]).unlink(missing_ok=True)
+    except Exception as e:  # noqa: BLE001 - scoring one backend must not lose the others
+        from .worker import format_error
+
+        r.status, r.error = "failed", f"while scoring: {format_error(e)}"
+    return r, new_ref, problems
 
 
 def visible_gpus(n: int) -> list[str]:

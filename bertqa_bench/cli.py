@@ -12,9 +12,42 @@ from .errors import BenchError
 
 
 def _suite_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--suite", default="default", help="suite name in benchmarks/ or a YAML path (default: default)")
+    # default None, read through _suite(): a resume tells a suite the user named from none
+    p.add_argument("--suite", default=None, help="suite name in benchmarks/ or a YAML path (default: default)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="override a suite field, e.g. --set bench.batch_size=16 (repeatable)")
+
+
+def _suite(a) -> str:
+    return a.suite or "default"
+
+
+def load_resume(target: str, suite: str | None = None, overrides=()):
+    """(bundle, config) of the run ``target`` (a results/<run-id> folder or a run id) for
+    ``--resume``: the run's own saved config; with --suite/--set, they must describe the same
+    config, else the resume is refused with the fields that differ."""
+    from .bench import config_diff
+    from .config import resolve_path
+    from .results import RunBundle
+    from .suite import load_suite, suite_from_dict
+
+    wanted = load_suite(suite or "default", list(overrides)) if (suite or overrides) else None
+    candidates = [Path(target)] + ([wanted.results_root / target] if wanted else []) + [resolve_path("results") / target]
+    path = next((c for c in candidates if (c / "run.json").exists()), None)
+    if path is None:
+        raise BenchError(f"nothing to resume at {target}: no run.json in {', '.join(str(c) for c in candidates)}")
+    bundle = RunBundle.load(path)
+    saved = bundle.config()
+    if not saved:
+        raise BenchError(f"{path}: no config.json; this run cannot be resumed")
+    cfg = suite_from_dict(saved, str(path / "config.json"))
+    if wanted is not None:
+        diff = config_diff(saved, json.loads(json.dumps(wanted.to_dict(), default=str)))
+        if diff:
+            raise BenchError(f"cannot resume {bundle.meta.run_id} with another config; it differs in "
+                             + "; ".join(diff[:8]) + (f" (+{len(diff) - 8} more)" if len(diff) > 8 else "")
+                             + ". Resume without --suite/--set, or start a new run")
+    return bundle, cfg
 
 
 def _backend_list(s: str | None):
@@ -34,7 +67,7 @@ def cmd_train(a) -> int:
     from .tracking import Tracker
     from .train import train
 
-    cfg = load_suite(a.suite, a.overrides)
+    cfg = load_suite(_suite(a), a.overrides)
     metrics = train(cfg, tracker=Tracker(cfg.results_root, enabled=not a.no_mlflow), command=_command_line())
     print(json.dumps(metrics, indent=2))
     return 0
@@ -45,15 +78,22 @@ def cmd_bench(a) -> int:
     from .suite import load_suite
     from .tracking import Tracker
 
-    cfg = load_suite(a.suite, a.overrides)
+    resume = None
+    if a.resume:
+        resume, cfg = load_resume(a.resume, a.suite, a.overrides)
+    else:
+        cfg = load_suite(_suite(a), a.overrides)
     _threads(cfg)
     tracker = Tracker(cfg.results_root, enabled=not a.no_mlflow)
     out = run_bench(cfg, backends=_backend_list(a.backends), run_id=a.run_id, tracker=tracker,
-                    progress=not a.no_progress, command=_command_line())
+                    progress=not a.no_progress, command=_command_line(), resume=resume)
     print()
     print(out.summary)
     print(f"results: {out.run_dir}")
     print(f"verdict: {out.verdict}")
+    if out.verdict.status == "INCONCLUSIVE":
+        print("INCONCLUSIVE: every parity failure lies within the noise of this many questions; a gate does not "
+              "pass it. More dev questions decide it (the table says how many).")
     if tracker.active and tracker.experiment_id:
         print(f"MLflow: {tracker.uri}, experiment bertqa-{cfg.name}; `make mlflow-ui`, then")
         print("\n".join(tracker.links()))
@@ -66,15 +106,19 @@ def cmd_sweep(a) -> int:
     from .sweep import expand, write_sweep_report
     from .tracking import Tracker
 
-    cfg = load_suite(a.suite, a.overrides)
+    if a.resume:  # the sweep's variants were added to the saved config; its variant list is the run's
+        resume, cfg = load_resume(a.resume, a.suite, a.overrides)
+        names = None
+    else:
+        resume, cfg = None, load_suite(_suite(a), a.overrides)
+        ints = [int(x) for x in a.batch_sizes.split(",") if x.strip()]
+        names = expand(cfg, _backend_list(a.backends) or [b for b in cfg.bench.backends if b != cfg.bench.reference],
+                       ints, [x.strip() for x in a.batchings.split(",") if x.strip()],
+                       [int(x) for x in a.devices.split(",") if x.strip()])
     _threads(cfg)
-    ints = [int(x) for x in a.batch_sizes.split(",") if x.strip()]
-    names = expand(cfg, _backend_list(a.backends) or [b for b in cfg.bench.backends if b != cfg.bench.reference],
-                   ints, [x.strip() for x in a.batchings.split(",") if x.strip()],
-                   [int(x) for x in a.devices.split(",") if x.strip()])
     tracker = Tracker(cfg.results_root, enabled=not a.no_mlflow)
     out = run_bench(cfg, backends=names, run_id=a.run_id, tracker=tracker, progress=not a.no_progress,
-                    command=_command_line())
+                    command=_command_line(), resume=resume)
     md = write_sweep_report(out.bundle)
     if tracker.active and tracker.parent_id:  # the sweep's own views beside the bench's, on its parent run
         tracker._try(tracker.artifacts, tracker.parent_id, [out.run_dir / "sweep.md", out.run_dir / "sweep.png"])
@@ -102,7 +146,7 @@ def cmd_parity(a) -> int:
     from .parity_check import run_parity_check
     from .tracking import Tracker
 
-    cfg = load_suite(a.suite, a.overrides)
+    cfg = load_suite(_suite(a), a.overrides)
     _threads(cfg)
     ok = run_parity_check(cfg, backends=_backend_list(a.backends), update_expected=a.update_expected,
                           tracker=Tracker(cfg.results_root, enabled=not a.no_mlflow), progress=not a.no_progress,
@@ -129,7 +173,7 @@ def cmd_profile(a) -> int:
     from .suite import load_suite
     from .profile import profile_backend
 
-    cfg = load_suite(a.suite, a.overrides)
+    cfg = load_suite(_suite(a), a.overrides)
     _threads(cfg)
     out = profile_backend(cfg, a.backend, n_batches=a.batches, top=a.top)
     print(out["table"])
@@ -172,11 +216,14 @@ def cmd_backends(a) -> int:
     if a.suite:
         from .suite import load_suite
 
-        cfg = load_suite(a.suite, a.overrides)
-    for v in VariantTable.for_suite(cfg).all():
+        cfg = load_suite(_suite(a), a.overrides)
+    table = VariantTable.for_suite(cfg)
+    for v in table.all():
         why = v.unavailable_reason()
         print(f"{v.name:34s} {v.implementation:12s} {v.device:5s} {v.precision:9s} {v.parity_class:8s} "
               f"{'available' if why is None else 'unavailable: ' + why}")
+    for name, why in table.broken().items():
+        print(f"{name:34s} invalid: {why}")
     return 0
 
 
@@ -200,6 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
     _suite_args(b)
     b.add_argument("--backends", help="comma-separated backend names (default: the suite's list)")
     b.add_argument("--run-id", help="name of the results/<run-id> folder (default: timestamp-suite)")
+    b.add_argument("--resume", metavar="RUN", help="finish an interrupted or partly failed run (a results/<run-id> "
+                                                   "folder or its run id): finished rows are kept, the rest run")
     b.add_argument("--no-mlflow", action="store_true")
     b.add_argument("--no-progress", action="store_true")
     b.set_defaults(fn=cmd_bench)
@@ -212,6 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--batchings", default="padded", help="comma-separated: padded, trimmed, sorted, packed")
     sw.add_argument("--devices", default="1", help="comma-separated GPU counts for data-parallel prediction, e.g. 1,2,4")
     sw.add_argument("--run-id")
+    sw.add_argument("--resume", metavar="RUN", help="finish an interrupted sweep (results/<run-id> or its run id)")
     sw.add_argument("--no-mlflow", action="store_true")
     sw.add_argument("--no-progress", action="store_true")
     sw.set_defaults(fn=cmd_sweep)
@@ -286,10 +336,17 @@ def main(argv=None) -> int:
     from .progress import quiet_library_bars
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from .interrupt import Interrupted, as_interrupted, interruptible
+
     args = build_parser().parse_args(argv)
     quiet_library_bars()
     try:
-        return args.fn(args)
+        with interruptible():
+            return args.fn(args)
+    except KeyboardInterrupt as e:  # Interrupted (SIGTERM, SIGINT, SIGHUP) or a bare Ctrl-C
+        stop = e if isinstance(e, Interrupted) else as_interrupted(e)
+        print(f"\n{stop}: stopped (exit {stop.exit_code})", file=sys.stderr)
+        return stop.exit_code
     except BenchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -62,6 +62,8 @@ class BackendColors:
         return dark if batching_of(name, batching) == "padded" else light
 
 
-def for_results(results) -> BackendColors:
-    """The run's colours: its backends in their order (the reference first, as the suite lists it)."""
-    return BackendColors(r.backend for r in results)
+def for_results(results, variants=()) -> BackendColors:
+    """The run's colours: every variant it was asked for in its order (RunMeta.variants, the
+    reference first), then any backend not among them; so a run cut short, or resumed, colours a
+    backend as the full run does."""
+    return BackendColors([*variants, *(r.backend for r in results)])

@@ -90,9 +90,14 @@ class _Child:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log_path.write_bytes(b"")
         self.t0 = time.perf_counter()
+        from .interrupt import PARENT_ENV
+
         self.proc = subprocess.Popen([sys.executable, "-m", "bertqa_bench.worker", str(job_path)],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env=child_env(env), start_new_session=True)
+                                     env=child_env({**(env or {}), PARENT_ENV: str(os.getpid())}),
+                                     start_new_session=True)
+        # The worker's pid beside its job: what a supervisor (or a test) checks after a kill.
+        self.result_path.with_suffix(".pid").write_text(str(self.proc.pid))
         self.pump = threading.Thread(target=_pump, args=(self.proc.stdout, self.log_path, sys.stderr if echo else None),
                                      daemon=True)
         self.pump.start()
@@ -145,7 +150,7 @@ def launch_all(jobs: Sequence["Job"], *, timeout_s: float, log_paths: Sequence[P
                 for other in children:  # one shard died: the others would wait at the barrier forever
                     if other.proc.poll() is None:
                         other.kill()
-    except BaseException:  # Ctrl-C in the parent: take the children down too, then stop
+    except BaseException:  # a signal in the parent (interrupt.Interrupted): take the children down too, then stop
         for c in children:
             c.kill()
         raise

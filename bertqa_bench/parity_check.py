@@ -15,7 +15,7 @@ from typing import Optional
 from .bench import run_bench
 from .config import SuiteConfig, resolve_path
 from .io import atomic_write_text
-from .parity import check_expected, verdict
+from .parity import check_expected, noise_note, verdict
 from .results import BackendResult, rows_to_csv
 from .tasks import get_task
 
@@ -25,8 +25,8 @@ def expected_path(cfg: SuiteConfig) -> Path:
 
 
 def parity_table(results: list[BackendResult], metric: str) -> str:
-    head = ["backend", "class", metric, f"{metric} ratio (min)", "agreement [95% CI] (min)", "start/end argmax",
-            "max |Δ logit|", "verdict"]
+    head = ["backend", "class", metric, f"{metric} ratio [95% CI] (min)", "agreement [95% CI] (min)",
+            "start/end argmax", "max |Δ logit|", "verdict"]
     lines = [" | ".join(head)]
     for r in results:
         if not r.ok:
@@ -35,11 +35,13 @@ def parity_table(results: list[BackendResult], metric: str) -> str:
         f = lambda v, fmt: "—" if v is None else format(v, fmt)  # noqa: E731
         lines.append(" | ".join([
             r.backend, r.parity_class, f(r.scores.get(metric), ".2f"),
-            f"{f(r.primary_ratio, '.4f')} (≥{f(r.min_f1_ratio, '.3f')})",
+            f"{f(r.primary_ratio, '.4f')}"
+            + (f" [{f(r.primary_ratio_low, '.4f')}-{f(r.primary_ratio_high, '.4f')}]" if r.primary_ratio_low is not None else "")
+            + f" (≥{f(r.min_f1_ratio, '.3f')})",
             f"{f(r.answer_agreement, '.4f')} [{f(r.agreement_ci_low, '.3f')}-{f(r.agreement_ci_high, '.3f')}] "
             f"(≥{f(r.min_agreement, '.2f')})" + (" within noise" if r.agreement_within_noise else ""),
             f"{f(r.start_argmax_agreement, '.3f')}/{f(r.end_argmax_agreement, '.3f')}",
-            f(r.max_abs_logit_diff, ".2e"), r.parity or "—"]))
+            f(r.max_abs_logit_diff, ".2e"), (r.parity or "—") + (f" ({noise_note(r)})" if noise_note(r) else "")]))
     return "\n".join(lines)
 
 

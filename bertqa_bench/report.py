@@ -35,6 +35,24 @@ def _agreement(r: BackendResult) -> str:
     return f"{r.answer_agreement:.2%}{ci}" + (" ≈" if r.agreement_within_noise else "")
 
 
+def _delta(r: BackendResult, metric: str) -> str:
+    """Δ of the primary metric with its paired-bootstrap 95% interval over questions."""
+    d = r.deltas.get(metric)
+    if d is None:
+        return "—"
+    ci = r.delta_ci.get(metric)
+    return f"{d:+.2f}" + (f" [{ci[0]:+.2f}, {ci[1]:+.2f}]" if ci else "")
+
+
+def _parity(r: BackendResult) -> str:
+    from .parity import noise_note
+
+    if not r.parity:
+        return "—"
+    note = noise_note(r)
+    return r.parity + (f" ({note})" if note else "")
+
+
 def _memory(r: BackendResult) -> str:
     # Prepare's peak beside prediction's: an export that held 79,514 MiB while preparing was only
     # visible in the CSV while the table showed prediction's 4,9xx MiB. MiB = 2**20 bytes.
@@ -52,7 +70,9 @@ def markdown_table(results: list[BackendResult], meta: RunMeta) -> str:
             "Features/s"]
     if gpu:
         head += ["TFLOP/s (real)"]
-    head += [meta.metric_labels.get(m, m) for m in metrics] + ["Answer agreement [95% CI]", "Max |Δ logit|", "Parity",
+    primary = meta.primary_metric
+    head += [meta.metric_labels.get(m, m) for m in metrics] + [
+        f"Δ{meta.metric_labels.get(primary, primary)} [95% CI]", "Answer agreement [95% CI]", "Max |Δ logit|", "Parity",
                                                     "Prepare (s)", ("Peak MiB (host prepare / predict / GPU)" if gpu else "Peak host MiB (prepare / predict)")]
     if gpu:
         head += ["J / 1k features"]
@@ -69,7 +89,8 @@ def markdown_table(results: list[BackendResult], meta: RunMeta) -> str:
         if gpu:
             cells.append(f"{_f(r.achieved_tflops, '.0f')} ({_f(r.real_tflops, '.0f')})")
         cells += [_f(r.scores.get(m), ".2f") for m in metrics]
-        cells += [_agreement(r), _f(r.max_abs_logit_diff, ".2e"), r.parity or "—", _f(r.prepare_s, ".1f"), _memory(r)]
+        cells += [_delta(r, primary), _agreement(r), _f(r.max_abs_logit_diff, ".2e"), _parity(r),
+                  _f(r.prepare_s, ".1f"), _memory(r)]
         if gpu:
             cells.append(_f(r.energy_j_per_1k_features, ".1f"))
         lines.append("| " + " | ".join(cells) + " |")
@@ -94,7 +115,17 @@ def header_lines(meta: RunMeta, env: dict) -> list[str]:
         lines.append(f"- Command: `{meta.command}`")
     lines.append(f"- Date: {meta.date}")
     if meta.verdict:
-        lines.append(f"- Parity verdict: **{meta.verdict}**")
+        lines.append(f"- Parity verdict: **{meta.verdict}**" + (
+            f" (of the variants that finished: the run was interrupted by {meta.interrupted_by})"
+            if meta.status == "interrupted" else ""))
+    lines.append("- Parity: each rule is a point rule (F1 ≥ its share of the reference's, answers agreeing ≥ the "
+                 "class's share); Δ intervals are paired bootstraps over questions (2,000 resamples, seeded), "
+                 "agreement intervals Wilson's. A verdict whose deciding interval straddles its tolerance is marked "
+                 "*within noise*, with the questions that would decide it; a run whose only failures are within noise "
+                 "is INCONCLUSIVE.")
+    for res in meta.resumes:
+        lines.append(f"- Resumed {res.get('date')}: ran {', '.join(res.get('ran') or []) or 'nothing'}"
+                     + (f" (`{res['command']}`)" if res.get("command") else ""))
     lines += [f"- {n}" for n in meta.notes]
     return lines
 
@@ -130,7 +161,7 @@ def plot(results: list[BackendResult], meta: RunMeta, path: Path) -> Optional[Pa
 
     from .colors import for_results
 
-    colour = for_results(results)
+    colour = for_results(results, meta.variants)
     metric = meta.primary_metric
     names = [r.backend + ("\n(parity FAIL)" if r.parity == "FAIL" else "") for r in ok]
     colours = [colour(r.backend, r.batching) for r in ok]

@@ -107,6 +107,14 @@ class BackendResult:
     max_abs_logit_diff: Optional[float] = None
     mean_abs_logit_diff: Optional[float] = None
     deltas: dict = field(default_factory=dict)  # {metric: backend - reference}
+    # paired-bootstrap 95% intervals over questions (parity.paired_bootstrap)
+    delta_ci: dict = field(default_factory=dict)  # {metric: (low, high)} of backend - reference
+    primary_ratio_low: Optional[float] = None
+    primary_ratio_high: Optional[float] = None
+    # the verdict could go the other way at this many questions (parity.ParityResult)
+    parity_within_noise: Optional[bool] = None
+    questions_to_decide: Optional[int] = None
+    parity_decided_by: str = ""
     # --- what went wrong, what prepare did
     error: str = ""
     prepare_info: dict = field(default_factory=dict)
@@ -122,7 +130,12 @@ class BackendResult:
                   "end_argmax_agreement", "max_abs_logit_diff", "mean_abs_logit_diff"):
             setattr(self, f, getattr(p, f))
         self.deltas = dict(p.metric_deltas)
+        self.delta_ci = {k: tuple(v) for k, v in p.delta_ci.items()}
+        self.primary_ratio_low, self.primary_ratio_high = p.ratio_ci_low, p.ratio_ci_high
         self.agreement_within_noise = p.within_noise
+        self.parity_within_noise = p.verdict_within_noise if judged else None
+        self.questions_to_decide = p.questions_to_decide if judged else None
+        self.parity_decided_by = p.decided_by if judged else ""
         self.parity = p.status if judged else "n/a"
         self.parity_failures = "; ".join(p.failures) if judged else "random weights: timing only"
 
@@ -130,11 +143,13 @@ class BackendResult:
     def to_row(self) -> dict:
         row: dict[str, Any] = {}
         for f in dataclasses.fields(self):
-            if f.name in ("scores", "deltas", "prepare_info"):
+            if f.name in _NESTED:
                 continue
             row[f.name] = getattr(self, f.name)
         row.update(self.scores)
         row.update({f"{k}_delta": v for k, v in self.deltas.items()})
+        for k, (low, high) in self.delta_ci.items():
+            row[f"{k}_delta_low"], row[f"{k}_delta_high"] = low, high
         row["prepare_info"] = json.dumps(self.prepare_info, default=str, sort_keys=True) if self.prepare_info else ""
         return row
 
@@ -146,12 +161,14 @@ class BackendResult:
         hints = typing.get_type_hints(cls)
         kwargs: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
-            if f.name in ("scores", "deltas", "prepare_info") or f.name not in row:
+            if f.name in _NESTED or f.name not in row:
                 continue
             kwargs[f.name] = _parse(row[f.name], hints[f.name])
         r = cls(**kwargs)
         r.scores = {m: float(row[m]) for m in metric_names if row.get(m) not in (None, "")}
         r.deltas = {m: float(row[f"{m}_delta"]) for m in metric_names if row.get(f"{m}_delta") not in (None, "")}
+        r.delta_ci = {m: (float(row[f"{m}_delta_low"]), float(row[f"{m}_delta_high"])) for m in metric_names
+                      if row.get(f"{m}_delta_low") not in (None, "") and row.get(f"{m}_delta_high") not in (None, "")}
         if row.get("prepare_info"):
             r.prepare_info = json.loads(row["prepare_info"])
         return r
@@ -160,6 +177,9 @@ class BackendResult:
 LEGACY_COLUMNS = {f"{name[:-len('_mib')]}_mb": name for name in (
     "prepare_host_peak_mib", "predict_host_peak_mib", "prepare_cuda_allocated_peak_mib",
     "predict_cuda_allocated_peak_mib", "predict_cuda_reserved_peak_mib", "predict_device_used_mib")}
+
+
+_NESTED = ("scores", "deltas", "delta_ci", "prepare_info")  # flattened into their own columns by to_row
 
 
 def _parse(value, hint):
@@ -203,6 +223,17 @@ class RunMeta:
     verdict: str = ""
     verdict_reasons: list = field(default_factory=list)
     notes: list = field(default_factory=list)  # run-level facts (determinism, evaluation-set cache...)
+    # --- what a resume checks and needs (bench.resume_bench)
+    status: str = ""  # running | complete | interrupted
+    interrupted_by: str = ""  # the signal (SIGTERM, SIGINT, SIGHUP) that stopped it
+    variants: list = field(default_factory=list)  # every variant the run was asked for, reference first
+    model_recipe: str = ""
+    model_digest: str = ""  # the weights, config and tokenizer the rows were measured on
+    evalset_key: str = ""
+    mlflow_parent_id: str = ""
+    mlflow_children: dict = field(default_factory=dict)  # {backend: MLflow run id}
+    resumes: list = field(default_factory=list)  # [{date, command, ran: [...]}] one per --resume
+    problems: list = field(default_factory=list)  # run-level problems found so far (e.g. a non-deterministic reference)
 
 
 def _fmt(v):
@@ -259,6 +290,15 @@ class RunBundle:
 
     def add(self, result: BackendResult) -> None:
         self.results.append(result)
+        self.write_csv()
+
+    def put(self, result: BackendResult, order: typing.Sequence[str] = ()) -> None:
+        """Add a row, replacing an earlier row of the same backend (a resumed run's re-run of a
+        failed variant), kept in ``order`` (the run's variants) so a resumed table reads like an
+        uninterrupted one."""
+        rows = [r for r in self.results if r.backend != result.backend] + [result]
+        rank = {name: i for i, name in enumerate(order)}
+        self.results = sorted(rows, key=lambda r: rank.get(r.backend, len(rank)))
         self.write_csv()
 
     def write_csv(self) -> None:

@@ -22,6 +22,7 @@ from typing import Mapping, Optional
 import numpy as np
 
 from .backends.base import Backend, BackendContext
+from .errors import BenchError
 from .progress import Progress
 from .schedule import Plan, batch_inputs, empty_outputs, scatter
 
@@ -86,8 +87,44 @@ def make_context(model_dir, task: str, artifacts_dir, output_names, plan: Plan, 
                           max_seq_len=int(max_seq_len))
 
 
-def warm_up(backend: Backend, plan: Plan, batches: list, n: int) -> int:
-    """A real batch of every shape, then more up to ``n`` batches; returns how many ran."""
+class ContractError(BenchError):
+    """A backend's output broke the Backend contract (names, dtype, shape, finiteness)."""
+
+
+def check_contract(name: str, out: Mapping, batch: Mapping[str, np.ndarray], output_names: tuple,
+                   token_outputs: tuple) -> None:
+    """What every backend owes the scatter and the postprocessor: each named output, a float
+    array of ``(rows, seq)`` for per-token outputs (``(rows, ...)`` for the others), finite on real
+    tokens. Checked on every warm-up batch, so a breach names the backend and the rule instead of
+    surfacing as a numpy error in the scatter (or as silently wrong answers)."""
+    rows, seq = np.asarray(batch["input_ids"]).shape
+    if not isinstance(out, Mapping):
+        raise ContractError(f"backend {name} returned {type(out).__name__}; expected a dict of output arrays "
+                            f"({', '.join(output_names)})")
+    missing = [n for n in output_names if n not in out]
+    if missing:
+        raise ContractError(f"backend {name} returned no {', '.join(missing)} (it returned {', '.join(map(str, out)) or 'nothing'}); "
+                            f"expected {', '.join(output_names)}")
+    real = np.asarray(batch["attention_mask"]).astype(bool)
+    for n in output_names:
+        v = out[n]
+        if not isinstance(v, np.ndarray):
+            raise ContractError(f"backend {name} returned {n} as {type(v).__name__}; expected a numpy array on the host")
+        if not np.issubdtype(v.dtype, np.floating):
+            raise ContractError(f"backend {name} returned {n} of dtype {v.dtype}; expected a floating-point dtype")
+        want = (rows, seq) if n in token_outputs else (rows,) + tuple(v.shape[1:])
+        if tuple(v.shape) != want:
+            raise ContractError(f"backend {name} returned {n} of shape {tuple(v.shape)}; expected {want}")
+        finite = np.isfinite(v[real]) if n in token_outputs else np.isfinite(v)
+        if not finite.all():
+            raise ContractError(f"backend {name} returned {int((~finite).sum())} non-finite value(s) in {n} "
+                                f"on real tokens (batch of {rows} x {seq})")
+
+
+def warm_up(backend: Backend, plan: Plan, batches: list, n: int, output_names: tuple = (),
+            token_outputs: tuple = ()) -> int:
+    """A real batch of every shape, then more up to ``n`` batches; returns how many ran. With
+    ``output_names``, every warm-up output is checked against the backend contract."""
     seen, order = set(), []
     for i, b in enumerate(plan.batches):
         if b.shape not in seen:
@@ -96,7 +133,9 @@ def warm_up(backend: Backend, plan: Plan, batches: list, n: int) -> int:
     chosen = set(order)
     order += [i for i in range(len(batches)) if i not in chosen][: max(0, n - len(order))]
     for i in order:
-        backend.predict(batches[i])
+        out = backend.predict(batches[i])
+        if output_names:
+            check_contract(backend.name, out, batches[i], output_names, token_outputs)
     return len(order)
 
 
@@ -153,7 +192,7 @@ def run_backend(backend: Backend, ctx: BackendContext, plan: Plan, batches: list
         prepare_s = time.perf_counter() - t0
         if probe is not None:
             probe.end_phase("prepare")
-        n_warm = warm_up(backend, plan, batches, warmup_batches)
+        n_warm = warm_up(backend, plan, batches, warmup_batches, ctx.output_names, token_outputs)
         if before_timing is not None:
             before_timing()
         if probe is not None:

@@ -135,3 +135,10 @@ def load_suite(name_or_path: str = "default", overrides: Optional[list[str]] = N
 
     VariantTable.for_suite(cfg).require(cfg.bench.backends)  # unknown names fail before any work
     return cfg
+
+
+def suite_from_dict(raw: dict, where: str = "<saved config>") -> SuiteConfig:
+    """A suite from ``SuiteConfig.to_dict()`` (a run bundle's config.json): what ``--resume`` runs."""
+    cfg = build(SuiteConfig, dict(raw), where)
+    resolve_task(cfg)
+    return cfg

@@ -96,7 +96,7 @@ def best_table(results: list[BackendResult]) -> str:
     return "\n".join(lines)
 
 
-def plot(results: list[BackendResult], path: Path) -> Optional[Path]:
+def plot(results: list[BackendResult], path: Path, variants: Sequence[str] = ()) -> Optional[Path]:
     series: dict[tuple[str, str], list[tuple[int, float, bool]]] = {}
     for r in results:
         p = _point(r)
@@ -111,7 +111,7 @@ def plot(results: list[BackendResult], path: Path) -> Optional[Path]:
 
     from .colors import for_results
 
-    colour = for_results(results)  # the same colour as the backend's bar in comparison.png
+    colour = for_results(results, variants)  # the same colour as the backend's bar in comparison.png
     fig, ax = plt.subplots(figsize=(9, 5))
     for (name, batching), pts in sorted(series.items()):
         pts.sort()
@@ -143,5 +143,5 @@ def write_sweep_report(bundle: RunBundle) -> str:
     if scaling:
         md += "\nData-parallel prediction (same run):\n\n" + scaling + "\n"
     atomic_write_text(bundle.dir / "sweep.md", md)
-    plot(bundle.results, bundle.dir / "sweep.png")
+    plot(bundle.results, bundle.dir / "sweep.png", bundle.meta.variants)
     return md

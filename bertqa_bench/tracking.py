@@ -71,6 +71,9 @@ LATEST_VIEW_TAG = "bertqa.latestView"
 # Statuses as sortable values: the parity column sorts failures first, the verdict column too.
 PARITY_VALUE = {"pass": 1.0, "FAIL": 0.0}
 VERDICT_VALUE = {"PASS": 1.0, "FAIL": 0.0, "INCONCLUSIVE": 0.5}
+# RunMeta fields that change while a run goes on: tags and artifacts, never (immutable) params.
+RUN_STATE = ("verdict", "verdict_reasons", "notes", "metric_names", "status", "interrupted_by", "mlflow_parent_id",
+             "mlflow_children", "resumes", "problems")
 # Live training: at most about this many points per metric, whatever the number of steps.
 TRAIN_LOG_POINTS = 200
 DEFAULT_UI = "http://127.0.0.1:5000"
@@ -220,7 +223,7 @@ class Tracker:
 
     # --- benchmark --------------------------------------------------------------------------
     def start_bench(self, meta: RunMeta, tags: dict) -> None:
-        self._colors = BackendColors()
+        self._colors = BackendColors(meta.variants)  # as comparison.png colours them (colors.for_results)
         self._children: dict[str, dict] = {}  # run id -> its metric keys, in logging (suite) order
 
         def go():
@@ -230,7 +233,7 @@ class Tracker:
                                           tags={"kind": "bench", RUN_COLOR_TAG: PARENT_COLOR})
             self.parent_id = run.info.run_id
             params = {k: v for k, v in dataclasses.asdict(meta).items()
-                      if k not in ("verdict", "verdict_reasons", "notes", "metric_names") and v not in (None, "")}
+                      if k not in RUN_STATE and v not in (None, "", [], {})}
             self.log(self.parent_id, {}, params, tags | {"run_id": meta.run_id})
 
         if self.active:
@@ -249,6 +252,68 @@ class Tracker:
             self.artifacts(rid, [*artifacts, log_file])
             self._client.set_terminated(rid, "FINISHED" if r.ok else "FAILED")
             self._children[rid] = metrics
+            return rid
+
+        if self.active and self.parent_id:
+            return self._try(go)
+        return None
+
+    # --- interruption and resume (bench.run_bench) ---------------------------------------------
+    def reopen_bench(self, meta: RunMeta, tags: dict) -> None:
+        """A resumed bench logs into the parent it started with (RUNNING again); if that run is
+        gone from this store, a new parent tagged with the one it resumes."""
+        self._colors = BackendColors(meta.variants)
+        self._children = {}
+
+        def go():
+            self.experiment_id = self.experiment(meta.suite)
+            if meta.mlflow_parent_id:
+                try:
+                    self._client.get_run(meta.mlflow_parent_id)
+                    self.parent_id = meta.mlflow_parent_id
+                    self._client.update_run(self.parent_id, status="RUNNING")
+                    self.log(self.parent_id, {}, {}, {"resumed": str(len(meta.resumes))})
+                    # the rows logged before the interruption stay in the bench's view and compare link
+                    for c in self._client.search_runs([self.experiment_id],
+                                                      f"tags.mlflow.parentRunId = '{self.parent_id}'",
+                                                      order_by=["attributes.start_time ASC"]):
+                        self._children[c.info.run_id] = c.data.metrics
+                    return
+                except Exception:  # noqa: BLE001 - not in this store: a linked new parent below
+                    pass
+            run = self._client.create_run(self.experiment_id, run_name=meta.run_id,
+                                          tags={"kind": "bench", "resumes": meta.mlflow_parent_id or meta.run_id,
+                                                RUN_COLOR_TAG: PARENT_COLOR})
+            self.parent_id = run.info.run_id
+            self.log(self.parent_id, {}, {}, tags | {"run_id": meta.run_id})
+
+        if self.active:
+            self._try(go)
+
+    def delete_run(self, run_id: str) -> None:
+        """A failed row's child run, replaced by its re-run on resume (MLflow keeps it, deleted)."""
+        if self.active and run_id:
+            self._children.pop(run_id, None)
+            self._try(self._client.delete_run, run_id)
+
+    def interrupt_bench(self, bundle: RunBundle, verdict, signal_name: str) -> None:
+        """The bench was stopped by a signal: the verdict of what finished, the parent and any child
+        still running end KILLED (never RUNNING for ever)."""
+        def go():
+            tags = {"verdict": verdict.status, "verdict_reasons": "; ".join(verdict.reasons)[:4900],
+                    "interrupted_by": signal_name,
+                    # what the table shows: the word, in the name and the parity column, beside KILLED's icon
+                    "parity": f"INTERRUPTED ({verdict.status} so far)"}
+            self.log(self.parent_id, {}, {}, tags)
+            self._client.update_run(self.parent_id, name=f"INTERRUPTED {bundle.meta.run_id}")
+            self.artifacts(self.parent_id, [bundle.dir / "run.json", bundle.csv_path])
+            self._try(self.save_view, bundle.meta, f"interrupted, {verdict.status} so far")
+            children = self._client.search_runs([self.experiment_id],
+                                                filter_string=f"tags.mlflow.parentRunId = '{self.parent_id}'")
+            for c in children:
+                if c.info.status == "RUNNING":
+                    self._client.set_terminated(c.info.run_id, "KILLED")
+            self._client.set_terminated(self.parent_id, "KILLED")
 
         if self.active and self.parent_id:
             self._try(go)

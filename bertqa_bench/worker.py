@@ -146,8 +146,10 @@ def run_job_safely(job: Job) -> dict:
 
 
 def main(argv=None) -> int:
+    from .interrupt import watch_parent
     from .progress import quiet_library_bars
 
+    watch_parent()  # a parent killed without cleaning up (kill -9) must not leave this process running
     quiet_library_bars()  # the parent keeps this process's output in a log file
     argv = sys.argv[1:] if argv is None else argv
     job = Job(**json.loads(Path(argv[0]).read_text()))

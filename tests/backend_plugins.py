@@ -51,3 +51,38 @@ class Hang(_Wrapping):
     def predict(self, batch):
         while True:
             time.sleep(1)
+
+
+class Slow(_Wrapping):
+    """The eager backend, BERTQA_TEST_SLOW_S seconds slower per batch (default 0): a variant long
+    enough to be interrupted while it runs."""
+
+    def predict(self, batch):
+        time.sleep(float(os.environ.get("BERTQA_TEST_SLOW_S", "0")))
+        return self.inner.predict(batch)
+
+
+class WrongShape(_Wrapping):
+    """Breaks the backend contract: one token short on every per-token output."""
+
+    def predict(self, batch):
+        return {k: v[:, :-1] for k, v in self.inner.predict(batch).items()}
+
+
+class Declared(_Wrapping):
+    """A plug-in whose declared variants carry run settings (timeout_s) the bench must honour."""
+
+    variants = {"declared-hang": {"device": "cpu", "timeout_s": 3, "description": "hangs; killed at 3 s"}}
+
+    def predict(self, batch):
+        while True:
+            time.sleep(1)
+
+
+class Misdeclared(_Wrapping):
+    """A plug-in whose declared variant has a typo'd key (timout_s)."""
+
+    variants = {"misdeclared": {"device": "cpu", "timout_s": 20}}
+
+    def predict(self, batch):
+        return self.inner.predict(batch)

@@ -237,10 +237,31 @@ def _entry_point_variants() -> list[dict]:
         dist = getattr(ep, "dist", None)
         source = f"entry point {dist.name if dist else ep.name}"
         for vname, spec in declared.items():
-            out.append({"name": vname, "implementation": ep.name, "device": spec.get("device", "cpu"),
-                        "options": spec.get("options", {}), "description": spec.get("description", cls.__doc__ or ""),
-                        "source": source})
+            out.append(_plugin_variant(vname, spec, ep.name, getattr(cls, "default_device", "cpu"),
+                                       cls.__doc__ or "", source, where))
     return out
+
+
+# What a plug-in's ``variants`` entry may say: the same fields as a suite's ``variants:`` entry.
+PLUGIN_VARIANT_KEYS = ("device", "options", "description") + RUN_FIELDS
+
+
+def _plugin_variant(name, spec, implementation: str, default_device: str, doc: str, source: str, where: str) -> dict:
+    """A plug-in's declared variant, its keys checked like a suite's: an unknown key (a typo of
+    timeout_s, say) is an error naming the valid ones, kept with the variant and raised when it is
+    used, so one bad plug-in never takes the other backends down."""
+    d = {"name": name, "implementation": implementation, "source": source, "device": default_device,
+         "options": {}, "description": doc}
+    if not isinstance(spec, Mapping):
+        d["error"] = f"{where}: variant '{name}' must be a mapping of {', '.join(PLUGIN_VARIANT_KEYS)}, not {spec!r:.80}"
+        return d
+    unknown = sorted(map(str, set(spec) - set(PLUGIN_VARIANT_KEYS)))
+    if unknown:
+        d["error"] = (f"{where}: variant '{name}' has unknown field(s) {', '.join(unknown)}; "
+                      f"valid: {', '.join(sorted(PLUGIN_VARIANT_KEYS))}")
+        return d
+    d.update({k: v for k, v in spec.items() if k != "options" or v is not None})
+    return d
 
 
 class VariantTable:
@@ -258,7 +279,8 @@ class VariantTable:
         for name, decl in ((cfg.variants if cfg else {}) or {}).items():
             table._raw[name] = table._from_suite(name, decl)
         for name in list(table._raw):  # validate everything now: a bad option fails before any work
-            table.get(name)
+            if not table._raw[name].get("error"):  # (a broken plug-in variant fails when it is used)
+                table.get(name)
         return table
 
     def _from_suite(self, name: str, decl) -> dict:
@@ -282,6 +304,8 @@ class VariantTable:
             if name not in self._raw:
                 raise UnknownBackendError(name, self._raw)
             d = self._raw[name]
+            if d.get("error"):
+                raise ConfigError(d["error"])
             self._resolved[name] = make_variant(d["name"], d["implementation"], d["device"], d.get("options"),
                                                 d.get("description", ""), d.get("source", "builtin"),
                                                 **{k: d.get(k) for k in RUN_FIELDS})
@@ -291,7 +315,11 @@ class VariantTable:
         return [self.get(n) for n in names]
 
     def all(self) -> list[Variant]:
-        return [self.get(n) for n in self.names()]
+        return [self.get(n) for n in self.names() if not self._raw[n].get("error")]
+
+    def broken(self) -> dict[str, str]:
+        """Declared variants that cannot be used, with why (plug-ins with bad fields)."""
+        return {n: d["error"] for n, d in self._raw.items() if d.get("error")}
 
 
 def _describe(decl) -> str:

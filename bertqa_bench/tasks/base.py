@@ -13,7 +13,7 @@ import abc
 import hashlib
 import os
 from pathlib import Path
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar, Mapping, Optional
 
 import numpy as np
 
@@ -88,3 +88,13 @@ class Task(abc.ABC):
     @abc.abstractmethod
     def agreement(self, predictions: Any, reference: Any) -> tuple[int, int]:
         """(questions whose predicted answer is identical to the reference's, questions compared)."""
+
+    def question_scores(self, examples: list, predictions: Any, cfg: SuiteConfig) -> Optional[np.ndarray]:
+        """Per-question contributions [questions, k], in ``examples`` order, whose column sums
+        ``metrics_from_sums`` turns back into ``score``'s metrics: what parity's paired bootstrap
+        resamples. None: the task's metric does not decompose (no interval is reported)."""
+        return None
+
+    def metrics_from_sums(self, sums: np.ndarray, n: int) -> dict[str, np.ndarray]:
+        """``sums`` [..., k] of ``question_scores`` over ``n`` questions -> {metric: [...]}."""
+        raise NotImplementedError(f"task {self.name} has no per-question decomposition")

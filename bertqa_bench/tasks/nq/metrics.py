@@ -171,15 +171,9 @@ def best_threshold(stats: Sequence[tuple[bool, bool, bool, float]]) -> tuple[flo
     return best
 
 
-def nq_evaluate(gold_examples: Sequence[NQExample], predictions: Union[Mapping, list],
-                source: Union[str, Path] = "<predictions>", *, long_non_null_threshold: int = 2,
-                short_non_null_threshold: int = 2) -> dict[str, float]:
-    """Official long/short P/R/F1 (percent) with F1-optimal thresholds, plus Kaggle micro-F1.
-
-    An example without a prediction counts as a null prediction (and how many there were is
-    printed on stderr); a prediction for an example not in the gold set is an error (it means
-    the files do not belong together).
-    """
+def _example_stats(gold_examples: Sequence[NQExample], predictions: Union[Mapping, list],
+                   source: Union[str, Path], long_non_null_threshold: int, short_non_null_threshold: int):
+    """(has_gold, has_pred, correct, score) per gold example, for long and short answers."""
     preds = predictions if _is_parsed(predictions) else parse_predictions(predictions, source)
     gold_keys = set()
     for ex in gold_examples:
@@ -205,6 +199,20 @@ def nq_evaluate(gold_examples: Sequence[NQExample], predictions: Union[Mapping, 
         long_stats.append((gold_long, p.has_long, gold_long and p.has_long and _long_correct(ex, p), p.long_score))
         short_stats.append((gold_short, p.has_short, gold_short and p.has_short and _short_correct(ex, p),
                             p.short_score))
+    return long_stats, short_stats, n_missing
+
+
+def nq_evaluate(gold_examples: Sequence[NQExample], predictions: Union[Mapping, list],
+                source: Union[str, Path] = "<predictions>", *, long_non_null_threshold: int = 2,
+                short_non_null_threshold: int = 2) -> dict[str, float]:
+    """Official long/short P/R/F1 (percent) with F1-optimal thresholds, plus Kaggle micro-F1.
+
+    An example without a prediction counts as a null prediction (and how many there were is
+    printed on stderr); a prediction for an example not in the gold set is an error (it means
+    the files do not belong together).
+    """
+    long_stats, short_stats, n_missing = _example_stats(gold_examples, predictions, source,
+                                                        long_non_null_threshold, short_non_null_threshold)
     if n_missing:
         print(f"warning: {n_missing} of {len(gold_examples)} gold examples have no prediction; counted as null",
               file=sys.stderr)
@@ -229,6 +237,55 @@ def nq_evaluate(gold_examples: Sequence[NQExample], predictions: Union[Mapping, 
                    "micro_f1": 100 * (2 * mp * mr / (mp + mr) if mp + mr else 0.0),
                    "micro_tp": float(tp), "micro_fp": float(fp), "micro_fn": float(fn)})
     return result
+
+
+# Columns of question_scores, per answer kind: has gold, answered (above the threshold),
+# answered correctly, gold but not answered.
+_KIND_COLUMNS = 4
+
+
+def question_scores(gold_examples: Sequence[NQExample], predictions: Union[Mapping, list], *,
+                    long_non_null_threshold: int = 2, short_non_null_threshold: int = 2):
+    """[examples, 8] per-example counts (long then short: gold, answered, correct, gold-unanswered)
+    at this run's own F1-optimal thresholds; ``metrics_from_sums`` of their column sums gives
+    ``nq_evaluate``'s long_f1, short_f1 and micro_f1. The bootstrap holds the thresholds fixed
+    (re-optimizing them per resample would widen the interval slightly)."""
+    import numpy as np
+
+    long_stats, short_stats, _ = _example_stats(gold_examples, predictions, "<predictions>",
+                                                long_non_null_threshold, short_non_null_threshold)
+    out = np.zeros((len(gold_examples), 2 * _KIND_COLUMNS), dtype=np.float64)
+    for j, stats in enumerate((long_stats, short_stats)):
+        thr = best_threshold(stats)[3]
+        for i, (has_gold, has_pred, ok, score) in enumerate(stats):
+            answered = has_pred and score >= thr
+            out[i, j * _KIND_COLUMNS:(j + 1) * _KIND_COLUMNS] = (has_gold, answered, answered and ok,
+                                                                 has_gold and not answered)
+    return out
+
+
+def metrics_from_sums(sums, n: int) -> dict:
+    """long_f1, short_f1, micro_f1 (percent) from column sums of ``question_scores``."""
+    import numpy as np
+
+    s = np.asarray(sums, dtype=np.float64)
+
+    def f1(p, r):
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.where(p + r > 0, 2 * p * r / np.where(p + r > 0, p + r, 1.0), 0.0)
+
+    def ratio(a, b):
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.where(b > 0, a / np.where(b > 0, b, 1.0), 0.0)
+
+    out = {}
+    tp = fp = fn = 0.0
+    for j, name in enumerate(("long", "short")):
+        gold, answered, correct, missed = (s[..., j * _KIND_COLUMNS + c] for c in range(_KIND_COLUMNS))
+        out[f"{name}_f1"] = 100 * f1(ratio(correct, answered), ratio(correct, gold))
+        tp, fp, fn = tp + correct, fp + answered - correct, fn + missed
+    out["micro_f1"] = 100 * f1(ratio(tp, tp + fp), ratio(tp, tp + fn))
+    return out
 
 
 def _is_parsed(predictions) -> bool:

@@ -111,6 +111,18 @@ class NQTask(Task):
         return nq_evaluate(examples, predictions, long_non_null_threshold=o.long_non_null_threshold,
                            short_non_null_threshold=o.short_non_null_threshold)
 
+    def question_scores(self, examples, predictions, cfg):
+        from .metrics import question_scores
+
+        o = cfg.task.options
+        return question_scores(examples, predictions, long_non_null_threshold=o.long_non_null_threshold,
+                               short_non_null_threshold=o.short_non_null_threshold)
+
+    def metrics_from_sums(self, sums, n):
+        from .metrics import metrics_from_sums
+
+        return metrics_from_sums(sums, n)
+
     def agreement(self, predictions, reference):
         ref, pred = _by_id(reference), _by_id(predictions)
         same = sum(k in pred and _answer_key(pred[k]) == _answer_key(r) for k, r in ref.items())

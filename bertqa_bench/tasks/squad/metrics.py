@@ -95,6 +95,20 @@ def squad_evaluate(examples: list[QAExample], predictions: Mapping[str, str]) ->
     return _aggregate(((ex.id, [a.text for a in ex.answers]) for ex in examples), predictions)
 
 
+def question_scores(examples: list[QAExample], predictions: Mapping[str, str]):
+    """[questions, 2] per-question (exact match, F1) in 0-1, in ``examples`` order: the terms whose
+    means are ``squad_evaluate``'s scores (a missing prediction scores 0, as there)."""
+    import numpy as np
+
+    out = np.zeros((len(examples), 2), dtype=np.float64)
+    for i, ex in enumerate(examples):
+        if ex.id in predictions:
+            golds = [a.text for a in ex.answers]
+            out[i, 0] = metric_max_over_ground_truths(exact_match_score, predictions[ex.id], golds)
+            out[i, 1] = metric_max_over_ground_truths(f1_score, predictions[ex.id], golds)
+    return out
+
+
 def evaluate_dataset(dataset, predictions: Mapping[str, str]) -> dict[str, float]:
     """Official ``evaluate(dataset, predictions)``; ``dataset`` is the whole JSON dict or its ``data`` list."""
     articles = dataset["data"] if isinstance(dataset, dict) else dataset

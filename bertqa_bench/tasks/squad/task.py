@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from ...config import DataConfig, SuiteConfig, resolve_path
 from ...errors import ConfigError
 from ..base import Task
@@ -82,6 +84,15 @@ class SquadTask(Task):
         from .metrics import squad_evaluate
 
         return squad_evaluate(examples, predictions)
+
+    def question_scores(self, examples, predictions, cfg):
+        from .metrics import question_scores
+
+        return question_scores(examples, predictions)
+
+    def metrics_from_sums(self, sums, n):
+        sums = np.asarray(sums, dtype=np.float64)  # columns: exact match, F1 (0-1 per question)
+        return {"exact_match": 100.0 * sums[..., 0] / n, "f1": 100.0 * sums[..., 1] / n}
 
     def agreement(self, predictions, reference):
         same = sum(predictions.get(k) == v for k, v in reference.items())
