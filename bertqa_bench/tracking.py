@@ -105,7 +105,9 @@ def child_metrics(r: BackendResult, metric_names: Iterable[str] = ()) -> dict:
     gpu = r.predict_device_used_mib if r.predict_device_used_mib is not None else r.predict_cuda_reserved_peak_mib
     values = {"features_per_s": r.features_per_s, "speedup": r.speedup,
               **{m: r.scores.get(m) for m in (list(metric_names) or list(r.scores))},
-              "parity_pass": PARITY_VALUE.get(r.parity),
+              # a FAIL within the noise of the questions sorts between decided ones, as the run's
+              # INCONCLUSIVE does between PASS and FAIL (verdict_pass)
+              "parity_pass": 0.5 if r.parity == "FAIL" and r.parity_within_noise else PARITY_VALUE.get(r.parity),
               "latency_p50_ms": r.latency_p50_ms, "latency_p99_ms": r.latency_p99_ms, "prepare_s": r.prepare_s,
               "peak_host_mib": max(host) if host else None, "peak_gpu_mib": gpu,
               "energy_j_per_1k_features": r.energy_j_per_1k_features}
@@ -120,6 +122,8 @@ def result_view(r: BackendResult, metric_names: Iterable[str] = ()) -> tuple[dic
     params = {k: row[k] for k in PARAM_FIELDS if row.get(k) not in (None, "")}
     params.update({f"prepare.{k}": v for k, v in r.prepare_info.items()})
     tags = {k: row[k] for k in TAG_FIELDS if row.get(k)}
+    if r.parity and r.parity_within_noise:
+        tags["parity"] = f"{r.parity} (within noise)"
     return params, child_metrics(r, metric_names), tags
 
 

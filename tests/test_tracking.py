@@ -226,6 +226,11 @@ def test_children_log_few_chosen_metrics_and_the_rest_as_one_json(tmp_path):
     # parity as a value that sorts, beside the readable tag
     assert ort.data.metrics["parity_pass"] == 0.0 and kids["eager-fp32"].data.metrics["parity_pass"] == 1.0
     assert ort.data.tags["parity"] == "FAIL"
+    # a FAIL within the noise of the questions: between the two, and said so
+    from bertqa_bench.tracking import child_metrics, result_view
+
+    noisy = BackendResult("x", parity="FAIL", parity_within_noise=True)
+    assert child_metrics(noisy)["parity_pass"] == 0.5 and result_view(noisy)[2]["parity"] == "FAIL (within noise)"
     # the whole record, unrounded, in one JSON artifact
     path = client.download_artifacts(ort.info.run_id, "result.json", dst_path=str(tmp_path))
     record = json.loads(Path(path).read_text())
