@@ -172,8 +172,7 @@ def _assert_runs_table_shows_the_comparison(page, bench) -> None:
         assert cell("metrics.`f1`") == _shown(m["f1"]), name
         assert cell("metrics.`features_per_s`") == _shown(m["features_per_s"]), name
         assert cell("metrics.`speedup`") == _shown(m["speedup"]), name
-        # "pass", or "pass (within noise)" on this tiny model's 18 questions (parity intervals)
-        assert cell("tags.`parity`") == run.data.tags["parity"] and run.data.tags["parity"].startswith("pass"), name
+        assert cell("tags.`parity`") == run.data.tags["parity"] == "pass", name
         assert cell("metrics.`parity_pass`") == _shown(m["parity_pass"]) == "1", name
 
 

@@ -230,7 +230,10 @@ def test_children_log_few_chosen_metrics_and_the_rest_as_one_json(tmp_path):
     from bertqa_bench.tracking import child_metrics, result_view
 
     noisy = BackendResult("x", parity="FAIL", parity_within_noise=True)
-    assert child_metrics(noisy)["parity_pass"] == 0.5 and result_view(noisy)[2]["parity"] == "FAIL (within noise)"
+    noisy.questions_to_decide = 3
+    tags = result_view(noisy)[2]
+    assert child_metrics(noisy)["parity_pass"] == 0.5 and tags["parity"] == "FAIL"
+    assert tags["parity_within_noise"] == "3 questions would decide it"
     # the whole record, unrounded, in one JSON artifact
     path = client.download_artifacts(ort.info.run_id, "result.json", dst_path=str(tmp_path))
     record = json.loads(Path(path).read_text())
