@@ -97,8 +97,8 @@ def cmd_bench(a) -> int:
         print("INCONCLUSIVE: every parity failure lies within the noise of this many questions; a gate does not "
               "pass it. More dev questions decide it (the table says how many).")
     if tracker.active and tracker.experiment_id:
-        print(f"MLflow: {tracker.uri}, experiment bertqa-{cfg.name}; `make mlflow-ui`, then "
-              f"{tracker.ui_url(tracker.experiment_id)}")
+        print(f"MLflow: {tracker.uri}, experiment bertqa-{cfg.name}; `make mlflow-ui`, then")
+        print("\n".join(tracker.links()))
     return 0
 
 
@@ -160,6 +160,8 @@ def cmd_sweep(a) -> int:
         tracker._try(tracker.artifacts, tracker.parent_id, [out.run_dir / "sweep.md", out.run_dir / "sweep.png"])
     print(md)
     print(f"results: {out.run_dir}")
+    if tracker.active and tracker.parent_id:
+        print("\n".join(tracker.links()))
     return 0
 
 

@@ -30,8 +30,8 @@ def _status_kb(field: str) -> Optional[int]:
     return None
 
 
-def host_peak_mb() -> Optional[float]:
-    kb = _status_kb("VmHWM")
+def host_peak_mib() -> Optional[float]:
+    kb = _status_kb("VmHWM")  # the kernel's "kB" are KiB: / 1024 gives MiB
     return None if kb is None else kb / 1024.0
 
 
@@ -80,18 +80,18 @@ class Probe:
         import torch
 
         torch.cuda.synchronize()
-        self.values[f"{phase}_cuda_allocated_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
-        self.values[f"{phase}_cuda_reserved_peak_mb"] = torch.cuda.max_memory_reserved() / 2**20
+        self.values[f"{phase}_cuda_allocated_peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
+        self.values[f"{phase}_cuda_reserved_peak_mib"] = torch.cuda.max_memory_reserved() / 2**20
         torch.cuda.reset_peak_memory_stats()
         if self._handle is not None:
             info = self._nvml.nvmlDeviceGetMemoryInfo(self._handle)
-            self.values[f"{phase}_device_used_mb"] = info.used / 2**20
+            self.values[f"{phase}_device_used_mib"] = info.used / 2**20
 
     def end_phase(self, phase: str) -> None:
         """Record the peaks of the phase that just ended and start the next one from now."""
-        peak = host_peak_mb()
+        peak = host_peak_mib()
         if peak is not None:
-            self.values[f"{phase}_host_peak_mb"] = peak
+            self.values[f"{phase}_host_peak_mib"] = peak
         reset_host_peak()
         if self.cuda:
             self._cuda_peaks(phase)

@@ -68,7 +68,64 @@ def build_model(task: str, base: str, *, random_init: bool = False, config_overr
         model.bert.load_state_dict({k: v for k, v in encoder.state_dict().items() if k in own}, strict=True)
         return model, {"init": f"grown from {grow_from}", **{k: str(v) for k, v in info.items() if k != "grown_from"}}
     # fp32 master weights whatever the checkpoint's storage dtype; autocast handles mixed precision.
-    return cls.from_pretrained(src, config=config, dtype=torch.float32), {"init": f"pretrained {base}"}
+    with _load_report() as report:
+        model, info = cls.from_pretrained(src, config=config, dtype=torch.float32, output_loading_info=True)
+    report.judge(model, info, base)
+    return model, {"init": f"pretrained {base}"}
+
+
+class _load_report:
+    """Holds back transformers' LOAD REPORT while a QA model is made from a base encoder, then
+    judges it: the expected one (the new head's weights MISSING, the encoder's pooler UNEXPECTED,
+    nothing else) becomes one line naming the head that training will fit; any other report (a
+    missing encoder weight, a shape mismatch, an unknown key) is shown in full, as transformers wrote it."""
+
+    LOGGER = "transformers.modeling_utils"  # where transformers logs the report (utils/loading_report.py)
+
+    def __init__(self):
+        self.held: list = []
+
+    def filter(self, record) -> bool:
+        if "LOAD REPORT" in record.getMessage():
+            self.held.append(record)
+            return False
+        return True
+
+    def __enter__(self) -> "_load_report":
+        import logging
+
+        logging.getLogger(self.LOGGER).addFilter(self)
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        import logging
+
+        logging.getLogger(self.LOGGER).removeFilter(self)
+        if exc[0] is not None:
+            self.release()  # loading failed: whatever transformers said is part of the error
+        return False
+
+    def release(self) -> None:
+        import logging
+
+        logger = logging.getLogger(self.LOGGER)
+        for record in self.held:
+            logger.handle(record)
+        self.held = []
+
+    def judge(self, model, info: dict, base: str) -> None:
+        prefix = f"{model.base_model_prefix}."
+        missing, unexpected = set(info.get("missing_keys", ())), set(info.get("unexpected_keys", ()))
+        head = sorted({k.split(".", 1)[0] for k in missing})
+        expected = (not info.get("mismatched_keys") and not info.get("error_msgs")
+                    and missing and not any(k.startswith(prefix) for k in missing)  # the head only
+                    and all(k.startswith(("pooler.", prefix + "pooler.")) for k in unexpected))
+        if not expected:
+            self.release()
+            return
+        self.held = []
+        print(f"model: {type(model).__name__} from {base}: new {', '.join(head)} head, trained from scratch "
+              f"(the encoder's weights loaded; its pooler is not used by question answering)")
 
 
 def takes_token_type_ids(model) -> bool:

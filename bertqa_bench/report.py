@@ -54,11 +54,11 @@ def _parity(r: BackendResult) -> str:
 
 
 def _memory(r: BackendResult) -> str:
-    # Prepare's peak beside prediction's: an export that held 79.5 GB while preparing was only
-    # visible in the CSV while the table showed prediction's 4.9 GB.
-    host = f"{_f(r.prepare_host_peak_mb, ',.0f')} / {_f(r.predict_host_peak_mb, ',.0f')}"
+    # Prepare's peak beside prediction's: an export that held 79,514 MiB while preparing was only
+    # visible in the CSV while the table showed prediction's 4,9xx MiB. MiB = 2**20 bytes.
+    host = f"{_f(r.prepare_host_peak_mib, ',.0f')} / {_f(r.predict_host_peak_mib, ',.0f')}"
     if r.device == "cuda":
-        dev = r.predict_device_used_mb if r.predict_device_used_mb is not None else r.predict_cuda_reserved_peak_mb
+        dev = r.predict_device_used_mib if r.predict_device_used_mib is not None else r.predict_cuda_reserved_peak_mib
         return f"{host} / {_f(dev, ',.0f')}"
     return host
 
@@ -73,7 +73,7 @@ def markdown_table(results: list[BackendResult], meta: RunMeta) -> str:
     primary = meta.primary_metric
     head += [meta.metric_labels.get(m, m) for m in metrics] + [
         f"Δ{meta.metric_labels.get(primary, primary)} [95% CI]", "Answer agreement [95% CI]", "Max |Δ logit|", "Parity",
-                                                    "Prepare (s)", ("Peak MB (host prepare / predict / GPU)" if gpu else "Peak host MB (prepare / predict)")]
+                                                    "Prepare (s)", ("Peak MiB (host prepare / predict / GPU)" if gpu else "Peak host MiB (prepare / predict)")]
     if gpu:
         head += ["J / 1k features"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
@@ -157,7 +157,9 @@ def summary_markdown(bundle: RunBundle) -> str:
 
 
 def plot(results: list[BackendResult], meta: RunMeta, path: Path) -> Optional[Path]:
-    """Throughput and the primary accuracy metric per backend, side by side."""
+    """Throughput and the primary accuracy metric per backend, side by side, each backend in its
+    run colour (colors.py: the same as in sweep.png and MLflow's charts). A parity FAIL is drawn
+    hatched with a red edge and named in the tick label, so it does not depend on telling colours apart."""
     ok = [r for r in results if r.ok]
     if not ok:
         return None
@@ -166,23 +168,32 @@ def plot(results: list[BackendResult], meta: RunMeta, path: Path) -> Optional[Pa
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from .colors import for_results
+
+    colour = for_results(results, meta.variants)
     metric = meta.primary_metric
-    names = [r.backend for r in ok]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(max(8, 1.3 * len(names) + 4), 4))
-    a.bar(names, [r.features_per_s for r in ok], color=["#c44e52" if r.parity == "FAIL" else "#4c72b0" for r in ok])
-    a.set_ylabel("features / s (median pass)")
-    a.set_title("Throughput (higher is better; red: parity FAIL)")
-    b.bar(names, [r.scores.get(metric, 0.0) for r in ok], color="#55a868")
+    names = [r.backend + ("\n(parity FAIL)" if r.parity == "FAIL" else "") for r in ok]
+    colours = [colour(r.backend, r.batching) for r in ok]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(max(8, 1.3 * len(names) + 4), 4.5))
     label = meta.metric_labels.get(metric, metric)
-    b.set_ylabel(label)
-    b.set_title(f"{label} (parity vs {meta.reference})")
-    for ax in (a, b):
+    for ax, values, ylabel, title in (
+            (a, [r.features_per_s for r in ok], "features / s (median pass)", "Throughput (higher is better)"),
+            (b, [r.scores.get(metric, 0.0) for r in ok], label, f"{label} (parity vs {meta.reference})")):
+        bars = ax.bar(names, values, color=colours, edgecolor="black", linewidth=0.5)
+        for bar, r in zip(bars, ok):
+            if r.parity == "FAIL":
+                bar.set_hatch("xx")
+                bar.set_edgecolor("#c00000")
+                bar.set_linewidth(1.5)
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
         ax.tick_params(axis="x", rotation=35)
         for lbl in ax.get_xticklabels():
             lbl.set_ha("right")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    # bbox_inches="tight": long backend names below the axes are kept whole, never cut at the edge.
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path
 

@@ -84,13 +84,13 @@ class BackendResult:
     speedup_within_noise: Optional[bool] = None  # the spread of passes straddles 1.0
     pct_change_vs_ref: Optional[float] = None
     identical_passes: Optional[bool] = None
-    # --- memory and energy (measure.py)
-    prepare_host_peak_mb: Optional[float] = None
-    predict_host_peak_mb: Optional[float] = None
-    prepare_cuda_allocated_peak_mb: Optional[float] = None
-    predict_cuda_allocated_peak_mb: Optional[float] = None
-    predict_cuda_reserved_peak_mb: Optional[float] = None
-    predict_device_used_mb: Optional[float] = None
+    # --- memory and energy (measure.py); memory in MiB (2**20 bytes), as the kernel and torch count it
+    prepare_host_peak_mib: Optional[float] = None
+    predict_host_peak_mib: Optional[float] = None
+    prepare_cuda_allocated_peak_mib: Optional[float] = None
+    predict_cuda_allocated_peak_mib: Optional[float] = None
+    predict_cuda_reserved_peak_mib: Optional[float] = None
+    predict_device_used_mib: Optional[float] = None
     energy_j: Optional[float] = None
     energy_j_per_1k_features: Optional[float] = None
     avg_power_w: Optional[float] = None
@@ -184,6 +184,9 @@ class BackendResult:
 
     @classmethod
     def from_row(cls, row: dict, metric_names: typing.Sequence[str] = ()) -> "BackendResult":
+        # Bundles and reference tables written before the MiB rename name these columns *_mb; they
+        # always held MiB, so the values carry over unchanged.
+        row = {**{LEGACY_COLUMNS.get(k, k): v for k, v in row.items()}, **row}
         hints = typing.get_type_hints(cls)
         kwargs: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
@@ -198,6 +201,11 @@ class BackendResult:
         if row.get("prepare_info"):
             r.prepare_info = json.loads(row["prepare_info"])
         return r
+
+
+LEGACY_COLUMNS = {f"{name[:-len('_mib')]}_mb": name for name in (
+    "prepare_host_peak_mib", "predict_host_peak_mib", "prepare_cuda_allocated_peak_mib",
+    "predict_cuda_allocated_peak_mib", "predict_cuda_reserved_peak_mib", "predict_device_used_mib")}
 
 
 _NESTED = ("scores", "deltas", "delta_ci", "prepare_info")  # flattened into their own columns by to_row

@@ -80,11 +80,11 @@ def best_table(results: list[BackendResult]) -> str:
             continue
         if p[0] not in best or r.features_per_s > best[p[0]].features_per_s:
             best[p[0]] = r
-    lines = ["| Backend | Best batch size | Batching | Features/s | Speedup | Parity | Peak GPU MB | J / 1k features |",
+    lines = ["| Backend | Best batch size | Batching | Features/s | Speedup | Parity | Peak GPU MiB | J / 1k features |",
              "|---|---|---|---|---|---|---|---|"]
     for name, r in sorted(best.items(), key=lambda kv: -kv[1].features_per_s):
         _, bs, bt = _point(r)
-        mem = r.predict_device_used_mb or r.predict_cuda_reserved_peak_mb
+        mem = r.predict_device_used_mib or r.predict_cuda_reserved_peak_mib
         lines.append(f"| {name} | {bs} | {bt} | {r.features_per_s:,.0f} | {r.speedup:.2f}× | {r.parity} | "
                      f"{'—' if mem is None else f'{mem:,.0f}'} | "
                      f"{'—' if r.energy_j_per_1k_features is None else f'{r.energy_j_per_1k_features:.1f}'} |")
@@ -96,7 +96,7 @@ def best_table(results: list[BackendResult]) -> str:
     return "\n".join(lines)
 
 
-def plot(results: list[BackendResult], path: Path) -> Optional[Path]:
+def plot(results: list[BackendResult], path: Path, variants: Sequence[str] = ()) -> Optional[Path]:
     series: dict[tuple[str, str], list[tuple[int, float, bool]]] = {}
     for r in results:
         p = _point(r)
@@ -109,11 +109,14 @@ def plot(results: list[BackendResult], path: Path) -> Optional[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from .colors import for_results
+
+    colour = for_results(results, variants)  # the same colour as the backend's bar in comparison.png
     fig, ax = plt.subplots(figsize=(9, 5))
     for (name, batching), pts in sorted(series.items()):
         pts.sort()
-        line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
-                        linestyle="-" if batching == "padded" else "--", label=f"{name} ({batching})")
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=colour(name, batching),
+                linestyle="-" if batching == "padded" else "--", label=f"{name} ({batching})")
         bad = [p for p in pts if not p[2]]
         if bad:
             ax.scatter([p[0] for p in bad], [p[1] for p in bad], marker="x", s=80, color="red", zorder=3)
@@ -121,10 +124,12 @@ def plot(results: list[BackendResult], path: Path) -> Optional[Path]:
     ax.set_xlabel("batch size (rows; sorted batching: the token budget of this many padded rows)")
     ax.set_ylabel("features / s (median pass)")
     ax.set_title("Throughput vs batch size (red x: parity FAIL)")
-    ax.legend(fontsize=8)
+    # The legend sits outside the axes (it covered the lines inside them) and bbox_inches="tight"
+    # grows the figure to hold it whole, however many series and however long their names.
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path
 
@@ -138,5 +143,5 @@ def write_sweep_report(bundle: RunBundle) -> str:
     if scaling:
         md += "\nData-parallel prediction (same run):\n\n" + scaling + "\n"
     atomic_write_text(bundle.dir / "sweep.md", md)
-    plot(bundle.results, bundle.dir / "sweep.png")
+    plot(bundle.results, bundle.dir / "sweep.png", bundle.meta.variants)
     return md

@@ -1,32 +1,52 @@
 """MLflow: one experiment per suite, a parent run per invocation, a child run per backend.
 
-The child run is a view of the BackendResult: choices (variant, device, precision, batching,
-model) are params, numbers are metrics, status/parity/error are tags, predictions and the
-backend's log are artifacts. The parent carries the run's own record, the comparison table
-(``comparison.json``, an MLflow table: select two bench runs and compare them in the UI's
-artifact view) and ends FINISHED or FAILED with the verdict. Training is logged live
-(``Tracker.training``): the run starts and ends with the training, with loss and samples/s per
-optimizer step. The store is a local SQLite file under results/ unless MLFLOW_TRACKING_URI says
-otherwise. Tracking problems are reported and never lose the result bundle, which is written
-first, nor stop a training.
+What a user sees in ``mlflow ui`` without configuring anything is designed here, from what the
+installed MLflow's UI (3.17.2, its JS bundle under mlflow/server/js/build) actually reads:
 
-The suite's experiment is tagged ``mlflow.experimentKind=custom_model_development`` (a
-"Machine learning" experiment, not a GenAI one): MLflow 3.x UIs that read the kind open it on the
-runs table. MLflow 3.17's UI no longer does: its sidebar switch "GenAI | Model training" decides
-(the ``workflowType`` URL parameter, else the browser's last choice, GenAI at first), so
-``ui_url``/``ui_links`` (printed by ``make mlflow-ui``) link to the runs table with
-``workflowType=machine_learning``.
+* Each child run carries a few chosen metrics, the comparison itself: features/s, speedup, the
+  task's accuracy metrics (F1/EM, or NQ's), ``parity_pass`` (1 pass / 0 FAIL: a value that sorts),
+  p50/p99 batch latency, prepare time, peak memory (MiB) and, where measured, energy. Choices are
+  params, status/parity/error tags, and the whole record is one JSON artifact (``result.json``).
+  Its ``mlflow.runColor`` tag is the backend's colour from colors.py, the same as in
+  comparison.png and sweep.png (the UI's charts and run pills read that tag).
+* The parent run ends named ``<run id> PASS|FAIL...`` with a ``verdict_pass`` metric (1 PASS,
+  0 FAIL), so the verdict is a value in the table and not only the status icon. It carries the
+  comparison table (``comparison.json``, an MLflow table), summary.md, results.csv and the plot.
+* The bench's *view*: MLflow's runs table shows only Source/Models/Dataset until a user picks
+  columns, and the UI keeps its column choice per browser. Its "Save & share view" stores a view as
+  an experiment tag ``mlflow.sharedViewState.<key>`` (a JSON envelope {name, createdAt, state}) and
+  opens it with ``?viewStateShareKey=<key>``; every bench writes one, keyed by its parent run id,
+  with the chosen columns and its parent expanded. It is the link ``bench`` and ``make mlflow-ui``
+  print, and it is listed in the runs page's "Views" menu.
+* The compare link: MLflow's compare-runs page over the bench's children, every param and metric
+  side by side (``#/compare-runs?runs=[...]&experiments=[...]``).
+* GenAI or model training: 3.17.2 decides by its sidebar switch alone, the ``workflowType`` URL
+  parameter, else the browser's stored choice (``localStorage["mlflow.workflowType_v1"]``), GenAI at
+  first. It no longer reads the experiment's ``mlflow.experimentKind`` tag (the code that would is
+  behind a feature check that is hard-wired on). So every link printed here carries
+  ``workflowType=machine_learning``, and ``make mlflow-ui`` serves the UI through mlflow_ui.py,
+  which makes "Model training" the first-visit default. The kind tag is still set: earlier 3.x UIs
+  read it.
+
+Training is logged live (``Tracker.training``): the run starts and ends with the training, with
+loss, learning rate and samples/s per optimizer step as its only metrics, so its charts are those
+curves; its final numbers (dev scores, times) are params ``final.<name>`` and train_metrics.json. The store is a local SQLite file under results/ unless MLFLOW_TRACKING_URI says
+otherwise. Tracking problems are reported and never lose the result bundle, which is written first,
+nor stop a training.
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import sys
 import time
 from pathlib import Path
 from typing import Iterable, Optional
+from urllib.parse import quote
 
+from .colors import BackendColors
 from .results import BackendResult, RunBundle, RunMeta
 
 PARAM_FIELDS = ("backend", "implementation", "precision", "parity_class", "device", "device_name", "batching",
@@ -34,15 +54,29 @@ PARAM_FIELDS = ("backend", "implementation", "precision", "parity_class", "devic
 TAG_FIELDS = ("status", "parity", "parity_failures", "error", "energy_note")
 # MLflow's experiment "kind" (set_experiment_tag; the UI's kind selector writes the same tag):
 # genai_development opens on traces, custom_model_development ("Machine learning") on the runs table
-# in UIs that read it; 3.17 goes by its GenAI / Model training switch instead (see ui_url).
+# in the 3.x UIs that read it; 3.17 goes by its GenAI / Model training switch instead (see ui_url).
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 EXPERIMENT_KIND = "custom_model_development"
 COMPARISON_TABLE = "comparison.json"
+RESULT_ARTIFACT = "result.json"
+# Names the MLflow 3.17 UI reads (its constants MLFLOW_RUN_COLOR_TAG,
+# EXPERIMENT_PAGE_VIEW_STATE_SHARE_TAG_PREFIX / _URL_PARAM_KEY, the WorkflowType URL parameter).
+RUN_COLOR_TAG = "mlflow.runColor"
+VIEW_TAG_PREFIX = "mlflow.sharedViewState."
+VIEW_URL_PARAM = "viewStateShareKey"
+WORKFLOW = "workflowType=machine_learning"
+PARENT_COLOR = "#333333"
+# The experiment's latest bench view, for mlflow_ui.py's first-visit redirect and ui_links.
+LATEST_VIEW_TAG = "bertqa.latestView"
+# Statuses as sortable values: the parity column sorts failures first, the verdict column too.
+PARITY_VALUE = {"pass": 1.0, "FAIL": 0.0}
+VERDICT_VALUE = {"PASS": 1.0, "FAIL": 0.0, "INCONCLUSIVE": 0.5}
 # RunMeta fields that change while a run goes on: tags and artifacts, never (immutable) params.
 RUN_STATE = ("verdict", "verdict_reasons", "notes", "metric_names", "status", "interrupted_by", "mlflow_parent_id",
              "mlflow_children", "resumes", "problems")
 # Live training: at most about this many points per metric, whatever the number of steps.
 TRAIN_LOG_POINTS = 200
+DEFAULT_UI = "http://127.0.0.1:5000"
 
 
 def default_tracking_uri(results_root: Path) -> str:
@@ -63,14 +97,47 @@ def numeric(d: dict) -> dict:
     return out
 
 
-def result_view(r: BackendResult) -> tuple[dict, dict, dict]:
-    """(params, metrics, tags) of a backend's child run."""
+def child_metrics(r: BackendResult, metric_names: Iterable[str] = ()) -> dict:
+    """The few numbers a child run logs as metrics, in the order the runs view shows them. Peak
+    memory is the larger of prepare's and prediction's host peaks (and the GPU's used memory on
+    CUDA rows), in MiB; the per-phase values are in result.json."""
+    host = [v for v in (r.prepare_host_peak_mib, r.predict_host_peak_mib) if v is not None]
+    gpu = r.predict_device_used_mib if r.predict_device_used_mib is not None else r.predict_cuda_reserved_peak_mib
+    values = {"features_per_s": r.features_per_s, "speedup": r.speedup,
+              **{m: r.scores.get(m) for m in (list(metric_names) or list(r.scores))},
+              # a FAIL within the noise of the questions sorts between decided ones, as the run's
+              # INCONCLUSIVE does between PASS and FAIL (verdict_pass)
+              "parity_pass": 0.5 if r.parity == "FAIL" and r.parity_within_noise else PARITY_VALUE.get(r.parity),
+              "latency_p50_ms": r.latency_p50_ms, "latency_p99_ms": r.latency_p99_ms, "prepare_s": r.prepare_s,
+              "peak_host_mib": max(host) if host else None, "peak_gpu_mib": gpu,
+              "energy_j_per_1k_features": r.energy_j_per_1k_features}
+    # 4 significant digits: the runs table prints a metric whole (30.30943300674 features/s); the
+    # unrounded values stay in result.json and results.csv.
+    return {k: float(f"{v:.4g}") for k, v in numeric(values).items()}
+
+
+def result_view(r: BackendResult, metric_names: Iterable[str] = ()) -> tuple[dict, dict, dict]:
+    """(params, metrics, tags) of a backend's child run; the whole record goes to result.json."""
     row = r.to_row()
     params = {k: row[k] for k in PARAM_FIELDS if row.get(k) not in (None, "")}
     params.update({f"prepare.{k}": v for k, v in r.prepare_info.items()})
-    metrics = numeric({k: v for k, v in row.items() if k not in PARAM_FIELDS})
     tags = {k: row[k] for k in TAG_FIELDS if row.get(k)}
-    return params, metrics, tags
+    if r.parity and r.parity_within_noise:
+        # beside the status, not in it: `tags.parity = 'FAIL'` keeps finding every FAIL
+        tags["parity_within_noise"] = f"{r.questions_to_decide or '?'} questions would decide it"
+    return params, child_metrics(r, metric_names), tags
+
+
+def view_columns(children_metrics: Iterable[Iterable[str]], metric_names: Iterable[str] = ()) -> list[str]:
+    """The runs-table columns of a bench's view, in order: the parity tag (each backend's, and the
+    bench's verdict on the parent), then the chosen metrics some child has (GPU-only ones stay out
+    of a CPU bench) and the parent's verdict_pass; keys as the UI writes them (``metrics.`f1```,
+    its canonical sort keys)."""
+    have = set().union(*map(set, children_metrics)) if children_metrics else set()
+    order = ["features_per_s", "speedup", *metric_names, "parity_pass", "latency_p50_ms", "latency_p99_ms",
+             "prepare_s", "peak_host_mib", "peak_gpu_mib", "energy_j_per_1k_features"]
+    return (["tags.`parity`"] + [f"metrics.`{m}`" for m in dict.fromkeys(order) if m in have]
+            + ["metrics.`verdict_pass`"])
 
 
 class Tracker:
@@ -80,6 +147,8 @@ class Tracker:
         self.parent_id: Optional[str] = None
         self.experiment_id: Optional[str] = None
         self._client = None
+        self._colors = BackendColors()
+        self._children: dict[str, dict] = {}
         if enabled:
             self._try(self._connect)
 
@@ -120,10 +189,26 @@ class Tracker:
                                               tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
 
     @staticmethod
-    def ui_url(experiment_id: str, base: str = "http://127.0.0.1:5000") -> str:
-        """The experiment's runs table in ``mlflow ui``; without workflowType, MLflow 3.17 opens a
-        browser's first visit on its GenAI overview."""
-        return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs?workflowType=machine_learning"
+    def ui_url(experiment_id: str, base: str = DEFAULT_UI) -> str:
+        """The experiment's runs table in ``mlflow ui``, as model training (see the module's docstring)."""
+        return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs?{WORKFLOW}"
+
+    @staticmethod
+    def view_url(experiment_id: str, view_key: str, base: str = DEFAULT_UI) -> str:
+        """A bench's view: the runs table with its parent expanded and the comparison's columns."""
+        return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs?{VIEW_URL_PARAM}={view_key}&{WORKFLOW}"
+
+    @staticmethod
+    def run_url(experiment_id: str, run_id: str, tab: str = "", base: str = DEFAULT_UI) -> str:
+        """A run's page; ``tab="model-metrics"`` opens it on its charts (a training run's curves)."""
+        return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}" + (f"/{tab}" if tab else "") + f"?{WORKFLOW}"
+
+    @staticmethod
+    def compare_url(experiment_id: str, run_ids: list[str], base: str = DEFAULT_UI) -> str:
+        """MLflow's compare-runs page over these runs (its route takes JSON lists, URL-encoded)."""
+        runs = quote(json.dumps(list(run_ids), separators=(",", ":")))
+        exps = quote(json.dumps([str(experiment_id)], separators=(",", ":")))
+        return f"{base.rstrip('/')}/#/compare-runs?runs={runs}&experiments={exps}&{WORKFLOW}"
 
     def log(self, run_id: str, metrics: dict, params: dict, tags: dict, step: int = 0) -> None:
         from mlflow.entities import Metric, Param, RunTag
@@ -143,9 +228,14 @@ class Tracker:
 
     # --- benchmark --------------------------------------------------------------------------
     def start_bench(self, meta: RunMeta, tags: dict) -> None:
+        self._colors = BackendColors(meta.variants)  # as comparison.png colours them (colors.for_results)
+        self._children: dict[str, dict] = {}  # run id -> its metric keys, in logging (suite) order
+
         def go():
             self.experiment_id = self.experiment(meta.suite)
-            run = self._client.create_run(self.experiment_id, run_name=meta.run_id, tags={"kind": "bench"})
+            # A dark grey no backend has (colors.py), so the parent's bars never pass for a backend's.
+            run = self._client.create_run(self.experiment_id, run_name=meta.run_id,
+                                          tags={"kind": "bench", RUN_COLOR_TAG: PARENT_COLOR})
             self.parent_id = run.info.run_id
             params = {k: v for k, v in dataclasses.asdict(meta).items()
                       if k not in RUN_STATE and v not in (None, "", [], {})}
@@ -160,10 +250,13 @@ class Tracker:
             run = self._client.create_run(self.experiment_id, run_name=r.backend,
                                           tags={"mlflow.parentRunId": self.parent_id, "kind": "backend"})
             rid = run.info.run_id
-            params, metrics, own_tags = result_view(r)
-            self.log(rid, metrics, params, tags | own_tags | {"run_id": meta.run_id})
+            params, metrics, own_tags = result_view(r, meta.metric_names)
+            colour = {RUN_COLOR_TAG: self._colors(r.backend, r.batching or None)}
+            self.log(rid, metrics, params, tags | own_tags | colour | {"run_id": meta.run_id})
+            self._client.log_dict(rid, r.to_row(), RESULT_ARTIFACT)
             self.artifacts(rid, [*artifacts, log_file])
             self._client.set_terminated(rid, "FINISHED" if r.ok else "FAILED")
+            self._children[rid] = metrics
             return rid
 
         if self.active and self.parent_id:
@@ -174,6 +267,9 @@ class Tracker:
     def reopen_bench(self, meta: RunMeta, tags: dict) -> None:
         """A resumed bench logs into the parent it started with (RUNNING again); if that run is
         gone from this store, a new parent tagged with the one it resumes."""
+        self._colors = BackendColors(meta.variants)
+        self._children = {}
+
         def go():
             self.experiment_id = self.experiment(meta.suite)
             if meta.mlflow_parent_id:
@@ -182,11 +278,17 @@ class Tracker:
                     self.parent_id = meta.mlflow_parent_id
                     self._client.update_run(self.parent_id, status="RUNNING")
                     self.log(self.parent_id, {}, {}, {"resumed": str(len(meta.resumes))})
+                    # the rows logged before the interruption stay in the bench's view and compare link
+                    for c in self._client.search_runs([self.experiment_id],
+                                                      f"tags.mlflow.parentRunId = '{self.parent_id}'",
+                                                      order_by=["attributes.start_time ASC"]):
+                        self._children[c.info.run_id] = c.data.metrics
                     return
                 except Exception:  # noqa: BLE001 - not in this store: a linked new parent below
                     pass
             run = self._client.create_run(self.experiment_id, run_name=meta.run_id,
-                                          tags={"kind": "bench", "resumes": meta.mlflow_parent_id or meta.run_id})
+                                          tags={"kind": "bench", "resumes": meta.mlflow_parent_id or meta.run_id,
+                                                RUN_COLOR_TAG: PARENT_COLOR})
             self.parent_id = run.info.run_id
             self.log(self.parent_id, {}, {}, tags | {"run_id": meta.run_id})
 
@@ -196,6 +298,7 @@ class Tracker:
     def delete_run(self, run_id: str) -> None:
         """A failed row's child run, replaced by its re-run on resume (MLflow keeps it, deleted)."""
         if self.active and run_id:
+            self._children.pop(run_id, None)
             self._try(self._client.delete_run, run_id)
 
     def interrupt_bench(self, bundle: RunBundle, verdict, signal_name: str) -> None:
@@ -203,9 +306,13 @@ class Tracker:
         still running end KILLED (never RUNNING for ever)."""
         def go():
             tags = {"verdict": verdict.status, "verdict_reasons": "; ".join(verdict.reasons)[:4900],
-                    "interrupted_by": signal_name}
+                    "interrupted_by": signal_name,
+                    # what the table shows: the word, in the name and the parity column, beside KILLED's icon
+                    "parity": f"INTERRUPTED ({verdict.status} so far)"}
             self.log(self.parent_id, {}, {}, tags)
+            self._client.update_run(self.parent_id, name=f"INTERRUPTED {bundle.meta.run_id}")
             self.artifacts(self.parent_id, [bundle.dir / "run.json", bundle.csv_path])
+            self._try(self.save_view, bundle.meta, f"interrupted, {verdict.status} so far")
             children = self._client.search_runs([self.experiment_id],
                                                 filter_string=f"tags.mlflow.parentRunId = '{self.parent_id}'")
             for c in children:
@@ -221,16 +328,53 @@ class Tracker:
             ok = [r for r in bundle.results if r.ok]
             best = max((r for r in ok if r.speedup and r.parity != "FAIL"), key=lambda r: r.speedup, default=None)
             metrics = {"n_backends_ok": len(ok), "best_speedup_at_parity": best.speedup if best else 0.0}
-            tags = {"verdict": verdict.status, "verdict_reasons": "; ".join(verdict.reasons)[:4900],
+            if verdict.status in VERDICT_VALUE:
+                metrics["verdict_pass"] = VERDICT_VALUE[verdict.status]
+            # "parity" too: the view's parity column then reads pass/FAIL on each backend and the
+            # bench's verdict on its parent.
+            tags = {"verdict": verdict.status, "parity": verdict.status,
+                    "verdict_reasons": "; ".join(verdict.reasons)[:4900],
                     "best_backend_at_parity": best.backend if best else ""}
             self.log(self.parent_id, metrics, {}, tags)
+            # The verdict first in the name too: the one column every runs table shows, even cut short.
+            self._client.update_run(self.parent_id, name=f"{verdict.status} {bundle.meta.run_id}")
             self.artifacts(self.parent_id, [bundle.dir / "summary.md", bundle.csv_path, bundle.dir / "comparison.png",
                                             bundle.dir / "run.json"])
             self._try(self.log_comparison, self.parent_id, bundle)  # a table problem keeps the run's status
+            self._try(self.save_view, bundle.meta, verdict.status)
             self._client.set_terminated(self.parent_id, "FINISHED" if verdict.ok else "FAILED")
 
         if self.active and self.parent_id:
             self._try(go)
+
+    def save_view(self, meta: RunMeta, verdict: str = "") -> str:
+        """This bench's view as a saved MLflow view (see the module's docstring); returns its key."""
+        key = self.parent_id
+        columns = view_columns(self._children.values(), meta.metric_names)
+        # A shared view does not carry a user's expanded rows (MLflow leaves runsExpanded, pinned and
+        # hidden rows out of it), so the bench is not shown as a collapsed parent: the view keeps this
+        # bench's runs (its run_id tag) and groups them by kind, groups open by default, oldest
+        # first: the parent with the verdict, then the backends in the suite's order.
+        state = {"selectedColumns": columns, "columnOrder": columns,
+                 # wide enough for "PASS 20261126-150016-default" (the grid's default cuts it short)
+                 "columnWidths": {"attributes.`Run Name`": 280},
+                 "searchFilter": f"tags.run_id = '{meta.run_id}'",
+                 # the chart view plots each backend in its own colour, not the groups' aggregates
+                 "useGroupedValuesInCharts": False,
+                 "groupBy": {"aggregateFunction": "max", "groupByKeys": [{"mode": "tag", "groupByData": "kind"}]},
+                 "orderByKey": "attributes.start_time", "orderByAsc": True}
+        envelope = {"name": f"bench {meta.run_id}" + (f" ({verdict})" if verdict else ""),
+                    "createdAt": int(time.time() * 1000), "state": json.dumps(state)}
+        self._client.set_experiment_tag(self.experiment_id, VIEW_TAG_PREFIX + key, json.dumps(envelope))
+        self._client.set_experiment_tag(self.experiment_id, LATEST_VIEW_TAG, key)
+        return key
+
+    def links(self, base: str = DEFAULT_UI) -> list[str]:
+        """What ``bench`` prints: this bench's view and its compare page."""
+        if not (self.active and self.parent_id):
+            return []
+        return [f"MLflow, this bench's comparison: {self.view_url(self.experiment_id, self.parent_id, base)}",
+                f"MLflow, its backends side by side: {self.compare_url(self.experiment_id, list(self._children), base)}"]
 
     def log_comparison(self, run_id: str, bundle: RunBundle) -> None:
         """The bench's comparison table (one row per backend, the results.csv columns) as an MLflow
@@ -254,8 +398,9 @@ class Tracker:
         return TrainingRun(self, self._try(go) if self.active else None)
 
 
-def ui_links(results_root: Path, base: str = "http://127.0.0.1:5000") -> list[str]:
-    """'<experiment>: <url of its runs table>' for every bertqa experiment of the store (``make mlflow-ui``)."""
+def ui_links(results_root: Path, base: str = DEFAULT_UI) -> list[str]:
+    """For every bertqa experiment of the store (``make mlflow-ui``): its runs table, its latest
+    bench's view and that bench's compare page."""
     root = Path(results_root)
     if not os.environ.get("MLFLOW_TRACKING_URI") and not (root / "mlflow.db").exists():
         return []
@@ -263,7 +408,22 @@ def ui_links(results_root: Path, base: str = "http://127.0.0.1:5000") -> list[st
     if not tracker.active:
         return []
     exps = tracker._try(tracker._client.search_experiments, filter_string="name LIKE 'bertqa-%'") or []
-    return [f"{e.name}: {Tracker.ui_url(e.experiment_id, base)}" for e in sorted(exps, key=lambda e: e.name)]
+    lines = []
+    for e in sorted(exps, key=lambda e: e.name):
+        lines.append(f"{e.name}: {Tracker.ui_url(e.experiment_id, base)}")
+        trains = tracker._try(tracker._client.search_runs, [e.experiment_id], "tags.kind = 'train'",
+                              max_results=1, order_by=["attributes.start_time DESC"]) or []
+        for run in trains:
+            lines.append(f"  latest training, its curves: "
+                         f"{Tracker.run_url(e.experiment_id, run.info.run_id, 'model-metrics', base)}")
+        key = e.tags.get(LATEST_VIEW_TAG)
+        if key and (VIEW_TAG_PREFIX + key) in e.tags:
+            children = tracker._try(tracker._client.search_runs, [e.experiment_id],
+                                    f"tags.`mlflow.parentRunId` = '{key}'", order_by=["attributes.start_time ASC"]) or []
+            lines.append(f"  latest bench: {Tracker.view_url(e.experiment_id, key, base)}")
+            lines.append(f"  its backends side by side: "
+                         f"{Tracker.compare_url(e.experiment_id, [r.info.run_id for r in children], base)}")
+    return lines
 
 
 def comparison_frame(bundle: RunBundle):
@@ -356,8 +516,12 @@ class TrainingRun:
         t = self.tracker
 
         def go():
-            # step 0, like the bench's metrics: one value per run, which the UI charts as bars.
-            t.log(self.run_id, numeric(metrics), {}, {"model_dir": str(model_dir)})
+            # The final numbers (dev scores, times, sizes) are params, ``final.<name>``, and all of
+            # them are in train_metrics.json: as metrics each was a single-value bar chart, and the
+            # run page opened on 19 of them in alphabetical order with the curves below. Its only
+            # metrics are now the step-wise curves (train_loss, lr, samples_per_s).
+            t.log(self.run_id, {}, {f"final.{k}": v for k, v in numeric(metrics).items()},
+                  {"model_dir": str(model_dir)})
             t.artifacts(self.run_id, [Path(model_dir) / "train_metrics.json"])
 
         t._try(go)

@@ -265,7 +265,7 @@ def test_cpu_checks_run_in_chunks_of_rows_with_the_whole_batch_answers(tiny_mode
 
 def test_export_traces_a_few_rows_without_autograd_and_validates_at_the_run_shapes(tiny_model, tmp_path,
                                                                                     monkeypatch):
-    """The exporter's trace held autograd's saved activations of the whole sample batch (79.5 GB of
+    """The exporter's trace held autograd's saved activations of the whole sample batch (77.7 GiB of
     host memory at 256 x 384 on the H100 host): it traces EXPORT_ROWS rows with grad off, and the
     graph still validates at the run's larger batch."""
     from bertqa_bench.backends import onnx_export

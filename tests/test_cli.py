@@ -115,7 +115,7 @@ def _ok(name, predict_s, speedup, pct, **kw):
 def test_report_and_reference_tables_are_views_of_the_records(tmp_path, capsys):
     run = tmp_path / "20260101-000000-x"
     b = _bundle(run, results=[_ok("eager-fp32", 2.0, 1.0, 0.0),
-                              _ok("onnxruntime", 1.0, 2.0, -50.0, prepare_host_peak_mb=7962.0, predict_host_peak_mb=4721.4),
+                              _ok("onnxruntime", 1.0, 2.0, -50.0, prepare_host_peak_mib=7962.0, predict_host_peak_mib=4721.4),
                               BackendResult("tensorrt-fp16", status="not run", error="needs tensorrt")])
     # the bundle loads back into the same records
     back = RunBundle.load(run)
@@ -127,7 +127,7 @@ def test_report_and_reference_tables_are_views_of_the_records(tmp_path, capsys):
     assert "| onnxruntime | fp32 | padded | 1.000 | -50.0% | 2.00× |" in md
     assert "tensorrt-fp16" in md and "needs tensorrt" in md
     # host memory: prepare's peak beside prediction's
-    assert "Peak host MB (prepare / predict)" in md and "| 7,962 / 4,721 |" in md
+    assert "Peak host MiB (prepare / predict)" in md and "| 7,962 / 4,721 |" in md
     assert "Command: `bertqa-bench bench --suite x`" in md  # from run.json, not parsed out of markdown
     assert main(["reference", str(run), "--out", str(tmp_path / "ref"), "--title", "T"]) == 0
     assert (tmp_path / "ref.csv").read_text().count("\n") == 4
@@ -170,7 +170,10 @@ def test_track_imports_a_bundle_made_without_mlflow(tmp_path, monkeypatch, capsy
     children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
     assert sorted(r.data.params["backend"] for r in children) == ["eager-fp32-cuda", "ort-cuda-fp16"]
     assert all(r.data.tags["env.gpu"] == "NVIDIA H100 80GB HBM3" for r in children)
-    assert {r.data.metrics["predict_s"] for r in children} == {20.0, 2.0}
+    # the whole record is each child's result.json (its metrics are the table's few columns)
+    records = [json.loads(Path(client.download_artifacts(r.info.run_id, "result.json", str(tmp_path))).read_text())
+               for r in children]
+    assert {rec["predict_s"] for rec in records} == {20.0, 2.0}
 
 
 @pytest.mark.slow
@@ -189,3 +192,16 @@ def test_sweep_runs_a_grid_against_one_reference_and_picks_the_best_point_at_par
     point = {r.backend: r for r in bundle.results}["eager-fp32@b16-sorted"]
     assert point.batch_size == 16 and point.batching == "sorted" and point.parity == "pass"
     assert "| eager-fp32 |" in (run / "sweep.md").read_text() and (run / "sweep.png").stat().st_size > 1000
+
+
+def test_memory_columns_are_mib_and_old_mb_columns_load_back():
+    """The memory fields hold MiB (2**20 bytes) and say so; bundles and reference CSVs written
+    before the rename (``*_mb`` columns, which held MiB too) load into the same fields unchanged."""
+    from bertqa_bench.results import BackendResult
+
+    names = {f.name for f in __import__("dataclasses").fields(BackendResult)}
+    assert "predict_host_peak_mib" in names and not any(n.endswith("_mb") for n in names)
+    old = BackendResult.from_row({"backend": "x", "predict_host_peak_mb": "4721.4", "predict_device_used_mb": "7300"})
+    assert old.predict_host_peak_mib == 4721.4 and old.predict_device_used_mib == 7300.0
+    new = BackendResult.from_row({"backend": "x", "predict_host_peak_mib": "12.5", "predict_host_peak_mb": "99"})
+    assert new.predict_host_peak_mib == 12.5  # a new column wins over a stale old one

@@ -47,7 +47,7 @@ def test_end_to_end_cpu(tiny_suite, tmp_path):
     # a CUDA backend on a CPU machine is "not run" with its reason, never faked
     assert rows["eager-fp16"].status == "not run" and "CUDA" in rows["eager-fp16"].error
     for col in ("prepare_s", "predict_s", "latency_p50_ms", "latency_p99_ms", "features_per_s", "questions_per_s",
-                "speedup", "answer_agreement", "max_abs_logit_diff", "end_to_end_s", "predict_host_peak_mb"):
+                "speedup", "answer_agreement", "max_abs_logit_diff", "end_to_end_s", "predict_host_peak_mib"):
         assert getattr(ort, col) is not None, col
     assert ort.n_passes == 2 and ort.predict_min_s <= ort.predict_s <= ort.predict_max_s
     assert set(ort.scores) == {"exact_match", "f1"} and ort.n_compared == ref.n_questions

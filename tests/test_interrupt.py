@@ -148,7 +148,19 @@ def test_kill_9_of_the_bench_leaves_no_worker_and_resume_finishes_it(suite, tmp_
     # nobody cleaned up: the worker notices its parent is gone and takes its process group down
     assert _gone(worker, within_s=15), f"worker {worker} kept running after its bench was killed"
     assert json.loads((run_dir / "run.json").read_text())["status"] == "running"
+    # The resumed rows must be judged against the logits the reference wrote, not a fresh run of
+    # it: move one real-token logit of the saved reference by 0.5 and the comparison must see it.
+    import numpy as np
+
+    saved = run_dir / "outputs" / "eager-fp32.npz"
+    with np.load(saved) as z:
+        logits = {k: z[k].copy() for k in z.files}
+    logits["start_logits"][0, 1] += 0.5
+    with open(saved, "wb") as f:
+        np.savez(f, **logits)
     rc, out = _run(["bench", "--resume", str(run_dir)], tmp_path)
     assert rc == 0, out
     rows = {r.backend: r for r in RunBundle.load(run_dir).results}
     assert list(rows) == BACKENDS and all(r.ok and r.parity == "pass" for r in rows.values())
+    for name in ("slow", "sorted-eager"):
+        assert rows[name].max_abs_logit_diff == pytest.approx(0.5, abs=1e-3), name

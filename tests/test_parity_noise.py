@@ -161,3 +161,16 @@ def test_nq_question_scores_reproduce_its_metrics(tmp_path, seed):
     back = task.metrics_from_sums(q.sum(axis=0), len(dev))
     for m in task.metric_names:
         assert float(back[m]) == pytest.approx(scores[m], abs=1e-9), m
+
+
+def test_a_failure_is_within_noise_only_if_every_broken_rule_is():
+    """Seven flipped answers among 200: agreement (96.5%) misses 97% within its interval, but the
+    F1 drop (~4%) is decided. One decided broken rule decides the failure."""
+    ref = _questions(200)
+    out = ref.copy()
+    out[np.flatnonzero(ref[:, 0] == 1)[:7]] = (0.0, 0.0)
+    p = _judge(ref, out, REDUCED)
+    assert p.status == "FAIL" and len(p.failures) == 2  # both rules broken
+    assert p.agreement_ci_low < 0.97 <= p.agreement_ci_high  # agreement: within noise
+    assert p.ratio_ci_high < 0.99  # the F1 ratio: decided
+    assert not p.verdict_within_noise and p.questions_to_decide is None

@@ -44,6 +44,7 @@ def test_new_experiment_is_tagged_as_model_development(tmp_path):
     exp_id = tracker.experiment("tiny")
     exp = _client(tracker).get_experiment(exp_id)
     assert exp.tags.get(EXPERIMENT_KIND_TAG) == EXPERIMENT_KIND
+    # MLflow 3.17 reads the URL's workflowType, not the tag: every printed link carries it
     assert "workflowType=machine_learning" in Tracker.ui_url(exp_id)
 
 
@@ -88,8 +89,11 @@ def test_training_run_is_live_with_per_step_metrics(tiny_suite, tmp_path):
     assert status == "RUNNING" and n_points >= 2
     # params at the start, final metrics and train_metrics.json at the end
     assert run.data.params["train.seed"] == "1" and run.data.params["total_steps"] == str(metrics["train_steps"])
-    assert run.data.metrics["train_s"] == pytest.approx(metrics["train_s"])
-    assert "dev_f1" in run.data.metrics
+    # the run's charts are its curves; the final numbers are params (a single-value chart each before)
+    assert set(run.data.metrics) == {"train_loss", "samples_per_s", "lr"}
+    assert float(run.data.params["final.train_s"]) == pytest.approx(metrics["train_s"])
+    assert float(run.data.params["final.dev_f1"]) == pytest.approx(metrics["dev_f1"])
+    assert float(run.data.params["final.train_steps"]) == metrics["train_steps"]
     client = _client(tracker)
     assert "train_metrics.json" in [a.path for a in client.list_artifacts(info.run_id)]
     # per-step loss and throughput, with increasing steps up to the last one
@@ -197,12 +201,106 @@ def test_bench_parent_run_has_the_comparison_table(tmp_path):
     assert list(table.columns[:5]) == ["backend", "features_per_s", "speedup", "predict_s", "f1"]
     assert table.loc[1, "features_per_s"] == pytest.approx(1200.0) and table.loc[1, "f1"] == 80.0
     assert table.loc[2, "status"] == "not run" and "needs CUDA" in table.loc[2, "error"]
-    # the children carry the key numbers as metrics (the chart view's bars)
-    children = client.search_runs([tracker.experiment_id], f"tags.mlflow.parentRunId = '{tracker.parent_id}'")
-    ort = next(r for r in children if r.data.params["backend"] == "onnxruntime")
-    for key in ("predict_s", "features_per_s", "speedup", "f1"):
-        assert key in ort.data.metrics, key
     assert parent.info.status == "FINISHED"
+
+
+def _bench(tmp_path, verdict="PASS", results=None):
+    bundle = _bundle(tmp_path)
+    if results is not None:
+        bundle.results = results
+    tracker = Tracker(tmp_path / "store")
+    tracker.start_bench(bundle.meta, tags={})
+    for r in bundle.results:
+        tracker.log_backend(bundle.meta, r, {})
+    tracker.finish_bench(bundle, Verdict(verdict, [] if verdict == "PASS" else ["onnxruntime: F1 ratio"]))
+    client = _client(tracker)
+    children = client.search_runs([tracker.experiment_id], f"tags.mlflow.parentRunId = '{tracker.parent_id}'")
+    return tracker, client, client.get_run(tracker.parent_id), {r.data.params["backend"]: r for r in children}
+
+
+def test_children_log_few_chosen_metrics_and_the_rest_as_one_json(tmp_path):
+    """The runs table's columns are the comparison: a handful of metrics per backend, not the ~60
+    numbers of the record (which stay in result.json)."""
+    slow = BackendResult("onnxruntime", predict_s=0.25, features_per_s=1200.123456, speedup=4.0, parity="FAIL",
+                         scores={"f1": 80.0, "exact_match": 70.0}, latency_p50_ms=2.5, latency_p99_ms=9.0,
+                         prepare_s=3.0, prepare_host_peak_mib=900.0, predict_host_peak_mib=500.0,
+                         max_abs_logit_diff=0.5, n_batches=13, answer_agreement=0.9)
+    ref = BackendResult("eager-fp32", predict_s=1.0, features_per_s=300.0, speedup=1.0, parity="pass",
+                        scores={"f1": 80.0, "exact_match": 70.0})
+    tracker, client, parent, kids = _bench(tmp_path, "FAIL", [ref, slow])
+    ort = kids["onnxruntime"]
+    assert set(ort.data.metrics) == {"features_per_s", "speedup", "f1", "exact_match", "parity_pass", "latency_p50_ms",
+                                     "latency_p99_ms", "prepare_s", "peak_host_mib"}
+    assert ort.data.metrics["features_per_s"] == 1200.0  # 4 significant digits for the table
+    assert ort.data.metrics["peak_host_mib"] == 900.0  # the larger of prepare's and prediction's peaks
+    # parity as a value that sorts, beside the readable tag
+    assert ort.data.metrics["parity_pass"] == 0.0 and kids["eager-fp32"].data.metrics["parity_pass"] == 1.0
+    assert ort.data.tags["parity"] == "FAIL"
+    # a FAIL within the noise of the questions: between the two, and said so
+    from bertqa_bench.tracking import child_metrics, result_view
+
+    noisy = BackendResult("x", parity="FAIL", parity_within_noise=True)
+    noisy.questions_to_decide = 3
+    tags = result_view(noisy)[2]
+    assert child_metrics(noisy)["parity_pass"] == 0.5 and tags["parity"] == "FAIL"
+    assert tags["parity_within_noise"] == "3 questions would decide it"
+    # the whole record, unrounded, in one JSON artifact
+    path = client.download_artifacts(ort.info.run_id, "result.json", dst_path=str(tmp_path))
+    record = json.loads(Path(path).read_text())
+    assert record["features_per_s"] == 1200.123456 and record["n_batches"] == 13 and record["answer_agreement"] == 0.9
+    # the parent's verdict is a value and the first word of its name, not only the status icon
+    assert parent.data.metrics["verdict_pass"] == 0.0 and parent.data.tags["parity"] == "FAIL"
+    assert parent.info.run_name == "FAIL 20260101-000000-tiny" and parent.info.status == "FAILED"
+
+
+def test_each_bench_saves_its_view_and_prints_its_links(tmp_path):
+    """MLflow's saved view (experiment tag mlflow.sharedViewState.<key>, opened by
+    ?viewStateShareKey=<key>) with the comparison's columns, this bench's runs grouped by kind."""
+    tracker, client, parent, kids = _bench(tmp_path)
+    exp = client.get_experiment(tracker.experiment_id)
+    key = exp.tags["bertqa.latestView"]
+    assert key == parent.info.run_id
+    envelope = json.loads(exp.tags[f"mlflow.sharedViewState.{key}"])
+    assert envelope["name"] == "bench 20260101-000000-tiny (PASS)" and isinstance(envelope["createdAt"], int)
+    state = json.loads(envelope["state"])
+    assert state["selectedColumns"][:5] == ["tags.`parity`", "metrics.`features_per_s`", "metrics.`speedup`",
+                                            "metrics.`exact_match`", "metrics.`f1`"]
+    assert "metrics.`verdict_pass`" in state["selectedColumns"] and state["columnOrder"] == state["selectedColumns"]
+    assert "metrics.`peak_gpu_mib`" not in state["selectedColumns"]  # no CUDA row here: no empty GPU column
+    # the filter keeps exactly this bench's runs
+    hits = client.search_runs([tracker.experiment_id], state["searchFilter"])
+    assert sorted(r.info.run_id for r in hits) == sorted([parent.info.run_id, *(r.info.run_id for r in kids.values())])
+    assert state["groupBy"]["groupByKeys"] == [{"mode": "tag", "groupByData": "kind"}]
+    view, compare = tracker.links()
+    assert f"#/experiments/{tracker.experiment_id}/runs?viewStateShareKey={key}&workflowType=machine_learning" in view
+    assert "#/compare-runs?runs=" in compare and "workflowType=machine_learning" in compare
+    from urllib.parse import parse_qs, unquote, urlsplit
+
+    query = parse_qs(urlsplit(unquote(compare).split("#", 1)[1]).query)
+    assert json.loads(query["runs"][0]) == [kids[b].info.run_id for b in ("eager-fp32", "onnxruntime", "eager-fp16")]
+    assert json.loads(query["experiments"][0]) == [tracker.experiment_id]
+
+
+def test_backends_have_their_plot_colour_in_mlflow(tmp_path):
+    from bertqa_bench.colors import for_results
+
+    tracker, client, parent, kids = _bench(tmp_path)
+    colour = for_results(_bundle(tmp_path / "again").results)
+    for name, run in kids.items():
+        assert run.data.tags["mlflow.runColor"] == colour(name)
+
+
+def test_backend_colours_are_distinct_and_shared_by_a_family():
+    from bertqa_bench.colors import BackendColors
+
+    names = ["eager-fp32", "torch-compile", "onnxruntime", "onnxruntime-int8", "eager-bf16-cpu", "eager-fp32-sorted",
+             "onnxruntime-sorted"]
+    colour = BackendColors(names)
+    assert len({colour(n) for n in names}) == len(names)
+    # a length-aware row is its padded row's hue, lighter: onnxruntime / -sorted are related, never equal
+    assert colour("onnxruntime-sorted") != colour("onnxruntime")
+    assert colour("onnxruntime@b64-sorted") == colour("onnxruntime-sorted")
+    assert colour("onnxruntime@b64-padded") == colour("onnxruntime", "padded")
 
 
 def test_two_benches_have_one_table_each(tmp_path):
@@ -218,3 +316,14 @@ def test_two_benches_have_one_table_each(tmp_path):
     assert sorted(r.info.run_id for r in tagged) == sorted(parents)
     for run_id in parents:  # log_table appends to an existing file: each bench's table holds its own rows only
         assert list(_table(client, run_id)["backend"]) == ["eager-fp32", "onnxruntime", "eager-fp16"]
+
+
+def test_make_mlflow_ui_prints_the_latest_bench_links(tmp_path):
+    from bertqa_bench.tracking import ui_links
+
+    tracker, client, parent, kids = _bench(tmp_path)
+    lines = ui_links(tmp_path / "store")
+    assert lines[0].startswith("bertqa-tiny: ") and lines[0].endswith(
+        f"#/experiments/{tracker.experiment_id}/runs?workflowType=machine_learning")
+    assert any(f"viewStateShareKey={parent.info.run_id}&" in line for line in lines)
+    assert any("#/compare-runs?runs=" in line and all(r.info.run_id in line for r in kids.values()) for line in lines)

@@ -333,9 +333,9 @@ def export_onnx(model_dir: str | Path, task: str, artifacts_dir: str | Path, out
                     example = _export_example(batches[0])
                     # atomic: a killed export never leaves a half file in the cache
                     # no_grad: with autograd on, the trace kept every layer's saved activations;
-                    # prepare peaked at 79.5 GB of host memory at 256 x 384 on the H100 host
-                    # (results/reference/h100-sweep.md). MiniLM at 64 x 384 on a CPU: 6.9 GB
-                    # without it, 1.7 GB with it.
+                    # prepare peaked at 77.7 GiB of host memory at 256 x 384 on the H100 host
+                    # (results/reference/h100-sweep.md). MiniLM at 64 x 384 on a CPU: 6.7 GiB
+                    # without it, 1.7 GiB with it.
                     with atomic_path(path, suffix=".onnx") as tmp, torch.no_grad():
                         if name == "torchscript":
                             _export_torchscript(module, example, tmp, output_names, seq_outputs, opset)
