@@ -54,6 +54,9 @@ class EvalSet:
         return self.features.lengths()
 
 
+_FIRST_KEY_FILES = ("tokenizer.json", "vocab.txt", "tokenizer_config.json", "special_tokens_map.json")
+
+
 def _tokenizer_fingerprint(tokenizer_source: str) -> str:
     from .modeling import resolve_base
 
@@ -61,13 +64,13 @@ def _tokenizer_fingerprint(tokenizer_source: str) -> str:
     if not d.is_dir():
         return tokenizer_source  # a hub name
     h = hashlib.sha256()
-    # every file a tokenizer of any supported family is made from (checkpoint.TOKENIZER_FILES);
-    # files absent from a folder add nothing, so existing keys stay as they were
+    # The files keys were first made of, in their order (so existing keys stay as they were), then
+    # every other file a tokenizer of a supported family is made from (checkpoint.TOKENIZER_FILES);
+    # files absent from a folder add nothing.
     from .checkpoint import TOKENIZER_FILES
 
-    for name in ("tokenizer.json", "vocab.txt", "tokenizer_config.json", "special_tokens_map.json") + tuple(
-            n for n in TOKENIZER_FILES if n not in ("tokenizer.json", "vocab.txt", "tokenizer_config.json",
-                                                    "special_tokens_map.json")):
+    names = _FIRST_KEY_FILES + tuple(n for n in TOKENIZER_FILES if n not in _FIRST_KEY_FILES)
+    for name in names:
         if (d / name).exists():
             h.update(name.encode())
             h.update((d / name).read_bytes())
