@@ -297,6 +297,22 @@ def _saved_reference(cfg: SuiteConfig, task: Task, evalset: EvalSet, bundle: Run
                      task.question_scores(evalset.examples, predictions, cfg))
 
 
+def judge(cfg: SuiteConfig, task: Task, variant: Variant, ref: Reference, r: BackendResult, predictions,
+          per_question, outputs: dict, attention_mask: np.ndarray, *, judged: bool) -> None:
+    """One row's parity against the reference, into the row: the comparison bench and loadgen
+    both make (paired bootstrap over questions when the task decomposes its metric). ``judged``
+    False (random weights: near-tied spans everywhere) keeps the numbers but gives no verdict."""
+    paired = (ref.question_scores, per_question) if (
+        ref.question_scores is not None and per_question is not None) else None
+    p = compare(parity_class=variant.parity_class,
+                tolerance=tolerance_for(cfg.parity, variant.name, variant.parity_class),
+                primary_metric=task.primary_metric, ref_scores=ref.scores, scores=r.scores,
+                agreement=task.agreement(predictions, ref.predictions), ref_outputs=ref.outputs,
+                outputs=outputs, attention_mask=attention_mask, question_scores=paired,
+                metrics_from_sums=task.metrics_from_sums if paired else None)
+    r.apply_parity(p, judged=judged)
+
+
 def _run_variant(cfg, task, variant, model, evalset, bundle, plans, tiling, ref, progress, log, determinism):
     """One variant end to end: its worker, then postprocess, score and compare here.
     Returns (its row, the Reference when this was the reference, run-level problems found)."""
@@ -342,17 +358,8 @@ def _run_variant(cfg, task, variant, model, evalset, bundle, plans, tiling, ref,
                 problems += _determinism(cfg, task, variant, model, evalset, bundle, ref, r, log)
         if ref is not None:
             _speedup(r, ref.pass_s, rec["pass_s"])
-            paired = (ref.question_scores, per_question) if (
-                ref.question_scores is not None and per_question is not None) else None
-            p = compare(parity_class=variant.parity_class,
-                        tolerance=tolerance_for(cfg.parity, variant.name, variant.parity_class),
-                        primary_metric=task.primary_metric, ref_scores=ref.scores, scores=r.scores,
-                        agreement=task.agreement(predictions, ref.predictions), ref_outputs=ref.outputs,
-                        outputs=outputs, attention_mask=features.attention_mask, question_scores=paired,
-                        metrics_from_sums=task.metrics_from_sums if paired else None)
-            # Random weights give near-tied spans everywhere: logit differences are still
-            # informative, answer-level pass/fail is not. Parity is judged on trained models.
-            r.apply_parity(p, judged=not model.timing_only)
+            judge(cfg, task, variant, ref, r, predictions, per_question, outputs, features.attention_mask,
+                  judged=not model.timing_only)
         if variant.name != reference and not cfg.bench.keep_outputs:
             Path(rec["outputs"]).unlink(missing_ok=True)
     except Exception as e:  # noqa: BLE001 - scoring one backend must not lose the others

@@ -196,9 +196,9 @@ def run_loadgen(cfg: SuiteConfig, scenario: str, *, backends: Optional[list[str]
 def _rows_of(cfg, scenario, find_peak_qps, variants, task, model, evalset, plans, bundle, meta, tracker, env_tags,
              progress, log):
     """The variants one after the other (reference first), each row written as it finishes."""
-    from .bench import BenchOutcome, Reference, identity, plan_key
+    from .bench import BenchOutcome, Reference, identity, judge, plan_key
     from .launcher import launch
-    from .parity import compare, tolerance_for, verdict
+    from .parity import verdict
     from .schedule import mask_padding
     from .worker import format_error, load_outputs
 
@@ -251,16 +251,9 @@ def _rows_of(cfg, scenario, find_peak_qps, variants, task, model, evalset, plans
                     r.bench_answer_agreement = k / n if n else 1.0
                 if variant.name == reference:
                     ref, ref_row = Reference(outputs, predictions, r.scores, [], per_question), r
-                if ref is not None:  # exactly bench's comparison (bench._run_variant), paired bootstrap included
-                    paired = (ref.question_scores, per_question) if (
-                        ref.question_scores is not None and per_question is not None) else None
-                    p = compare(parity_class=variant.parity_class,
-                                tolerance=tolerance_for(cfg.parity, variant.name, variant.parity_class),
-                                primary_metric=task.primary_metric, ref_scores=ref.scores, scores=r.scores,
-                                agreement=task.agreement(predictions, ref.predictions), ref_outputs=ref.outputs,
-                                outputs=outputs, attention_mask=features.attention_mask, question_scores=paired,
-                                metrics_from_sums=task.metrics_from_sums if paired else None)
-                    r.apply_parity(p, judged=not model.timing_only)
+                if ref is not None:  # exactly bench's comparison, paired bootstrap included
+                    judge(cfg, task, variant, ref, r, predictions, per_question, outputs, features.attention_mask,
+                          judged=not model.timing_only)
                     a, b = headline(r), headline(ref_row) if ref_row else None
                     r.speedup = a / b if a and b else None
                 if r.loadgen_result != "VALID":
