@@ -111,6 +111,10 @@ def child_metrics(r: BackendResult, metric_names: Iterable[str] = ()) -> dict:
               "latency_p50_ms": r.latency_p50_ms, "latency_p99_ms": r.latency_p99_ms, "prepare_s": r.prepare_s,
               "peak_host_mib": max(host) if host else None, "peak_gpu_mib": gpu,
               "energy_j_per_1k_features": r.energy_j_per_1k_features}
+    if getattr(r, "scenario", ""):  # a LoadGen row: its load numbers are the comparison too
+        values.update({"achieved_qps": r.achieved_qps, "target_qps": r.target_qps,
+                       "sample_latency_p90_ms": r.sample_latency_p90_ms,
+                       "sample_latency_p99_ms": r.sample_latency_p99_ms, "qps_vs_bench_pct": r.qps_vs_bench_pct})
     # 4 significant digits: the runs table prints a metric whole (30.30943300674 features/s); the
     # unrounded values stay in result.json and results.csv.
     return {k: float(f"{v:.4g}") for k, v in numeric(values).items()}
@@ -134,7 +138,8 @@ def view_columns(children_metrics: Iterable[Iterable[str]], metric_names: Iterab
     of a CPU bench) and the parent's verdict_pass; keys as the UI writes them (``metrics.`f1```,
     its canonical sort keys)."""
     have = set().union(*map(set, children_metrics)) if children_metrics else set()
-    order = ["features_per_s", "speedup", *metric_names, "parity_pass", "latency_p50_ms", "latency_p99_ms",
+    order = ["achieved_qps", "target_qps", "sample_latency_p90_ms", "sample_latency_p99_ms", "qps_vs_bench_pct",
+             "features_per_s", "speedup", *metric_names, "parity_pass", "latency_p50_ms", "latency_p99_ms",
              "prepare_s", "peak_host_mib", "peak_gpu_mib", "energy_j_per_1k_features"]
     return (["tags.`parity`"] + [f"metrics.`{m}`" for m in dict.fromkeys(order) if m in have]
             + ["metrics.`verdict_pass`"])
