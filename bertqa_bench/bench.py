@@ -251,26 +251,42 @@ def run_bench(cfg: SuiteConfig, *, backends: Optional[list[str]] = None, run_id:
                 meta.mlflow_children[r.backend] = child
             bundle.write_meta()
     except KeyboardInterrupt as e:  # interrupt.Interrupted: every signal the bench handles
-        from .interrupt import as_interrupted
-
-        stop = as_interrupted(e)
-        v = verdict(bundle.results, reference, timing_only=model.timing_only, problems=problems)
-        meta.status, meta.interrupted_by = "interrupted", stop.signal_name
-        meta.verdict, meta.verdict_reasons = v.status, v.reasons
-        bundle.write_meta()
-        write_report(bundle)
-        tracker.interrupt_bench(bundle, v, stop.signal_name)
+        stop, v = close_interrupted(bundle, reference, model.timing_only, problems, tracker, e)
         log(f"interrupted by {stop.signal_name}: {len(bundle.results)} of {len(names)} variants finished "
             f"(verdict of those: {v.status}); results in {bundle.dir}; finish it with "
             f"`bertqa-bench bench --resume {bundle.dir}`")
         raise stop from None
 
-    v = verdict(bundle.results, reference, timing_only=model.timing_only, problems=problems)
-    meta.verdict, meta.verdict_reasons, meta.status = v.status, v.reasons, "complete"
+    v, summary = close_complete(bundle, reference, model.timing_only, problems, tracker)
+    return BenchOutcome(bundle, summary, v, evalset, ref, problems)
+
+
+def close_complete(bundle: RunBundle, reference: str, timing_only: bool, problems: list,
+                   tracker: Tracker) -> tuple[Verdict, str]:
+    """A finished run's record (bench and loadgen): the verdict in run.json, the report, MLflow."""
+    v = verdict(bundle.results, reference, timing_only=timing_only, problems=problems)
+    bundle.meta.verdict, bundle.meta.verdict_reasons, bundle.meta.status = v.status, v.reasons, "complete"
     bundle.write_meta()
     summary = write_report(bundle)
     tracker.finish_bench(bundle, v)
-    return BenchOutcome(bundle, summary, v, evalset, ref, problems)
+    return v, summary
+
+
+def close_interrupted(bundle: RunBundle, reference: str, timing_only: bool, problems: list, tracker: Tracker,
+                      e: BaseException):
+    """An interrupted run's record (bench and loadgen): the verdict of what finished, run.json
+    ``interrupted`` with the signal, the report, MLflow runs KILLED. Returns (Interrupted, verdict)."""
+    from .interrupt import as_interrupted
+
+    stop = as_interrupted(e)
+    v = verdict(bundle.results, reference, timing_only=timing_only, problems=problems)
+    meta = bundle.meta
+    meta.status, meta.interrupted_by = "interrupted", stop.signal_name
+    meta.verdict, meta.verdict_reasons = v.status, v.reasons
+    bundle.write_meta()
+    write_report(bundle)
+    tracker.interrupt_bench(bundle, v, stop.signal_name)
+    return stop, v
 
 
 # Rows a resume keeps as they are; a failed row runs again.

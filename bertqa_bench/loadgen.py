@@ -123,7 +123,6 @@ def run_loadgen(cfg: SuiteConfig, scenario: str, *, backends: Optional[list[str]
     from .bench import plan_for, plan_key, plan_path
     from .envinfo import device_name, environment
     from .evalset import load_evalset
-    from .parity import verdict
     from .results import RunBundle, RunMeta, new_run_id
     from .tasks import get_task
     from .tracking import Tracker
@@ -177,17 +176,9 @@ def run_loadgen(cfg: SuiteConfig, scenario: str, *, backends: Optional[list[str]
         return _rows_of(cfg, scenario, find_peak_qps, variants, task, model, evalset, plans, bundle, meta, tracker,
                         env_tags, progress, log)
     except KeyboardInterrupt as e:  # interrupt.Interrupted (SIGTERM, SIGINT, SIGHUP): finished rows stay
-        from .interrupt import as_interrupted
+        from .bench import close_interrupted
 
-        stop = as_interrupted(e)
-        v = verdict(bundle.results, reference, timing_only=model.timing_only, problems=list(meta.problems))
-        meta.status, meta.interrupted_by = "interrupted", stop.signal_name
-        meta.verdict, meta.verdict_reasons = v.status, v.reasons
-        bundle.write_meta()
-        from .report import write_report
-
-        write_report(bundle)
-        tracker.interrupt_bench(bundle, v, stop.signal_name)
+        stop, _ = close_interrupted(bundle, reference, model.timing_only, list(meta.problems), tracker, e)
         log(f"interrupted by {stop.signal_name}: {len(bundle.results)} of {len(names)} variants finished; "
             f"results in {bundle.dir}")
         raise stop from None
@@ -196,9 +187,8 @@ def run_loadgen(cfg: SuiteConfig, scenario: str, *, backends: Optional[list[str]
 def _rows_of(cfg, scenario, find_peak_qps, variants, task, model, evalset, plans, bundle, meta, tracker, env_tags,
              progress, log):
     """The variants one after the other (reference first), each row written as it finishes."""
-    from .bench import BenchOutcome, Reference, identity, judge, plan_key
+    from .bench import BenchOutcome, Reference, close_complete, identity, judge, plan_key
     from .launcher import launch
-    from .parity import verdict
     from .schedule import mask_padding
     from .worker import format_error, load_outputs
 
@@ -270,13 +260,7 @@ def _rows_of(cfg, scenario, find_peak_qps, variants, task, model, evalset, plans
         tracker.log_backend(meta, r, env_tags | {"scenario": scenario, "loadgen_result": r.loadgen_result},
                             [pred_path, *kept] if pred_path else kept, bundle.path("logs", f"{variant.name}.log"))
 
-    v = verdict(bundle.results, reference, timing_only=model.timing_only, problems=problems)
-    meta.verdict, meta.verdict_reasons, meta.status = v.status, v.reasons, "complete"
-    bundle.write_meta()
-    from .report import write_report
-
-    summary = write_report(bundle)
-    tracker.finish_bench(bundle, v)
+    v, summary = close_complete(bundle, reference, model.timing_only, problems, tracker)
     return BenchOutcome(bundle, summary, v, evalset, ref, problems)
 
 
