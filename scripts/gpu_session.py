@@ -294,6 +294,13 @@ def step_packed_graphs(s: Session) -> list:
     return []
 
 
+# A family's table: the reference, the classic FP16 rows, FP8, the length-aware rows and TensorRT
+# (reported "not run" where it cannot load); the suite's 26 rows would not fit one device session.
+FAMILY_BACKENDS = ("eager-fp32-cuda,eager-fp16,eager-bf16,torch-compile-fp16-graph,ort-cuda-fp16-graph,"
+                   "torch-compile-fp8,tensorrt-fp16,eager-fp16-sorted,ort-cuda-fp16-graph-sorted,"
+                   "eager-fp16-packed,torch-compile-fp8-packed-graph")
+
+
 def family(s: Session, suite: str, init: str, make: list[str], model: str) -> None:
     """Issue 20: one encoder family as a user's checkpoint. Make the initial folder (families.py),
     fine-tune it with the suite's recipe, then `bench --model` the trained folder: every GPU
@@ -307,7 +314,7 @@ def family(s: Session, suite: str, init: str, make: list[str], model: str) -> No
     s.say(f"{model}: dev " + ", ".join(f"{k[4:]} {v:.2f}" for k, v in metrics.items()
                                        if k.startswith("dev_") and isinstance(v, float)))
     s.run(f"bench-{model}", ["cli", "bench", "--suite", suite, "--model", f"models/{model}", "--no-mlflow",
-                             "--no-progress", "--run-id", f"gpu-{model}"], timeout=2400)
+                             "--no-progress", "--run-id", f"gpu-{model}", "--backends", FAMILY_BACKENDS], timeout=2400)
 
 
 def step_families(s: Session) -> list:
@@ -362,6 +369,23 @@ def step_loadgen(s: Session) -> list:
     return []
 
 
+LOADGEN_LENGTH_AWARE = ("eager-fp16-sorted,torch-compile-fp16-graph-sorted,ort-cuda-fp16-graph-sorted,"
+                        "torch-compile-fp8-sorted,torch-compile-fp8-packed,torch-compile-fp8-packed-graph")
+
+
+def step_loadgen_length_aware(s: Session) -> list:
+    """What the first LoadGen session left (issue 21), one GPU: the length-aware rows'
+    SingleStream p90, their Server peak (with the padded FP8 row the first run did not finish),
+    then the Offline cross-check of the best length-aware rows."""
+    train(s, MAIN)
+    loadgen(s, "SingleStream", LOADGEN_LENGTH_AWARE, timeout=1200)
+    loadgen(s, "Server", "torch-compile-fp8,ort-cuda-fp16-graph-sorted,torch-compile-fp8-sorted,"
+            "torch-compile-fp8-packed-graph", extra=("--find-peak-qps", *LOADGEN_SERVER), timeout=1500)
+    loadgen(s, "Offline", "ort-cuda-fp16-graph-sorted,torch-compile-fp8-sorted,torch-compile-fp8-packed-graph",
+            timeout=900)
+    return []
+
+
 # Most important first: a machine goes back after 30 minutes, and each --status call packs
 # what is done so far.
 PLANS = {
@@ -380,6 +404,10 @@ PLANS = {
     "packed-graphs": [step_packed_graphs],
     "tests": [step_tests],
     "loadgen": [step_loadgen],
+    "loadgen-length-aware": [step_loadgen_length_aware],
+    "loadgen-then-distilbert": [step_loadgen_length_aware, lambda s: family(
+        s, "gpu-distilbert", "distilbert-base-grown-init",
+        ["distilbert", "--size", "base", "--grow-from", "embedded:all-MiniLM-L6-v2"], "distilbert-grown-hard")],
 }
 
 
