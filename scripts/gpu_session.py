@@ -386,6 +386,25 @@ def step_loadgen_length_aware(s: Session) -> list:
     return []
 
 
+# Issue 22: the suite's FP8 rows against torchao's (padded and packed), cuDNN attention for the
+# padded rows, host-side packing for the bucketed packed rows; eager FP32 in the same run.
+PERF_BACKENDS = ("eager-fp32-cuda,torch-compile-fp16-graph,torch-compile-fp16-graph-cudnn,torch-compile-fp8,"
+                 "torch-compile-fp8-cudnn,torchao-fp8,torchao-fp8-tensor,eager-fp16-packed-graph,"
+                 "eager-fp16-packed-host,torch-compile-fp8-packed-graph,torch-compile-fp8-packed-host,"
+                 "torchao-fp8-packed-graph")
+
+
+def step_perf(s: Session) -> list:
+    """Issue 22 on one GPU: the suite's model beside the new variants' GPU tests, then one bench
+    of PERF_BACKENDS and the profiles of the packed rows, device- and host-packed."""
+    lanes(lambda: train(s, MAIN), lambda: s.run("gpu-tests-issue22", [
+        sys.executable, "-m", "pytest", "-q", "-rs", "-m", "gpu", "-p", "no:cacheprovider", "tests/test_fp8.py",
+        "-k", "issue22 or torchao"], timeout=600))
+    bench_and_profile(s, "perf", PERF_BACKENDS, ("torch-compile-fp8-packed-host", "torch-compile-fp8-packed-graph"),
+                      timeout=1500)
+    return []
+
+
 # Most important first: a machine goes back after 30 minutes, and each --status call packs
 # what is done so far.
 PLANS = {
@@ -405,6 +424,7 @@ PLANS = {
     "tests": [step_tests],
     "loadgen": [step_loadgen],
     "loadgen-length-aware": [step_loadgen_length_aware],
+    "perf": [step_perf],
     "loadgen-then-distilbert": [step_loadgen_length_aware, lambda s: family(
         s, "gpu-distilbert", "distilbert-base-grown-init",
         ["distilbert", "--size", "base", "--grow-from", "embedded:all-MiniLM-L6-v2"], "distilbert-grown-hard")],

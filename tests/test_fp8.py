@@ -539,3 +539,101 @@ def test_a_variants_kept_layers_stay_unquantized_in_the_model_it_builds(tmp_path
                 assert torch.equal(got, want), "the kept layer computes something else than the 16-bit layer"
             else:
                 assert not torch.equal(got, want) and rel_l2(got, want) < 0.1  # quantized, and close
+
+
+# --------------------------------------------------------------------------- torchao FP8, cuDNN attention, host packing (issue 22)
+
+TORCHAO_NAMES = ("torchao-fp8", "torchao-fp8-tensor", "torchao-fp8-packed-graph")
+
+
+def test_torchao_variants_are_fp8_cuda_rows_with_checked_options():
+    from bertqa_bench.errors import ConfigError
+
+    for name in TORCHAO_NAMES:
+        v = TABLE.get(name)
+        assert (v.device, v.precision, v.parity_class) == ("cuda", "fp8", "reduced"), name
+        assert v.options.torchao is not None and v.options.fp8 is None
+    assert TABLE.get("torchao-fp8-packed-graph").batching == "packed"
+    with pytest.raises(ConfigError, match="tensor, row"):
+        make_variant("x", "torch", "cuda", {"weights": "bf16", "torchao": {"granularity": "block"}})
+    with pytest.raises(ConfigError, match="name one"):
+        make_variant("x", "torch", "cuda", {"weights": "bf16", "torchao": {}, "fp8": {}})
+    with pytest.raises(ConfigError, match="16 bits"):
+        make_variant("x", "torch", "cuda", {"torchao": {}})
+    with pytest.raises(ConfigError, match="host_pack"):
+        make_variant("x", "torch", "cuda", {"weights": "fp16", "packed": True, "host_pack": True})
+
+
+def test_torchao_quantizes_the_encoder_gemms_named_and_never_the_head():
+    model = qa(tiny_bert(hidden=64, layers=3))
+    names = torch_backend.torchao_targets(model, torch_backend.TorchaoOptions())
+    assert len(names) == 3 * 5  # query, key, value, intermediate, output per layer; attention output stays 16-bit
+    assert not any("qa_outputs" in n or "attention.output" in n for n in names)
+    kept = torch_backend.torchao_targets(model, torch_backend.TorchaoOptions(keep_layers="1", gemms="ffn_in"))
+    assert sorted(kept) == sorted(n for n in names if n.endswith("intermediate.dense") and ".layer.1." not in n)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
+def test_torchao_unavailable_without_cuda_names_the_reason():
+    reason = TABLE.get("torchao-fp8").unavailable_reason()
+    assert reason and "CUDA" in reason
+
+
+def test_host_pack_gives_the_device_packs_values():
+    """The host packing (numpy) against PackedEncoder.pack (torch) on right-padded rows of
+    several lengths, with and without RoBERTa's position offset and token types."""
+    from bertqa_bench.backends.packed_bert import PackedEncoder, host_pack
+
+    enc = PackedEncoder(tiny_bert(hidden=32).bert)
+    r = np.random.default_rng(0)
+    b, s = 5, 24
+    ids = r.integers(5, 1000, (b, s))
+    mask = np.zeros((b, s), np.int64)
+    for i, n in enumerate((24, 1, 13, 7, 20)):
+        mask[i, :n] = 1
+    types = r.integers(0, 2, (b, s))
+    for offset, tt in ((0, types), (2, None)):
+        enc.position_offset = offset
+        want = enc.pack(torch.from_numpy(ids), torch.from_numpy(mask), None if tt is None else torch.from_numpy(tt))
+        got = host_pack(ids, mask, tt, offset)
+        for w, g in zip(want[:5], got[:5]):
+            np.testing.assert_array_equal(w.numpy(), g)
+        assert want[5] == got[5] == 24
+
+
+def test_host_bucket_lengths_equal_the_devices():
+    from bertqa_bench.backends.packed_bert import TokenBuckets
+
+    tb = TokenBuckets(None, bucket=16, max_len=6, max_rows=4, max_tokens=40)
+    for lengths in ((5, 6, 1), (6, 6, 6, 6), (2,)):
+        cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+        t = int(cu[-1])
+        size = tb.size_for(t, len(lengths))
+        np.testing.assert_array_equal(tb.host_cu(cu, t, size), tb.bucket_cu(torch.from_numpy(cu), t, size).numpy())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", TORCHAO_NAMES + ("torch-compile-fp8-cudnn", "torch-compile-fp16-graph-cudnn",
+                                                  "torch-compile-fp8-packed-host", "eager-fp16-packed-host"))
+def test_issue22_variants_track_fp32_on_gpu(tmp_path, name):
+    reason = TABLE.get(name).unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    ctx, batches = _gpu_ctx(tmp_path)
+    _, refs = _run("eager-fp32-cuda", ctx, batches)
+    info, outs = _run(name, ctx, batches)
+    if "host" in name or name == "torchao-fp8-packed-graph":
+        assert info["packing"] == "host" and info["token_bucket_graphs"] >= 1
+        # the same model packed on the device: the host's packing changes where, not what
+        _, dev = _run(name, ctx, batches, host_pack=False)
+        for o, d, b in zip(outs, dev, batches):
+            valid = b["attention_mask"].astype(bool)
+            for n in OUTPUTS:
+                assert np.abs(o[n] - d[n])[valid].max() < 1e-3, (name, n)
+    if name.startswith("torchao"):
+        assert info["fp8_linears"] == 2 * 5
+    for out, ref, b in zip(outs, refs, batches):
+        valid = b["attention_mask"].astype(bool)
+        for n in OUTPUTS:
+            err = np.linalg.norm((out[n] - ref[n])[valid]) / np.linalg.norm(ref[n][valid])
+            assert err < 0.08, (name, n, err)

@@ -25,11 +25,19 @@ each); variable-length attention never mixes sequences, and every other op works
 the real tokens' outputs are those of the exact-T path (tested) and the dummy rows are dropped.
 Motive: the packed rows' GPU idled 22% of the time (results/reference/h100-batching.md). Result
 on the H100: +9% for compiled FP8, -4% for eager FP16 (results/reference/h100-packed-graphs.md).
+
+``HostPacker`` moves the data-dependent packing to the host for the bucketed path: the batch
+arrives as numpy, so the real token positions, cumulative lengths and bucket are computed there
+(``host_pack``, ``TokenBuckets.host_cu``), written into pinned buffers and copied to the graph's
+static inputs asynchronously. The device-side ``pack`` needs two device-to-host syncs a batch
+(``nonzero`` and the longest length) and ~15 small kernels before the replay can start; the
+profile of the packed FP8 graph row showed the GPU idle 14% of the time.
 """
 from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -67,6 +75,9 @@ class PackedEncoder(nn.Module):
         # ELECTRA's embeddings may be narrower than the encoder, projected up before it
         self.project = getattr(bert, "embeddings_project", None)
         self.buckets: Optional["TokenBuckets"] = None  # set by TokenBuckets.attach
+        # (bucket size, real tokens, real positions on the device) of the next forward, packed on
+        # the host by HostPacker; consumed by that forward
+        self.prepacked: Optional[tuple] = None
 
     @property
     def kernel_name(self) -> str:
@@ -147,11 +158,15 @@ class PackedEncoder(nn.Module):
         from transformers.modeling_outputs import BaseModelOutputWithPooling
 
         b, s = input_ids.shape
-        ids, positions, types, cu, flat, max_len = self.pack(input_ids, attention_mask, token_type_ids)
-        if self.buckets is not None:
-            x = self.buckets(ids, positions, types, cu)
+        if self.prepacked is not None:  # packed on the host, already in the bucket's graph inputs
+            (size, t, flat), self.prepacked = self.prepacked, None
+            x = self.buckets.replay(size, t)
         else:
-            x = self.encode(ids, positions, types, cu, max_len)
+            ids, positions, types, cu, flat, max_len = self.pack(input_ids, attention_mask, token_type_ids)
+            if self.buckets is not None:
+                x = self.buckets(ids, positions, types, cu)
+            else:
+                x = self.encode(ids, positions, types, cu, max_len)
         seq = x.new_zeros(b * s, x.shape[1])
         seq[flat] = x
         seq = seq.view(b, s, -1)
@@ -240,9 +255,73 @@ class TokenBuckets:
         graph.replay()
         return out[:t]
 
+    def host_cu(self, cu: np.ndarray, t: int, size: int) -> np.ndarray:
+        """``bucket_cu`` on the host (numpy, the same integers)."""
+        k = self.cu_len - cu.size
+        steps = np.arange(1, k + 1, dtype=np.int64)
+        return np.concatenate([cu, t + (size - t) * steps // k]).astype(np.int32)
+
+    def replay(self, size: int, t: int):
+        """Replay the bucket's graph on inputs already in its static buffers (HostPacker)."""
+        graph, *_, out = self.graphs[size]
+        graph.replay()
+        return out[:t]
+
     def attach(self, encoder: PackedEncoder) -> "TokenBuckets":
         encoder.buckets = self
         return self
+
+
+def host_pack(input_ids: np.ndarray, attention_mask: np.ndarray, token_type_ids: Optional[np.ndarray],
+              position_offset: int = 0):
+    """``PackedEncoder.pack`` on the host: the real tokens' ids, positions and types, the
+    cumulative lengths [rows + 1] (int32), the real positions in the [b*s] grid and the longest
+    length — the same values, from the numpy batch, with no device work."""
+    b, s = input_ids.shape
+    mask = np.asarray(attention_mask).astype(bool)
+    lengths = mask.sum(axis=1).astype(np.int32)
+    cu = np.zeros(b + 1, dtype=np.int32)
+    np.cumsum(lengths, out=cu[1:])
+    flat = np.flatnonzero(mask.reshape(-1))
+    types = np.zeros_like(flat) if token_type_ids is None else np.asarray(token_type_ids).reshape(-1)[flat]
+    return (np.asarray(input_ids).reshape(-1)[flat], flat % s + position_offset, types, cu, flat,
+            int(lengths.max()) if b else 0)
+
+
+class HostPacker:
+    """Packs each batch on the host into pinned buffers and copies it, asynchronously, into the
+    static inputs of its token bucket's CUDA graph; the encoder's next forward replays that graph
+    (``PackedEncoder.prepacked``) instead of packing on the device.
+
+    The pinned buffers are reused batch after batch: safe because every batch ends with the
+    host waiting for its outputs (``HostOutputs.fetch``), after these copies."""
+
+    def __init__(self, encoder: PackedEncoder, device):
+        if encoder.buckets is None or not encoder.buckets.graphs:
+            raise ValueError("host packing feeds captured token-bucket graphs: capture them first")
+        self.enc, self.device = encoder, device
+        n = encoder.buckets.sizes[-1]
+        self.pinned = {k: torch.zeros(n, dtype=torch.long).pin_memory() for k in ("ids", "pos", "types", "flat")}
+        self.pinned_cu = torch.zeros(encoder.buckets.cu_len, dtype=torch.int32).pin_memory()
+
+    def __call__(self, batch) -> None:
+        ids, pos, types, cu, flat, _ = host_pack(batch["input_ids"], batch["attention_mask"],
+                                                 batch.get("token_type_ids"), self.enc.position_offset)
+        bk = self.enc.buckets
+        t = int(ids.size)
+        size = bk.size_for(t, cu.size - 1)
+        for key, v in (("ids", ids), ("pos", pos), ("types", types)):
+            buf = self.pinned[key].numpy()
+            buf[:t] = v
+            buf[t:size] = 0  # dummy tokens: id, position and type 0, in sequences of their own
+        self.pinned["flat"].numpy()[:t] = flat
+        self.pinned_cu.numpy()[:] = bk.host_cu(cu, t, size)
+        _, s_ids, s_pos, s_types, s_cu, _ = bk.graphs[size]
+        s_ids.copy_(self.pinned["ids"][:size], non_blocking=True)
+        s_pos.copy_(self.pinned["pos"][:size], non_blocking=True)
+        s_types.copy_(self.pinned["types"][:size], non_blocking=True)
+        s_cu.copy_(self.pinned_cu, non_blocking=True)
+        self.enc.prepacked = (size, t, self.pinned["flat"][:t].to(self.device, non_blocking=True))
 
 
 def encoder_of(model: nn.Module) -> nn.Module:

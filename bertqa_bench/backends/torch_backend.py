@@ -104,6 +104,38 @@ class Int8Options:
         return parse_layers(self.keep_layers)
 
 
+TORCHAO_GRANULARITIES = ("tensor", "row")
+
+
+@dataclass
+class TorchaoOptions:
+    """torchao's FP8 inference (``Float8DynamicActivationFloat8WeightConfig``), the maintained
+    library beside the suite's own FP8 path (``fp8:``): dynamic activation scales, e4m3 weights,
+    swapped into the same encoder Linears by ``torchao.quantization.quantize_``."""
+
+    granularity: str = "row"  # tensor | row (per-token activations x per-channel weights)
+    gemms: str = "qkv,ffn_in,ffn_out"  # the encoder Linears, named as fp8.gemms names them
+    keep_layers: str = ""  # encoder layers left in 16 bits
+
+    def __post_init__(self):
+        if self.granularity not in TORCHAO_GRANULARITIES:
+            raise ConfigError(f"torchao.granularity '{self.granularity}' is not one of "
+                              f"{', '.join(TORCHAO_GRANULARITIES)}")
+        try:
+            parse_gemms(self.gemms)
+            parse_layers(self.keep_layers)
+        except ValueError as e:
+            raise ConfigError(f"torchao: {e}") from None
+
+
+def torchao_targets(module, t: TorchaoOptions) -> set[str]:
+    """The encoder Linears torchao quantizes: the kinds ``t.gemms`` names outside the kept layers."""
+    from .torch_fp8 import layer_index, target_linears
+
+    keep = set(parse_layers(t.keep_layers))
+    return {n for n in target_linears(module, parse_gemms(t.gemms)) if layer_index(n) not in keep}
+
+
 @dataclass
 class TorchOptions:
     weights: str = "fp32"  # fp32 | fp16 | bf16
@@ -116,6 +148,7 @@ class TorchOptions:
     cuda_graph: str = "none"  # none | trees (inductor's) | manual (one torch.cuda.CUDAGraph per shape)
     fp8: Optional[Fp8Options] = None
     int8: Optional[Int8Options] = None  # W8A8 dynamic int8 encoder GEMMs (quantize.py)
+    torchao: Optional[TorchaoOptions] = None  # torchao's FP8 inference instead of the suite's own
     sdpa_backend: Optional[str] = None  # restrict SDPA's kernel while compiling/capturing
     inductor_config: dict = field(default_factory=dict)  # patched into torch._inductor.config while compiling
     num_threads: Optional[int] = None  # CPU threads (default: torch's)
@@ -123,6 +156,9 @@ class TorchOptions:
     # packed only: round each batch's token count up to a multiple of this and capture one CUDA
     # graph per bucket (packed_bert.TokenBuckets); 0 = the exact token count, no graphs
     token_bucket: int = 0
+    # token_bucket on CUDA only: pack each batch on the host into the bucket graph's inputs
+    # (packed_bert.HostPacker) instead of on the device (two host syncs and ~15 kernels a batch)
+    host_pack: bool = False
 
     def __post_init__(self):
         for name, value, valid in (("weights", self.weights, DTYPES), ("autocast", self.autocast, ("none",) + DTYPES[1:]),
@@ -136,14 +172,18 @@ class TorchOptions:
             raise ConfigError("cuda_graph: trees are inductor's; they need compile other than none")
         if self.fp8 is not None and self.weights == "fp32":
             raise ConfigError("fp8 needs 16-bit weights for the parts that stay out of FP8 (weights: fp16 or bf16)")
-        if self.fp8 is not None and self.int8 is not None:
-            raise ConfigError("fp8 and int8 exclude each other")
+        if sum(q is not None for q in (self.fp8, self.int8, self.torchao)) > 1:
+            raise ConfigError("fp8, int8 and torchao are three ways of quantizing the same GEMMs: name one")
+        if self.torchao is not None and self.weights == "fp32":
+            raise ConfigError("torchao FP8 keeps the rest of the model in 16 bits (weights: bf16 or fp16)")
         if self.packed and self.cuda_graph != "none":
             raise ConfigError("packed (padding-free) runs eager or compiled; its token count changes every batch, "
                               "so no whole-model CUDA graphs (cuda_graph: none); token_bucket captures its graphs")
         if self.token_bucket < 0 or (self.token_bucket and not self.packed):
             raise ConfigError(f"token_bucket {self.token_bucket}: a bucket size in tokens (>= 1) for packed: true, "
                               "or 0 for none")
+        if self.host_pack and not self.token_bucket:
+            raise ConfigError("host_pack feeds the token buckets' CUDA graphs: it needs packed: true and token_bucket")
 
     def inductor_mode(self) -> str:
         """torch.compile's mode: graph trees come with reduce-overhead / max-autotune."""
@@ -197,7 +237,7 @@ class TorchBackend(Backend):
 
     @classmethod
     def precision_of(cls, o: TorchOptions) -> str:
-        if o.fp8 is not None:
+        if o.fp8 is not None or o.torchao is not None:
             return "fp8"
         if o.int8 is not None:
             return "int8"
@@ -217,8 +257,8 @@ class TorchBackend(Backend):
         if o.packed and family not in PACKED_FAMILIES:
             return (f"the padding-free encoder (packed_bert.py) computes {', '.join(PACKED_FAMILIES)}; a {family} "
                     "model is not packed here")
-        if (o.fp8 is not None or o.int8 is not None) and family not in QUANT_FAMILIES:
-            kind = "FP8" if o.fp8 is not None else "INT8"
+        if (o.fp8 is not None or o.int8 is not None or o.torchao is not None) and family not in QUANT_FAMILIES:
+            kind = "INT8" if o.int8 is not None else "FP8"
             return (f"{kind} GEMMs are swapped into BERT-layout encoder Linears (encoder.layer.N.attention.self.query, "
                     f"...); a {family} model has other module names, so nothing would be quantized")
         return None
@@ -227,7 +267,7 @@ class TorchBackend(Backend):
     def unavailable_reason(cls, variant) -> Optional[str]:
         o: TorchOptions = variant.options
         if variant.device != "cuda":
-            if o.cuda_graph != "none" or o.fp8 is not None:
+            if o.cuda_graph != "none" or o.fp8 is not None or o.torchao is not None:
                 return "CUDA graphs and FP8 GEMMs need device: cuda"
             return None
         if o.int8 is not None and not hasattr(__import__("torch"), "_int_mm"):
@@ -239,6 +279,14 @@ class TorchBackend(Backend):
 
         if "bf16" in (o.weights, o.autocast) and not torch.cuda.is_bf16_supported():
             return "this GPU does not support bf16"
+        if o.torchao is not None:
+            try:
+                import torchao  # noqa: F401
+            except ImportError as e:
+                return f"torchao is not installed (pip install torchao): {e}"
+            cap = torch.cuda.get_device_capability()
+            if cap < (8, 9):
+                return f"FP8 tensor cores need Hopper/Ada (sm_89+); {torch.cuda.get_device_name()} is sm_{cap[0]}{cap[1]}"
         if o.fp8 is not None:
             if not hasattr(torch, "_scaled_mm") or not hasattr(torch, "float8_e4m3fn"):
                 return f"torch {torch.__version__} has no torch._scaled_mm / float8_e4m3fn (FP8 GEMMs)"
@@ -256,6 +304,7 @@ class TorchBackend(Backend):
         self._graphs: Optional[_GraphReplay] = None
         self._staging: Optional[CudaStaging] = None
         self._host = HostOutputs()
+        self._packer = None  # packed_bert.HostPacker (host_pack)
         self._tf32_before: Optional[tuple[bool, bool]] = None
 
     # --- prepare -------------------------------------------------------------------------
@@ -332,8 +381,12 @@ class TorchBackend(Backend):
         if self.device == "cuda":
             with torch.inference_mode(), self._autocast():
                 captured = buckets.capture(torch.device("cuda"))
+            if o.host_pack:
+                from .packed_bert import HostPacker
+
+                self._packer = HostPacker(enc, torch.device("cuda"))
         return {"token_bucket": o.token_bucket, "token_buckets": len(buckets.sizes),
-                "token_bucket_graphs": captured}
+                "token_bucket_graphs": captured, "packing": "host" if self._packer is not None else "device"}
 
     def _build_model(self, ctx: BackendContext):
         import torch
@@ -352,6 +405,8 @@ class TorchBackend(Backend):
             info = self._int8(module, o.int8, as_tensors(ctx.sample_batches[:o.int8.calibration_batches]))
         elif o.fp8 is not None:
             info = self._fp8(module, o.fp8, as_tensors(ctx.sample_batches[:o.fp8.calibration_batches]))
+        elif o.torchao is not None:
+            info = self._torchao(module, o.torchao)
         if o.packed:
             from .packed_bert import pack_model
 
@@ -384,6 +439,23 @@ class TorchBackend(Backend):
         return {**info, "int8_scheme": "W8A8 dynamic: per-channel weights, per-token activations, torch._int_mm",
                 "int8_gemm_kinds": ",".join(parse_gemms(f.gemms)), "int8_linears": len(done["swapped"]),
                 "int8_keep_layers": ",".join(map(str, keep)) or "none"}
+
+    @staticmethod
+    def _torchao(module, t: TorchaoOptions) -> dict:
+        """torchao's FP8 swapped into the same encoder Linears as the suite's own FP8 path (the
+        QA head and the kept layers stay 16-bit), before any compile."""
+        import torchao
+        from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, PerTensor, quantize_
+
+        names = torchao_targets(module, t)
+        keep = set(parse_layers(t.keep_layers))
+        gran = PerRow() if t.granularity == "row" else PerTensor()
+        quantize_(module, Float8DynamicActivationFloat8WeightConfig(granularity=gran),
+                  filter_fn=lambda m, fqn: fqn in names)
+        return {"torchao": torchao.__version__, "fp8_scheme": f"torchao Float8DynamicActivationFloat8WeightConfig "
+                f"({'per-token x per-channel' if t.granularity == 'row' else 'per-tensor'} dynamic scales)",
+                "fp8_gemm_kinds": ",".join(parse_gemms(t.gemms)), "fp8_linears": len(names),
+                "fp8_keep_layers": ",".join(map(str, sorted(keep))) or "none"}
 
     def _fp8(self, module, f: Fp8Options, batches) -> dict:
         from .quantize import n_encoder_layers
@@ -454,6 +526,8 @@ class TorchBackend(Backend):
             return self._host.fetch(self.output_names, self._graphs(batch, self._staging), b)
         with torch.inference_mode(), self._autocast():
             if self.device == "cuda":
+                if self._packer is not None:
+                    self._packer(batch)  # before the staging copy: both go out on the same stream
                 dev = self._staging.to_device(batch)
                 if self.options.cuda_graph == "trees":
                     # Tells cudagraph trees the previous outputs are dead, so replay may reuse them.
@@ -468,7 +542,7 @@ class TorchBackend(Backend):
     def close(self) -> None:
         import torch
 
-        self.module = self._fn = self._graphs = self._staging = None
+        self.module = self._fn = self._graphs = self._staging = self._packer = None
         if self.options.compile != "none":
             torch._dynamo.reset()
         if self._tf32_before is not None:
