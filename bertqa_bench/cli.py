@@ -67,7 +67,8 @@ def cmd_train(a) -> int:
     from .tracking import Tracker
     from .train import train
 
-    cfg = load_suite(_suite(a), a.overrides)
+    extra = [f"train.profile_steps={a.profile_steps}"] if a.profile_steps is not None else []
+    cfg = load_suite(_suite(a), a.overrides + extra)
     metrics = train(cfg, tracker=Tracker(cfg.results_root, enabled=not a.no_mlflow), command=_command_line())
     print(json.dumps(metrics, indent=2))
     return 0
@@ -287,6 +288,10 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="fine-tune the suite's model and save it under models/")
     _suite_args(t)
     t.add_argument("--no-mlflow", action="store_true")
+    t.add_argument("--profile-steps", type=int, metavar="N",
+                   help="record N optimizer steps half-way through training with torch.profiler (rank 0) and write "
+                        "kernels.md (top kernels, step time, GPU idle fraction) under results/profiles/ "
+                        "(train.profile_steps)")
     t.set_defaults(fn=cmd_train)
 
     b = sub.add_parser("bench", help="benchmark every backend of a suite (trains the model if missing)")

@@ -179,7 +179,35 @@ class TrainConfig:
     # learning rate. To give each GPU more rows, raise batch_size (and the learning rate) for all.
     grad_accum: int = 1
     num_threads: Optional[int] = None
-    compile: bool = False  # torch.compile the training step (dynamic shapes)
+    compile: bool = False  # torch.compile the training step (dynamic shapes; static per bucket with seq_bucket)
+    # Length buckets (issue 23). 0: every micro-batch is trimmed to its longest feature rounded up
+    # to 8, as before (many shapes; `compile` then traces them dynamically). N > 0: rounded up to a
+    # multiple of N instead (capped at the features' seq_len), so training sees at most
+    # ceil(seq_len / N) shapes and `compile` builds one static graph per bucket. More padding per
+    # row, so N > 0 turns on loss_mask_padding: padding then cannot change the loss.
+    seq_bucket: int = 0
+    # The span loss over real tokens only: start/end logits at padding positions are masked out of
+    # the softmax. Off (HF's loss, as before): padding positions share the softmax, so how far a
+    # batch is padded changes the loss a little. None: on when seq_bucket > 0. It changes what is
+    # learned (slightly), so it is part of the model's recipe; seq_bucket itself is not.
+    loss_mask_padding: Optional[bool] = None
+    # DDP (world > 1 only; how fast, never what is learned). Gradients are all-reduced in buckets
+    # of this many MB while the backward still runs: smaller buckets start communicating earlier
+    # (less all-reduce tail after the last layer's backward) at more launches; None: DDP's 25.
+    ddp_bucket_cap_mb: Optional[float] = None
+    # The same parameters get gradients in the same order every step (true here: no unused
+    # parameters, no control flow), so DDP may reorder buckets to the real gradient order after
+    # the first step and skip its per-step bookkeeping. Off by default (DDP's default); with
+    # `compile`, dynamo's DDPOptimizer and static_graph have not always agreed (pytorch#109261).
+    ddp_static_graph: bool = False
+    # Gradients live in DDP's communication buckets (views), so no copy between the two after
+    # the all-reduce and ~1 gradient's worth less memory (436 MB at BERT-base); same numbers.
+    ddp_gradient_as_bucket_view: bool = True
+    # Record this many optimizer steps with torch.profiler on rank 0, half-way through training
+    # (after the first epoch: every length bucket compiled, allocator and cuBLAS warm), and write
+    # a top-kernels table, the step time and the GPU idle fraction under
+    # results/profiles/<time>-train-<model> (`bertqa-bench train --profile-steps N`). 0: off.
+    profile_steps: int = 0
 
     def __post_init__(self):
         if self.mixed_precision is False:  # YAML reads a bare `no` as false
@@ -190,6 +218,15 @@ class TrainConfig:
             raise ConfigError("train: epochs, learning_rate and batch_size must be positive")
         if self.mixed_precision not in ("auto", "fp16", "bf16", "no"):
             raise ConfigError("train.mixed_precision must be auto, fp16, bf16 or no")
+        if self.seq_bucket < 0 or self.profile_steps < 0:
+            raise ConfigError("train.seq_bucket and train.profile_steps must be >= 0")
+        if self.ddp_bucket_cap_mb is not None and self.ddp_bucket_cap_mb <= 0:
+            raise ConfigError("train.ddp_bucket_cap_mb must be positive (or null: DDP's default)")
+        if self.loss_mask_padding is None:
+            self.loss_mask_padding = self.seq_bucket > 0
+        if self.seq_bucket > 0 and not self.loss_mask_padding:
+            raise ConfigError("train.seq_bucket pads micro-batches further; it needs train.loss_mask_padding=true "
+                              "(or unset), else the padding would change the loss and the model")
 
 
 @dataclass
@@ -400,7 +437,8 @@ class ParityConfig:
 # are left out of model recipes (train.py) and evaluation-set keys (evalset.py), which then stay
 # what they were before the fields existed: models and caches made earlier are still found.
 ADDED_DEFAULTS = {"model.checkpoint": None, "model.allow_pickle": False, "data.synthetic.unanswerable": 0.0,
-                  "task_options.null_score_diff_threshold": 0.0, "task_options.version_2": None}
+                  "task_options.null_score_diff_threshold": 0.0, "task_options.version_2": None,
+                  "train.loss_mask_padding": False}  # issue 23
 
 # What `bertqa-bench train` writes beside a saved model (train.py), and what reads it (scaling.py).
 METRICS_FILE = "train_metrics.json"

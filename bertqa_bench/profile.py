@@ -52,6 +52,15 @@ def profile_backend(cfg: SuiteConfig, name: str, *, n_batches: int = 5, top: int
         backend.close()
 
     out = Path(cfg.results_root) / "profiles" / f"{time.strftime('%Y%m%d-%H%M%S')}-{name}"
+    res = write_profile(prof, out, cuda, top=top)
+    return {k: res[k] for k in ("dir", "trace", "top_csv", "table", "rows", "gpu_idle")}
+
+
+def write_profile(prof, out: Path, cuda: bool, top: int = 25) -> dict:
+    """A finished torch.profiler's trace.json, top_kernels.txt/.csv (operators ranked by device
+    time on CUDA, by self CPU time on CPU) and, on CUDA, gpu_idle.json, into ``out``. Shared by
+    ``bertqa-bench profile`` and the training profile (train.py, ``train.profile_steps``)."""
+    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     trace = out / "trace.json"
     prof.export_chrome_trace(str(trace))  # open in chrome://tracing or ui.perfetto.dev
@@ -76,7 +85,37 @@ def profile_backend(cfg: SuiteConfig, name: str, *, n_batches: int = 5, top: int
                   f"{idle['idle_fraction']:.1%} (time between kernels: host work, copies waited on, launch gaps)\n")
         (out / "gpu_idle.json").write_text(json.dumps(idle, indent=1))
     (out / "top_kernels.txt").write_text(table)
-    return {"dir": out, "trace": trace, "top_csv": top_csv, "table": table, "rows": rows[:top], "gpu_idle": idle}
+    return {"dir": out, "trace": trace, "top_csv": top_csv, "table": table, "rows": rows[:top], "all_rows": rows,
+            "gpu_idle": idle}
+
+
+def _trace_events(trace_path: Path) -> list:
+    return json.loads(Path(trace_path).read_text()).get("traceEvents", [])
+
+
+def top_kernels(trace_path: Path, top: int = 25) -> list[dict]:
+    """GPU kernels (and copies/memsets) of a Chrome trace by total device time: name, calls,
+    total_ms and pct (of all their time). Empty when the trace has no GPU activity (CPU runs)."""
+    agg: dict = {}
+    for e in _trace_events(trace_path):
+        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
+            a = agg.setdefault(e.get("name", "?"), [0, 0.0])
+            a[0] += 1
+            a[1] += float(e.get("dur", 0))
+    total = sum(v[1] for v in agg.values()) or 1.0
+    rows = [{"name": k, "calls": c, "total_ms": us / 1e3, "pct": 100.0 * us / total} for k, (c, us) in agg.items()]
+    return sorted(rows, key=lambda r: r["total_ms"], reverse=True)[:top]
+
+
+def phase_times(trace_path: Path, prefix: str) -> dict[str, float]:
+    """Host time (ms) in each ``record_function`` range whose name starts with ``prefix``, summed."""
+    out: dict = {}
+    for e in _trace_events(trace_path):
+        name = e.get("name", "")
+        if e.get("ph") == "X" and e.get("cat") == "user_annotation" and name.startswith(prefix):
+            key = name[len(prefix):]
+            out[key] = out.get(key, 0.0) + float(e.get("dur", 0)) / 1e3
+    return out
 
 
 def busy_time(intervals: list[tuple[float, float]]) -> float:
@@ -94,7 +133,7 @@ def busy_time(intervals: list[tuple[float, float]]) -> float:
 
 def gpu_idle_fraction(trace_path: Path) -> dict | None:
     """From a Chrome trace: the share of the profiled window in which no GPU kernel or copy ran."""
-    events = json.loads(Path(trace_path).read_text()).get("traceEvents", [])
+    events = _trace_events(trace_path)
     gpu = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in events
            if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     if not gpu:

@@ -48,7 +48,12 @@ _EVAL_ONLY = {"dev_file", "max_eval_examples", "target_eval_features", "n_dev_co
 # Training fields that decide how fast, not what is learned: the same global batch gives the same
 # optimizer steps whether it is split into accumulation steps, processes or compiled kernels, so
 # a model trained on 4 GPUs (grad_accum 1) serves a bench that declares grad_accum 4.
-_HOW_FAST = {"num_threads", "compile", "grad_accum"}
+# seq_bucket only pads micro-batches further: with the padding masked out of attention and of the
+# loss (loss_mask_padding, which seq_bucket requires and which is in the recipe) the model is the
+# same up to numerics. DDP's options decide when gradients travel, not their sum; profile_steps
+# only watches.
+_HOW_FAST = {"num_threads", "compile", "grad_accum", "seq_bucket", "ddp_bucket_cap_mb", "ddp_static_graph",
+             "ddp_gradient_as_bucket_view", "profile_steps"}
 
 
 def recipe_fields(cfg: SuiteConfig) -> dict:
@@ -123,6 +128,142 @@ def _optimizer(model, lr: float, weight_decay: float, fused: bool = False):
         (no_decay if p.ndim < 2 or "LayerNorm" in n or n.endswith(".bias") else decay).append(p)
     return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
                               {"params": no_decay, "weight_decay": 0.0}], lr=lr, fused=fused or None)
+
+
+def trim_length(longest: int, seq_len: int, bucket: int = 0) -> int:
+    """The length a micro-batch is trimmed to: its longest feature rounded up to a multiple of
+    ``bucket`` (0: of 8, tensor-core friendly), never past the features' ``seq_len``. With a
+    bucket, training sees at most ceil(seq_len / bucket) shapes."""
+    m = bucket if bucket > 0 else 8
+    return min(int(seq_len), -(-int(longest) // m) * m)
+
+
+def ddp_kwargs(tc, device: torch.device, local_rank: int) -> dict:
+    """DistributedDataParallel's keyword arguments from ``train.ddp_*`` (config.py says what each
+    does). ``bucket_cap_mb`` is passed only when set, so None keeps DDP's own default (25 MB)."""
+    kw = {"device_ids": [local_rank] if device.type == "cuda" else None,
+          "gradient_as_bucket_view": bool(tc.ddp_gradient_as_bucket_view), "static_graph": bool(tc.ddp_static_graph)}
+    if tc.ddp_bucket_cap_mb is not None:
+        kw["bucket_cap_mb"] = float(tc.ddp_bucket_cap_mb)
+    return kw
+
+
+def ddp_settings(ddp_model) -> dict:
+    """What the DistributedDataParallel object really runs with (read back from it, not from the
+    config), for train_metrics.json."""
+    return {"bucket_cap_mb": ddp_model.bucket_bytes_cap / 2**20, "static_graph": bool(ddp_model.static_graph),
+            "gradient_as_bucket_view": bool(ddp_model.gradient_as_bucket_view)}
+
+
+def masked_span_loss(start_logits: torch.Tensor, end_logits: torch.Tensor, attention_mask: torch.Tensor,
+                     start_positions: torch.Tensor, end_positions: torch.Tensor,
+                     answer_type_logits: Optional[torch.Tensor] = None,
+                     answer_types: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The models' own QA loss (HF's: mean of the start and end cross-entropies, out-of-range
+    positions ignored; NQ's: plus the answer-type cross-entropy, over 3) with the padding
+    positions' logits masked out of the softmax, in FP32. Padding then adds exactly nothing to the
+    loss, so trimming a batch to 200 or to 256 tokens trains the same model up to numerics."""
+    import torch.nn.functional as F
+
+    pad = attention_mask == 0
+    ignored = start_logits.size(1)
+
+    def ce(logits, pos):
+        logits = logits.float().masked_fill(pad, torch.finfo(torch.float32).min)
+        return F.cross_entropy(logits, pos.view(-1).clamp(0, ignored), ignore_index=ignored)
+
+    loss = ce(start_logits, start_positions) + ce(end_logits, end_positions)
+    if answer_type_logits is not None and answer_types is not None:
+        return (loss + F.cross_entropy(answer_type_logits.float(), answer_types.view(-1))) / 3
+    return loss / 2
+
+
+def profile_window(total_steps: int, n: int) -> Optional[tuple[int, int]]:
+    """(first step, steps) to profile: ``n`` optimizer steps from half-way through training (after
+    the first of 2 epochs every length bucket has been compiled and the allocator is warm), moved
+    earlier when training is too short; None when off."""
+    if n <= 0 or total_steps <= 0:
+        return None
+    n = min(n, total_steps)
+    return min(total_steps - n, total_steps // 2), n
+
+
+class StepProfiler:
+    """torch.profiler over a window of optimizer steps (rank 0 only): CPU activity, and CUDA on a
+    GPU. ``phase(name)`` marks the loop's parts (forward+backward, optimizer) in the trace, and is
+    free outside the window. The tables are written after training (``write``), so the profiled
+    run's own throughput pays only for the window's recording, not for the analysis."""
+
+    def __init__(self, start: int, n: int, cuda: bool):
+        self.start, self.n, self.cuda = start, n, cuda
+        self.prof = None
+        self.active = False
+        self.t0 = self.wall_s = 0.0
+        self.overhead_s = 0.0  # profiler start/stop on the host inside the timed loop
+
+    def begin(self, step: int) -> None:
+        if step != self.start or self.prof is not None:
+            return
+        from torch.profiler import ProfilerActivity, profile
+
+        t = time.perf_counter()
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+        self.prof = profile(activities=acts, record_shapes=False)
+        self.prof.__enter__()
+        if self.cuda:
+            torch.cuda.synchronize()  # one sync at each edge of the window: step time = wall / n
+        self.active = True
+        self.t0 = time.perf_counter()
+        self.overhead_s += self.t0 - t
+
+    def end(self, step: int) -> None:
+        if not self.active or step != self.start + self.n:
+            return
+        if self.cuda:
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        self.wall_s = t - self.t0
+        self.prof.__exit__(None, None, None)
+        self.active = False
+        self.overhead_s += time.perf_counter() - t
+
+    def phase(self, name: str):
+        from torch.profiler import record_function
+
+        return record_function(f"train/{name}") if self.active else contextlib.nullcontext()
+
+    def write(self, out: Path, top: int = 25) -> dict:
+        """trace.json, top_kernels.{txt,csv} (profile.py's tables), kernels.md (kernel name,
+        calls, total ms, % of the window) and profile.json (step time, GPU idle fraction, time
+        per phase on the host)."""
+        from .profile import phase_times, top_kernels, write_profile
+
+        res = write_profile(self.prof, out, self.cuda, top=top)
+        kernels = top_kernels(res["trace"], top=top) if self.cuda else []
+        what = "kernel" if kernels else "operator (self CPU)"
+        if not kernels:  # CPU: operators by self CPU time stand in for kernels
+            total = sum(r["self_cpu_us"] for r in res["all_rows"]) or 1.0
+            kernels = [{"name": r["name"], "calls": r["calls"], "total_ms": r["self_cpu_us"] / 1e3,
+                        "pct": 100.0 * r["self_cpu_us"] / total} for r in res["rows"]]
+        step_ms = 1e3 * self.wall_s / self.n
+        idle = res["gpu_idle"]
+        summary = {"dir": str(out), "steps": self.n, "first_step": self.start, "window_s": self.wall_s,
+                   "step_ms": step_ms, "gpu_idle_fraction": idle["idle_fraction"] if idle else None,
+                   "gpu_busy_ms": idle["busy_ms"] if idle else None,
+                   "phases_ms_per_step": {k: v / self.n for k, v in phase_times(res["trace"], "train/").items()},
+                   "top": kernels[:10]}
+        lines = [f"# Training profile: {self.n} optimizer steps from step {self.start}", "",
+                 f"- step time: {step_ms:.2f} ms (wall time of the window / {self.n}, synchronized at its edges)"]
+        if idle:
+            lines.append(f"- GPU idle: {idle['idle_fraction']:.1%} of {idle['window_ms']:.1f} ms "
+                         f"(busy {idle['busy_ms']:.1f} ms: kernels, copies)")
+        lines += [f"- host time per step in {k}: {v:.2f} ms" for k, v in summary["phases_ms_per_step"].items()]
+        lines += ["", f"| {what} | calls | total ms | % |", "|---|---:|---:|---:|"]
+        lines += [f"| {k['name'][:120].replace('|', '/')} | {k['calls']} | {k['total_ms']:.3f} | {k['pct']:.1f} |"
+                  for k in kernels]
+        (out / "kernels.md").write_text("\n".join(lines) + "\n")
+        atomic_write_json(out / "profile.json", summary | {"kernels": kernels})
+        return summary
 
 
 def train(cfg: SuiteConfig, *, log: Callable[[str], None] = print, tracker=None, evaluate: bool = True,
@@ -248,9 +389,23 @@ def _train(cfg: SuiteConfig, *, log: Callable[[str], None], mlrun, evaluate: boo
     model.train()
     ddp_model = model
     if world > 1:
-        ddp_model = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[local_rank] if device.type == "cuda" else None)
-    step_fn = torch.compile(ddp_model, dynamic=True) if tc.compile else ddp_model
+        ddp_model = torch.nn.parallel.DistributedDataParallel(model, **ddp_kwargs(tc, device, local_rank))
+    n_buckets = -(-features.seq_len // tc.seq_bucket) if tc.seq_bucket else None
+    if tc.compile and n_buckets:
+        # A bounded set of shapes: the rows per micro-batch are fixed (full global batches only,
+        # divisible by processes x accumulation steps) and the length takes at most n_buckets
+        # values, so each bucket is compiled once as a static graph (no dynamic-shape guards or
+        # symbolic sizes); the recompile limit must let every bucket in.
+        import torch._dynamo.config as dynamo_config
+
+        limit = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+        setattr(dynamo_config, limit, max(getattr(dynamo_config, limit), n_buckets + 8))
+        step_fn = torch.compile(ddp_model, dynamic=False)
+    else:
+        step_fn = torch.compile(ddp_model, dynamic=True) if tc.compile else ddp_model
+    loss_fn = None
+    if tc.loss_mask_padding:
+        loss_fn = torch.compile(masked_span_loss, dynamic=not n_buckets) if tc.compile else masked_span_loss
 
     # The global batch, not the per-process one, is the recipe: the same number of optimizer
     # steps with the same learning rate on 1, 2 or 4 GPUs, so they reach the same model.
@@ -265,9 +420,12 @@ def _train(cfg: SuiteConfig, *, log: Callable[[str], None], mlrun, evaluate: boo
     amp_dtype = _autocast_dtype(tc.mixed_precision, device)
     scaler = torch.amp.GradScaler("cuda", enabled=amp_dtype == torch.float16)
 
+    shapes: set = set()
+
     def make(rows):
-        # Trim to the longest feature (multiple of 8: tensor-core friendly shapes).
-        trim = min(features.seq_len, int(-(-int(lengths[rows].max()) // 8) * 8))
+        # Trim to the longest feature, rounded up to 8 (tensor-core friendly) or to train.seq_bucket.
+        trim = trim_length(int(lengths[rows].max()), features.seq_len, tc.seq_bucket)
+        shapes.add((len(rows), trim))
         batch = {k: torch.from_numpy(v) for k, v in features.inputs(rows, trim_to=trim).items()}
         batch.update({k: torch.from_numpy(np.ascontiguousarray(v[rows])) for k, v in labels.items()})
         if device.type == "cuda":
@@ -285,29 +443,57 @@ def _train(cfg: SuiteConfig, *, log: Callable[[str], None], mlrun, evaluate: boo
         mlrun.plan(total_steps, {"world_size": world, "device": str(device), "global_batch": tc.batch_size})
     sampler = UtilizationSampler(device) if rank == 0 else None
     bar = Progress(total_steps, "train", enabled=rank == 0, unit="step")
+    window = profile_window(total_steps, tc.profile_steps) if rank == 0 else None
+    prof = StepProfiler(*window, cuda=device.type == "cuda") if window else None
+    label_keys = tuple(labels)
     t_train = time.perf_counter()
     epoch_ends = []
     batches = iter(Prefetcher(make, (rows for ms in micro for rows in ms)))
+    # No host sync inside a step: copies from pinned memory are non-blocking, clipping runs on the
+    # device (foreach, no .item(), no error_if_nonfinite), the disabled GradScaler (BF16/FP32)
+    # is skipped, fused AdamW and the scheduler take Python-float learning rates, and the loss is
+    # read back only every log_every steps. (Eager HF BERT still checks `attention_mask.all()`
+    # once per forward to pick its SDPA path; under train.compile that check is traced away.)
     for ms in micro:
+        if prof is not None:
+            prof.begin(step)
         loss_acc = None
-        for i, _ in enumerate(ms):
-            rows_n, n_tokens, batch = next(batches)
-            batch = {key: t.to(device, non_blocking=True) for key, t in batch.items()}
-            # DDP: all-reduce the gradients once, after the last micro-batch of the global batch.
-            sync = contextlib.nullcontext() if world == 1 or i == len(ms) - 1 else ddp_model.no_sync()
-            with sync:
-                with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                    loss = step_fn(**batch).loss / len(ms)
-                scaler.scale(loss).backward()
-            seen, tokens = seen + rows_n, tokens + n_tokens
-            loss_acc = loss.detach() if loss_acc is None else loss_acc + loss.detach()
-        scaler.unscale_(optimizer)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
+        with prof.phase("forward_backward") if prof is not None else contextlib.nullcontext():
+            for i, _ in enumerate(ms):
+                rows_n, n_tokens, batch = next(batches)
+                batch = {key: t.to(device, non_blocking=True) for key, t in batch.items()}
+                # DDP: all-reduce the gradients once, after the last micro-batch of the global batch.
+                sync = contextlib.nullcontext() if world == 1 or i == len(ms) - 1 else ddp_model.no_sync()
+                with sync:
+                    with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                        if loss_fn is None:
+                            loss = step_fn(**batch).loss
+                        else:
+                            out = step_fn(**{k: v for k, v in batch.items() if k not in label_keys})
+                            loss = loss_fn(out.start_logits, out.end_logits, batch["attention_mask"],
+                                           batch["start_positions"], batch["end_positions"],
+                                           getattr(out, "answer_type_logits", None), batch.get("answer_types"))
+                        loss = loss / len(ms)
+                    if scaler.is_enabled():
+                        scaler.scale(loss).backward()
+                    else:
+                        loss.backward()
+                seen, tokens = seen + rows_n, tokens + n_tokens
+                loss_acc = loss.detach() if loss_acc is None else loss_acc + loss.detach()
+        with prof.phase("optimizer") if prof is not None else contextlib.nullcontext():
+            if scaler.is_enabled():  # FP16: unscale (a device-side inf check), then step or skip
+                scaler.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
         step += 1
+        if prof is not None:
+            prof.end(step)
         if step % steps_per_epoch == 0:
             epoch_ends.append(time.perf_counter() - t_train)
         if step % log_every == 0 or step == total_steps:
@@ -320,6 +506,13 @@ def _train(cfg: SuiteConfig, *, log: Callable[[str], None], mlrun, evaluate: boo
     bar.close()
     train_s = time.perf_counter() - t_train
     util = sampler.stop() if sampler is not None else {}
+    profiled = {}
+    if prof is not None and prof.prof is not None and not prof.active:
+        out_dir = Path(cfg.results_root) / "profiles" / f"{time.strftime('%Y%m%d-%H%M%S')}-train-{cfg.model.name}"
+        profiled = prof.write(out_dir)
+        profiled["overhead_s"] = prof.overhead_s  # inside train_s: starting/stopping the profiler
+        log(f"train: profile of {prof.n} steps in {out_dir}: {profiled['step_ms']:.2f} ms/step"
+            + (f", GPU idle {profiled['gpu_idle_fraction']:.1%}" if profiled["gpu_idle_fraction"] is not None else ""))
 
     fields = recipe_fields(cfg)
     metrics = {
@@ -330,6 +523,11 @@ def _train(cfg: SuiteConfig, *, log: Callable[[str], None], mlrun, evaluate: boo
         "final_loss": float(np.mean(losses[-5:])) if losses else float("nan"), "device": str(device),
         "device_name": device_name(device.type), "command": command, "date": time.strftime("%Y-%m-%d"),
         "world_size": world, "global_batch": tc.batch_size, "grad_accum": tc.grad_accum, "compile": tc.compile,
+        "seq_bucket": tc.seq_bucket, "loss_mask_padding": tc.loss_mask_padding,
+        # the distinct lengths (and rows) of this process's micro-batches: the shapes a compiled step saw
+        "train_lengths": sorted({t for _, t in shapes}), "train_rows": sorted({r for r, _ in shapes}),
+        "ddp": ddp_settings(ddp_model) if world > 1 else None,
+        **({"profile": profiled} if profiled else {}),
         "seed": tc.seed, "base": cfg.model.base, "random_init": cfg.model.random_init, **util, **init_info,
         "recipe": model_recipe(cfg, fields), "recipe_fields": fields,
     }

@@ -1,0 +1,268 @@
+"""Issue 23, training: length buckets, the padding-masked loss, DDP's options and the step profile."""
+import json
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from bertqa_bench.config import ConfigError, TrainConfig
+from bertqa_bench.suite import load_suite
+from bertqa_bench.train import (ddp_kwargs, ddp_settings, masked_span_loss, model_recipe, profile_window,
+                                recipe_fields, train, trim_length)
+
+from conftest import TINY_BERT
+
+
+def test_trim_length_rounds_to_8_by_default_and_to_buckets_when_set():
+    assert [trim_length(n, 384) for n in (1, 8, 9, 200, 383, 384)] == [8, 8, 16, 200, 384, 384]
+    assert [trim_length(n, 384, 64) for n in (1, 64, 65, 200, 321, 384)] == [64, 64, 128, 256, 384, 384]
+    assert trim_length(100, 96, 64) == 96  # capped at the features' length, never past it
+    # a bounded set of shapes: at most ceil(seq_len / bucket)
+    assert len({trim_length(n, 384, 64) for n in range(1, 385)}) == 6
+    assert len({trim_length(n, 384) for n in range(1, 385)}) == 48
+
+
+def test_seq_bucket_turns_on_the_masked_loss_and_refuses_it_off():
+    assert TrainConfig().loss_mask_padding is False and TrainConfig(seq_bucket=64).loss_mask_padding is True
+    assert TrainConfig(loss_mask_padding=True).seq_bucket == 0
+    with pytest.raises(ConfigError, match="loss_mask_padding"):
+        TrainConfig(seq_bucket=64, loss_mask_padding=False)
+    with pytest.raises(ConfigError):
+        TrainConfig(ddp_bucket_cap_mb=0)
+
+
+# Parameters whose true gradient is exactly zero (a constant added to every position's logit, or
+# to every key's score, leaves the softmax as it was): float noise of 1e-10 there is all Adam sees,
+# and it normalizes that into steps of ~0.1 x lr in either run. Every other weight is compared.
+def _compared(name: str) -> bool:
+    return not (name.endswith("qa_outputs.bias") or name.endswith(".key.bias"))
+
+
+def _tiny_qa(seed=0):
+    from transformers import BertConfig, BertForQuestionAnswering
+
+    torch.manual_seed(seed)
+    cfg = BertConfig(vocab_size=100, max_position_embeddings=128, **TINY_BERT)
+    return BertForQuestionAnswering(cfg).eval()  # eval: no dropout, so two forwards compare exactly
+
+
+def _batch(seed=0, rows=6, seq=40):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(12, seq + 1, (rows,), generator=g)
+    lengths[0] = seq  # the longest feature sets the unbucketed trim
+    ids = torch.randint(5, 100, (rows, seq), generator=g)
+    mask = (torch.arange(seq)[None, :] < lengths[:, None]).long()
+    ids = ids * mask
+    start = torch.stack([torch.randint(0, int(n), (1,), generator=g)[0] for n in lengths])
+    end = torch.minimum(start + 3, lengths - 1)
+    return {"input_ids": ids, "attention_mask": mask, "token_type_ids": torch.zeros_like(ids),
+            "start_positions": start, "end_positions": end}
+
+
+def _pad(batch, to):
+    out = dict(batch)
+    for k in ("input_ids", "attention_mask", "token_type_ids"):
+        out[k] = torch.nn.functional.pad(batch[k], (0, to - batch[k].shape[1]))
+    return out
+
+
+def _loss(model, b, masked):
+    inputs = {k: b[k] for k in ("input_ids", "attention_mask", "token_type_ids")}
+    if not masked:
+        return model(**inputs, start_positions=b["start_positions"], end_positions=b["end_positions"]).loss
+    out = model(**inputs)
+    return masked_span_loss(out.start_logits, out.end_logits, b["attention_mask"], b["start_positions"],
+                            b["end_positions"])
+
+
+@torch.no_grad()
+def test_masked_loss_is_hf_loss_without_padding_and_does_not_see_padding():
+    model = _tiny_qa()
+    full = _batch()
+    full["attention_mask"][:] = 1  # no padding anywhere: the masked loss is HF's loss
+    assert float(_loss(model, full, True)) == pytest.approx(float(_loss(model, full, False)), abs=1e-6)
+
+    b = _batch(1)
+    short, long = _pad(b, 40), _pad(b, 64)  # trimmed to 8 vs to a 64-token bucket
+    masked = float(_loss(model, short, True)), float(_loss(model, long, True))
+    assert masked[0] == pytest.approx(masked[1], abs=1e-5)
+    # HF's loss, by contrast, softmaxes over the padding positions too: more padding, another loss
+    hf = float(_loss(model, short, False)), float(_loss(model, long, False))
+    assert abs(hf[0] - hf[1]) > 1e-3
+
+
+def test_bucketed_steps_train_the_same_model_as_unbucketed_ones():
+    """Two AdamW steps on the same rows trimmed to 8 and padded to a 64-token bucket: the same
+    losses and weights up to float tolerance (the attention and the loss both mask padding)."""
+    b = [_batch(s) for s in (2, 3)]
+    results = []
+    for to in (40, 64):
+        model = _tiny_qa(5).train()
+        for m in model.modules():  # dropout off: the two runs must draw nothing at random
+            if isinstance(m, torch.nn.Dropout):
+                m.p = 0.0
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        losses, grads = [], []
+        for batch in b:
+            loss = _loss(model, _pad(batch, to), True)
+            loss.backward()
+            grads.append(torch.cat([q.grad.flatten() for q in model.parameters()]))
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(float(loss.detach()))
+        results.append((losses, grads, {k: v.detach().clone() for k, v in model.state_dict().items()}))
+    (l8, g8, w8), (l64, g64, w64) = results
+    assert l8 == pytest.approx(l64, abs=1e-6)
+    for a, c in zip(g8, g64):  # the gradients agree to float rounding
+        assert float((a - c).norm()) < 1e-5 * float(a.norm())
+    worst = max(float((w8[k] - w64[k]).abs().max()) for k in w8 if _compared(k))
+    assert worst < 1e-5
+    moved = max(float((w8[k] - _tiny_qa(5).state_dict()[k]).abs().max()) for k in w8)
+    assert moved > 1e-4  # the steps did change the weights, so the comparison means something
+
+
+def test_training_with_buckets_reaches_the_same_model_through_the_trainer(tiny_suite, monkeypatch):
+    """The whole trainer (make()'s trimming, the loss path): seq_bucket 32 against no buckets, both
+    with the padding-masked loss, give the same weights up to numerics and the same recipe.
+    Dropout is off here: its masks are drawn per element, so another shape draws other masks (as
+    another grad_accum or process count does) and the models then agree in distribution only."""
+    from safetensors.torch import load_file
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    no_dropout = {**TINY_BERT, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
+    suite = tiny_suite(backends=["eager-fp32"], model={"config_overrides": no_dropout})
+    sets = ["train.loss_mask_padding=true"]
+    a = load_suite(str(suite), sets + ["model.name=b8"])
+    b = load_suite(str(suite), sets + ["model.name=b32", "train.seq_bucket=32"])
+    ma = train(a, log=lambda m: None, evaluate=False)
+    mb = train(b, log=lambda m: None, evaluate=False)
+    same = [{k: v for k, v in m["recipe_fields"].items() if k != "model.name"} for m in (ma, mb)]
+    assert same[0] == same[1] and ma["train_steps"] == mb["train_steps"] >= 2
+    # 96 tokens / 32: 3 shapes at most, all buckets; unbucketed, the trims differed (more shapes)
+    assert mb["seq_bucket"] == 32 and set(mb["train_lengths"]) <= {32, 64, 96}
+    assert len(ma["train_lengths"]) > len(mb["train_lengths"]) and ma["train_rows"] == mb["train_rows"] == [8]
+    wa, wb = load_file(a.model_dir / "model.safetensors"), load_file(b.model_dir / "model.safetensors")
+    worst = max(float((wa[k] - wb[k]).abs().max()) for k in wa if _compared(k))
+    assert worst < 1e-4, worst
+    assert abs(ma["final_loss"] - mb["final_loss"]) < 1e-4
+
+
+def test_new_options_leave_default_recipes_alone_and_only_the_loss_changes_them(tiny_suite):
+    suite = tiny_suite(backends=["eager-fp32"])
+    base = load_suite(str(suite))
+    fields = recipe_fields(base)
+    assert not [k for k in fields if any(w in k for w in ("seq_bucket", "ddp_", "profile", "loss_mask"))]
+    fast = load_suite(str(suite), ["train.ddp_bucket_cap_mb=5", "train.ddp_static_graph=true",
+                                   "train.ddp_gradient_as_bucket_view=false", "train.profile_steps=3"])
+    assert model_recipe(fast) == model_recipe(base)
+    bucketed = recipe_fields(load_suite(str(suite), ["train.seq_bucket=64"]))
+    assert {k: v for k, v in bucketed.items() if fields.get(k) != v} == {"train.loss_mask_padding": True}
+    assert bucketed == recipe_fields(load_suite(str(suite), ["train.seq_bucket=32"]))  # same loss, same model
+
+
+def test_ddp_options_reach_distributed_data_parallel(tmp_path):
+    kw = ddp_kwargs(TrainConfig(), torch.device("cpu"), 0)
+    assert kw == {"device_ids": None, "gradient_as_bucket_view": True, "static_graph": False}  # 25 MB: DDP's own
+    tc = TrainConfig(ddp_bucket_cap_mb=5, ddp_static_graph=True, ddp_gradient_as_bucket_view=False)
+    kw = ddp_kwargs(tc, torch.device("cpu"), 0)
+    assert kw["bucket_cap_mb"] == 5.0 and kw["static_graph"] is True and kw["gradient_as_bucket_view"] is False
+    assert ddp_kwargs(tc, torch.device("cuda", 3), 3)["device_ids"] == [3]
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+        got = ddp_settings(torch.nn.parallel.DistributedDataParallel(model, **kw))
+        assert got == {"bucket_cap_mb": 5.0, "static_graph": True, "gradient_as_bucket_view": False}
+        default = ddp_settings(torch.nn.parallel.DistributedDataParallel(
+            model, **ddp_kwargs(TrainConfig(), torch.device("cpu"), 0)))
+        assert default == {"bucket_cap_mb": 25.0, "static_graph": False, "gradient_as_bucket_view": True}
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_gloo_processes_train_with_the_ddp_options(tiny_suite):
+    """torchrun, 2 CPU processes: the trainer builds DDP with the configured options (read back
+    from the DDP object into train_metrics.json) and bucketed, padding-masked steps."""
+    import subprocess
+
+    from bertqa_bench.launcher import child_env
+
+    suite = tiny_suite(backends=["eager-fp32"])
+    cfg = load_suite(str(suite))
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          "-m", "bertqa_bench.cli", "train", "--suite", str(suite), "--no-mlflow",
+                          "--set", "model.name=ddp-opts", "--set", "train.epochs=0.5",
+                          "--set", "train.ddp_bucket_cap_mb=1", "--set", "train.ddp_static_graph=true",
+                          "--set", "train.seq_bucket=32"],
+                         env=child_env({"OMP_NUM_THREADS": "1"}), capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    m = json.loads((cfg.model_dir.parent / "ddp-opts" / "train_metrics.json").read_text())
+    assert m["world_size"] == 2
+    assert m["ddp"] == {"bucket_cap_mb": 1.0, "static_graph": True, "gradient_as_bucket_view": True}
+    assert m["seq_bucket"] == 32 and m["loss_mask_padding"] is True and set(m["train_lengths"]) <= {32, 64, 96}
+    assert m["train_rows"] == [4]  # 8 rows of a global batch / 2 processes, every micro-step
+
+
+def test_profile_window_starts_half_way_and_fits():
+    assert profile_window(100, 0) is None
+    assert profile_window(100, 5) == (50, 5)
+    assert profile_window(6, 5) == (1, 5)
+    assert profile_window(3, 5) == (0, 3)
+
+
+def test_profile_steps_write_the_kernel_table_step_time_and_phases(tiny_suite):
+    suite = tiny_suite(backends=["eager-fp32"])
+    cfg = load_suite(str(suite), ["train.profile_steps=2", "train.epochs=0.5"])
+    logs = []
+    m = train(cfg, log=logs.append, evaluate=False)
+    prof = m["profile"]
+    out = cfg.results_root / "profiles"
+    [d] = list(out.glob("*-train-tiny-qa"))
+    assert prof["dir"] == str(d) and prof["steps"] == 2 and prof["step_ms"] > 0
+    assert set(prof["phases_ms_per_step"]) == {"forward_backward", "optimizer"}
+    assert prof["gpu_idle_fraction"] is None  # CPU: no GPU activity to measure
+    table = (d / "kernels.md").read_text()
+    assert "step time:" in table and "| operator (self CPU) | calls | total ms | % |" in table
+    rows = [line for line in table.splitlines() if line.startswith("| aten::")]
+    assert len(rows) >= 5
+    saved = json.loads((d / "profile.json").read_text())
+    assert saved["kernels"] and sum(k["pct"] for k in saved["kernels"]) <= 100 + 1e-6  # shares of the total
+    assert all(0 <= k["pct"] <= 100 for k in saved["kernels"])
+    assert (d / "trace.json").exists() and (d / "top_kernels.txt").exists()
+    assert any("profile of 2 steps" in line for line in logs)
+    saved_metrics = json.loads((cfg.model_dir / "train_metrics.json").read_text())
+    assert saved_metrics["profile"]["step_ms"] == prof["step_ms"]
+
+
+def test_top_kernels_and_phase_times_read_a_gpu_trace(tmp_path):
+    from bertqa_bench.profile import phase_times, top_kernels
+
+    ev = [{"ph": "X", "cat": "kernel", "name": "gemm", "ts": 0, "dur": 30},
+          {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 40, "dur": 30},
+          {"ph": "X", "cat": "kernel", "name": "ncclAllReduce", "ts": 80, "dur": 40},
+          {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 500},
+          {"ph": "X", "cat": "user_annotation", "name": "train/optimizer", "ts": 0, "dur": 2000},
+          {"ph": "X", "cat": "user_annotation", "name": "train/optimizer", "ts": 5000, "dur": 1000}]
+    p = tmp_path / "trace.json"
+    p.write_text(json.dumps({"traceEvents": ev}))
+    rows = top_kernels(p)
+    assert [(r["name"], r["calls"]) for r in rows] == [("gemm", 2), ("ncclAllReduce", 1)]
+    assert rows[0]["total_ms"] == pytest.approx(0.06) and rows[0]["pct"] == pytest.approx(60.0)
+    assert phase_times(p, "train/") == {"optimizer": pytest.approx(3.0)}
+    assert np.isclose(sum(r["pct"] for r in rows), 100.0)
+
+
+def test_cli_profile_steps_sets_train_profile_steps(tiny_suite, monkeypatch):
+    import bertqa_bench.train as train_mod
+    from bertqa_bench.cli import main
+
+    got = []
+    monkeypatch.setattr(train_mod, "train", lambda cfg, **kw: got.append(cfg) or {})
+    suite = tiny_suite(backends=["eager-fp32"])
+    assert main(["train", "--suite", str(suite), "--no-mlflow", "--profile-steps", "4"]) == 0
+    assert main(["train", "--suite", str(suite), "--no-mlflow", "--set", "train.profile_steps=2"]) == 0
+    assert [c.train.profile_steps for c in got] == [4, 2]
