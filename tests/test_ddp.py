@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +15,7 @@ import pytest
 from bertqa_bench.bench import run_bench
 from bertqa_bench.results import RunBundle
 from bertqa_bench.suite import load_suite
+from tests.conftest import TINY_BERT
 
 pytestmark = pytest.mark.slow
 
@@ -102,16 +104,20 @@ def test_bench_ddp_on_two_torchrun_nodes_gives_the_single_process_answers(tiny_s
     from bertqa_bench.launcher import child_env
     from bertqa_bench.worker import load_outputs
 
-    suite = tiny_suite(backends=["eager-fp32", "onnxruntime"], bench={"keep_outputs": True})
+    suite = tiny_suite(backends=["eager-fp32", "sorted-eager"], bench={"keep_outputs": True},
+                       variants={"sorted-eager": {"base": "eager-fp32", "batching": "sorted"}})
     cfg = load_suite(str(suite))
+    t0 = time.monotonic()
     one = run_bench(cfg, progress=False, run_id="one")  # trains the model; one process per backend
     env = child_env({"OMP_NUM_THREADS": "1"})
+    t1 = time.monotonic()
     outs = _torchrun_nodes(["bench-ddp", "--suite", str(suite), "--no-mlflow", "--no-progress", "--run-id", "two"],
                            env, tmp_path)
+    print(f"one process {t1 - t0:.1f} s, two torchrun nodes {time.monotonic() - t1:.1f} s")
     assert sum("verdict:" in o for o in outs) == 1  # rank 0 alone records
     rows1 = {r.backend: r for r in RunBundle.load(one.run_dir).results}
     rows2 = {r.backend: r for r in RunBundle.load(cfg.results_root / "two").results}
-    for name in ("eager-fp32", "onnxruntime"):
+    for name in ("eager-fp32", "sorted-eager"):
         a, b = rows1[name], rows2[name]
         assert b.ok and b.n_devices == 2 and a.n_devices == 1, b.error
         assert b.scores == a.scores and b.n_features == a.n_features
@@ -124,7 +130,7 @@ def test_bench_ddp_on_two_torchrun_nodes_gives_the_single_process_answers(tiny_s
         real = one.evalset.features.attention_mask.astype(bool)
         for k in o1:
             np.testing.assert_allclose(o2[k][real], o1[k][real], atol=1e-5)
-    assert rows2["onnxruntime"].parity == "pass"
+    assert rows2["sorted-eager"].parity == "pass" and rows2["sorted-eager"].n_shapes > 1
     logs = sorted(p.name for p in (cfg.results_root / "two" / "logs").glob("eager-fp32.rank*.log"))
     assert logs == ["eager-fp32.rank0.log"]  # rank 1's log lies on its own host (results/.ddp/rank1)
     assert (cfg.results_root / ".ddp" / "rank1" / "logs" / "eager-fp32.rank1.log").exists()
@@ -136,7 +142,9 @@ def test_training_on_two_torchrun_nodes_matches_one_process(tiny_suite, tmp_path
 
     from bertqa_bench.launcher import child_env
 
-    suite = tiny_suite(backends=["eager-fp32"])
+    # no dropout: its masks are drawn per process, the one thing that differs between 1 and 2 ranks
+    suite = tiny_suite(backends=["eager-fp32"], model={"config_overrides": {
+        **TINY_BERT, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}})
     cfg = load_suite(str(suite))
     env = child_env({"OMP_NUM_THREADS": "1"})
     one = subprocess.run([sys.executable, "-m", "bertqa_bench.cli", "train", "--suite", str(suite), "--no-mlflow",
@@ -151,6 +159,9 @@ def test_training_on_two_torchrun_nodes_matches_one_process(tiny_suite, tmp_path
     w1, w2 = load_file(str(d1 / "model.safetensors")), load_file(str(d2 / "model.safetensors"))
     assert w1.keys() == w2.keys()
     worst = max(float((w1[k] - w2[k]).abs().max()) for k in w1)
-    assert worst < 1e-4, worst  # the same steps on the same rows: the same model up to float summation order
+    # The same steps on the same rows: the same model up to float rounding, which AdamW (lr 1e-3,
+    # 20 steps) amplifies to ~1e-3: one process with grad_accum 1 vs 2 differs by 1.3e-3 too
+    # (measured); two nodes gave 2.5e-3. A wrong split of the global batch differs by ~1e-1.
+    assert worst < 1e-2, worst
     assert m2["dev_f1"] == pytest.approx(m1["dev_f1"], abs=1.0)
     del torch
