@@ -210,8 +210,9 @@ def execute_distributed(job) -> tuple[dict, Optional[dict]]:
     variant = Variant.from_dict(job.variant)
     write_phase(job, "start")
     with worker_group(variant.device == "cuda", job.dist_timeout_s) as g:
-        if g.world != job.shard_count:
-            raise ConfigError(f"data-parallel job for {job.shard_count} ranks started in a group of {g.world}")
+        if (g.rank, g.world) != (job.shard_index, job.shard_count):
+            raise ConfigError(f"data-parallel job for rank {job.shard_index} of {job.shard_count} started as rank "
+                              f"{g.rank} of {g.world}")
         state = {"synced": False}
 
         def barrier():
