@@ -440,6 +440,7 @@ class Cluster:
         rec = launch_all([job], timeout_s=cmd["timeout_s"], log_paths=[logs_dir / f"{job.name}.rank{self.rank}.log"],
                          envs=[env], abort=abort)[0]
         rec["phase"], rec["host"] = read_phase(job.result), self.host
+        Path(job.result).with_suffix(".phase").unlink(missing_ok=True)
         if rec["status"] != "ok" and not rec.get("stopped_by_peer") and not rec.get("peer_failed"):
             rec["fail_order"] = self.store.add(failed_key, 1)  # first to fail gets 1
         return rec

@@ -44,6 +44,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def test_the_rank_named_is_the_one_that_failed_first_on_its_own():
+    from bertqa_bench.ddp import first_failure
+
+    ok = {"status": "ok"}
+    stopped = {"status": "failed", "error": "stopped: rank 2 failed first", "stopped_by_peer": True}
+    dead = {"status": "failed", "error": "crashed: killed by SIGKILL", "fail_order": 1}
+    peer = {"status": "failed", "error": "rank 2 of 3 did not get ready", "peer_failed": True, "fail_order": 2}
+    assert first_failure([stopped, peer, dead], 3, 60)["error"] == "data-parallel rank 2 of 3: crashed: killed by SIGKILL"
+    # rank 0 heard the cause in the gather: its word wins
+    told = {"status": "failed", "error": "data-parallel rank 1 of 2: RuntimeError: x", "failed_rank": 1}
+    assert first_failure([told, {**dead, "fail_order": 1}], 2, 60)["failed_rank"] == 1
+    # everyone timed out: the rank furthest behind is named, with where it was
+    late = [{"status": "failed", "error": "timed out", "timed_out": True, "phase": p}
+            for p in ("warm-up barrier", "prepare+warm-up", "warm-up barrier")]
+    assert first_failure(late, 3, 60)["error"] == (
+        "data-parallel rank 1 of 3: timed out after 60 s in prepare+warm-up (bench.timeout_s); every rank killed")
+    assert first_failure([ok, {"status": "not run", "error": "no CUDA"}], 2, 60) == {
+        "status": "not run", "error": "data-parallel rank 1 of 2: no CUDA", "failed_rank": 1}
+
+
 def test_a_rank_that_dies_or_fails_fails_its_variant_named_and_nothing_is_left(tiny_suite, monkeypatch):
     monkeypatch.setenv("BERTQA_TEST_KILL_RANK", "eager-fp32-x2:1")  # rank 1 SIGKILLs itself after warm-up
     suite = tiny_suite(backends=["eager-fp32", "eager-fp32-x2", "fails-x2", "onnxruntime"],
@@ -145,7 +165,6 @@ def test_bench_ddp_on_two_torchrun_nodes_gives_the_single_process_answers(tiny_s
 
 
 def test_training_on_two_torchrun_nodes_matches_one_process(tiny_suite, tmp_path):
-    import torch
     from safetensors.torch import load_file
 
     from bertqa_bench.launcher import child_env
@@ -172,4 +191,3 @@ def test_training_on_two_torchrun_nodes_matches_one_process(tiny_suite, tmp_path
     # (measured); two nodes gave 2.5e-3.
     assert worst < 1e-2, worst
     assert m2["dev_f1"] == pytest.approx(m1["dev_f1"], abs=1.0)
-    del torch
