@@ -12,12 +12,13 @@ export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: help install bench-all bench train train-ddp sweep loadgen report parity-check test ui-test ui-shots mutation-check mlflow-ui clean
+.PHONY: help install bench-all bench bench-ddp train train-ddp sweep loadgen report parity-check test ui-test ui-shots mutation-check mlflow-ui clean
 
 help:
 	@echo "make bench-all [SUITE=default|gpu-bert-base|bert-base-squad|nq] [ARGS='--set bench.batch_size=16']"
 	@echo "make test | make ui-test | make parity-check | make mutation-check | make mlflow-ui | make clean"
 	@echo "make train-ddp NPROC=4 SUITE=gpu-bert-base | make sweep SUITE=... ARGS='--batch-sizes 16,64,256'"
+	@echo "make bench-ddp NNODES=1 NPROC=2 SUITE=gpu-bert-base ARGS='--backends eager-fp16' [RDZV_ENDPOINT=host:port when NNODES>1]"
 	@echo "make loadgen SUITE=ci SCENARIO=SingleStream|Server|Offline [ARGS='--find-peak-qps']"
 
 $(BIN)/python:
@@ -44,6 +45,22 @@ NPROC ?= 2
 train-ddp: install
 	NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
 	  $(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) -m bertqa_bench.cli train --suite $(SUITE) $(ARGS)
+
+# Data-parallel prediction over NPROC processes on each of NNODES hosts (torchrun): every rank
+# predicts its share of each backend, rank 0 records. NNODES=1: --standalone; else run the same
+# command on every host with RDZV_ENDPOINT=<first host>:<port> (c10d rendezvous, RDZV_ID the job).
+NNODES ?= 1
+RDZV_ENDPOINT ?=
+RDZV_ID ?= bertqa-bench-ddp
+ifeq ($(NNODES),1)
+DDP_RDZV := --standalone
+else
+DDP_RDZV := --nnodes=$(NNODES) --rdzv-backend=c10d --rdzv-endpoint=$(RDZV_ENDPOINT) --rdzv-id=$(RDZV_ID)
+endif
+bench-ddp: install
+	@if [ "$(NNODES)" != 1 ] && [ -z "$(RDZV_ENDPOINT)" ]; then echo "NNODES=$(NNODES) needs RDZV_ENDPOINT=host:port"; exit 2; fi
+	NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
+	  $(BIN)/torchrun $(DDP_RDZV) --nproc_per_node=$(NPROC) -m bertqa_bench.cli bench-ddp --suite $(SUITE) $(ARGS)
 
 sweep: install
 	$(BIN)/bertqa-bench sweep --suite $(SUITE) $(ARGS)

@@ -27,7 +27,6 @@ from .launcher import launch
 from .parity import Verdict, compare, determinism, tolerance_for, verdict
 from .report import write_report
 from .results import BackendResult, RunBundle, RunMeta, new_run_id
-from .runner import Timing
 from .schedule import Plan, make_plan, mask_padding
 from .tasks import Task, get_task
 from .tracking import Tracker
@@ -150,12 +149,15 @@ def config_diff(saved: dict, wanted: dict, prefix: str = "") -> list[str]:
 def run_bench(cfg: SuiteConfig, *, backends: Optional[list[str]] = None, run_id: Optional[str] = None,
               tracker: Optional[Tracker] = None, progress: bool = True, command: str = "",
               log: Callable[[str], None] = print, check_determinism: bool = False,
-              resume: Optional[RunBundle] = None) -> BenchOutcome:
+              resume: Optional[RunBundle] = None, cluster=None) -> BenchOutcome:
     """Benchmark the suite's variants (reference first), or, with ``resume``, finish a run that
     was interrupted or partly failed: its finished rows are kept, the reference's saved outputs
     are reused, only the missing (or failed) variants run, against the same evaluation set and
     plans. A signal (``interrupt.Interrupted``) ends the run ``interrupted``: finished rows stay,
-    run.json has the verdict of what finished, the MLflow runs end KILLED; then it propagates."""
+    run.json has the verdict of what finished, the MLflow runs end KILLED; then it propagates.
+
+    ``cluster`` (ddp.Cluster, ``bench-ddp`` under torchrun, on rank 0): every variant's prediction
+    runs over all the torchrun ranks; the other ranks predict only (Cluster.serve)."""
     reference = cfg.bench.reference
     table = VariantTable.for_suite(cfg)
     if resume is not None:
@@ -173,8 +175,16 @@ def run_bench(cfg: SuiteConfig, *, backends: Optional[list[str]] = None, run_id:
                           f"{resume.meta.model_digest or '?'} and {mdir} is "
                           f"{model_digest(mdir) if mdir.is_dir() else 'missing'} "
                           "(retrained or replaced); start a new run")
-    model = ensure_model(cfg, log, tracker)
+    if cluster is not None:
+        from .ddp import without_dist_env
+
+        with without_dist_env():  # a missing model trains here, as one process
+            model = ensure_model(cfg, log, tracker)
+    else:
+        model = ensure_model(cfg, log, tracker)
     evalset = load_evalset(cfg, task, str(model.dir), log=log)
+    if cluster is not None:
+        cluster.prepared(model, evalset)
     if resume is not None and resume.meta.evalset_key and resume.meta.evalset_key != evalset.key:
         raise ConfigError(f"cannot resume {resume.meta.run_id}: its evaluation set was {resume.meta.evalset_key}, "
                           f"this one is {evalset.key} (data, tokenizer or windowing changed); start a new run")
@@ -239,7 +249,7 @@ def run_bench(cfg: SuiteConfig, *, backends: Optional[list[str]] = None, run_id:
             if done is not None:  # a failed row (or a reference without its saved outputs) runs again
                 tracker.delete_run(meta.mlflow_children.pop(done.backend, ""))
             r, new_ref, found = _run_variant(cfg, task, variant, model, evalset, bundle, plans, tiling, ref, progress,
-                                             log, check_determinism and variant.name == reference)
+                                             log, check_determinism and variant.name == reference, cluster)
             ref = new_ref or ref
             problems += found
             meta.problems = list(problems)
@@ -329,7 +339,8 @@ def judge(cfg: SuiteConfig, task: Task, variant: Variant, ref: Reference, r: Bac
     r.apply_parity(p, judged=judged)
 
 
-def _run_variant(cfg, task, variant, model, evalset, bundle, plans, tiling, ref, progress, log, determinism):
+def _run_variant(cfg, task, variant, model, evalset, bundle, plans, tiling, ref, progress, log, determinism,
+                 cluster=None):
     """One variant end to end: its worker, then postprocess, score and compare here.
     Returns (its row, the Reference when this was the reference, run-level problems found)."""
     reference = cfg.bench.reference
@@ -342,12 +353,16 @@ def _run_variant(cfg, task, variant, model, evalset, bundle, plans, tiling, ref,
     if why:
         r.status, r.error = "not run", why
         return r, None, problems
+    n_ranks = cluster.world if cluster is not None else (variant.devices or 1)
+    r.n_devices = n_ranks
     log(f"[{variant.name}] prepare, warm-up and {cfg.bench.min_passes}+ timed passes"
-        + (f" on {variant.devices} GPUs" if (variant.devices or 1) > 1 else "") + " ...")
+        + (f" on {n_ranks} {'GPUs' if variant.device == 'cuda' else 'CPU ranks'}" if n_ranks > 1 else "") + " ...")
     job = make_job(cfg, task, variant, model, evalset, bundle, progress=progress)
     timeout = variant.timeout_s or cfg.bench.timeout_s
-    if (variant.devices or 1) > 1:
-        rec = run_data_parallel(job, variant.devices, timeout, bundle, plans[plan_key(cfg, variant)], model, evalset)
+    if cluster is not None:  # bench-ddp: every torchrun rank predicts its share
+        rec = cluster.run(job, timeout, bundle.path("logs"))
+    elif (variant.devices or 1) > 1:
+        rec = run_data_parallel(job, variant.devices, timeout, bundle, variant)
     else:
         rec = launch(job, timeout_s=timeout, log_path=bundle.path("logs", f"{variant.name}.log"), echo=progress,
                      isolation=cfg.bench.isolation)
@@ -395,61 +410,17 @@ def visible_gpus(n: int) -> list[str]:
     return given[:n] if given else [str(i) for i in range(n)]
 
 
-def run_data_parallel(job: Job, n: int, timeout_s: float, bundle: RunBundle, plan: Plan, model: ModelInfo,
-                      evalset: EvalSet) -> dict:
-    """``n`` workers, one GPU each (CUDA_VISIBLE_DEVICES), each with a length-balanced share of
-    the plan; they meet at a barrier after warm-up so their timed passes overlap. Returns one
-    record as a single worker would: outputs merged in dataset order, a pass lasting as long as
-    its slowest shard, memory peaks per GPU, energy summed over GPUs."""
-    import dataclasses
+def run_data_parallel(job: Job, n: int, timeout_s: float, bundle: RunBundle, variant: Variant) -> dict:
+    """``n`` ranks of one torch.distributed group on this host (ddp.py), one GPU each
+    (CUDA_VISIBLE_DEVICES) or N gloo ranks on the CPU, each with a length-balanced share of the
+    plan; a barrier after warm-up, so their timed passes overlap, and a gather to rank 0, which
+    writes the one outputs file and result record a single worker would (dataset order, a pass
+    as long as the slowest rank's, memory peaks per GPU, energy summed). A rank that fails fails
+    the variant, named: "data-parallel rank 1 of 2: crashed: killed by SIGKILL"."""
+    from .ddp import run_local_ranks
 
-    from .flops import model_dims, plan_flops
-    from .launcher import launch_all
-    from .worker import save_outputs
-
-    barrier = bundle.path("barriers", job.name)
-    barrier.mkdir(parents=True, exist_ok=True)
-    for f in barrier.glob("ready-*"):
-        f.unlink()
-    jobs = [dataclasses.replace(job, shard_index=i, shard_count=n, barrier_dir=str(barrier),
-                                outputs=job.outputs.replace(".npz", f".shard{i}.npz"),
-                                result=job.result.replace(".json", f".shard{i}.json")) for i in range(n)]
-    recs = launch_all(jobs, timeout_s=timeout_s, log_paths=[bundle.path("logs", f"{job.name}.shard{i}.log")
-                                                             for i in range(n)],
-                      envs=[{"CUDA_VISIBLE_DEVICES": gpu} for gpu in visible_gpus(n)])
-    bad = [(i, r) for i, r in enumerate(recs) if r["status"] != "ok"]
-    if bad:
-        i, r = bad[0]
-        status = "failed" if any(x["status"] == "failed" for _, x in bad) else "not run"
-        return {"status": status, "error": f"data-parallel shard {i} of {n}: {r.get('error')}"}
-    merged: dict = {}
-    for r in recs:
-        part = load_outputs(r["outputs"])
-        rows = np.asarray(r["rows"], dtype=np.int64)
-        for k, v in part.items():
-            merged.setdefault(k, v.copy())[rows] = v[rows]
-        Path(r["outputs"]).unlink(missing_ok=True)
-    save_outputs(job.outputs, merged)
-    passes = min(len(r["pass_s"]) for r in recs)
-    pass_s = [max(r["pass_s"][k] for r in recs) for k in range(passes)]  # a pass lasts as long as its slowest shard
-    flops = plan_flops(model_dims(model.dir), plan, evalset.lengths())
-    timing = Timing(pass_s, np.concatenate([np.asarray(r["batch_ms"]) for r in recs]), plan.n_rows,
-                    len(plan.batches), flops[0], flops[1],
-                    all(r["timing"]["identical_passes"] for r in recs)).summary()
-    measures: dict = {}
-    for r in recs:
-        for k, v in r.get("measures", {}).items():
-            if isinstance(v, (int, float)):
-                measures[k] = measures.get(k, 0.0) + v if k.startswith("energy") else max(measures.get(k, 0.0), v)
-            else:
-                measures.setdefault(k, v)
-    if "energy_j" in measures:  # energy adds up over GPUs; per 1k features and power follow from the sum
-        measures["energy_j_per_1k_features"] = measures["energy_j"] / (plan.n_rows * passes) * 1000.0
-        measures["avg_power_w"] = measures["energy_j"] / sum(pass_s)
-    info = dict(recs[0].get("prepare_info") or {})
-    info["data_parallel"] = f"{n} processes, one GPU each, length-balanced shards, start barrier"
-    return {"status": "ok", "prepare_s": max(r["prepare_s"] for r in recs), "prepare_info": info, "timing": timing,
-            "pass_s": pass_s, "measures": measures, "outputs": job.outputs}
+    gpus = visible_gpus(n) if variant.device == "cuda" else None
+    return run_local_ranks(job, n, timeout_s, bundle.path("logs"), gpus)
 
 
 def _determinism(cfg, task, variant, model, evalset, bundle, ref: Reference, r: BackendResult, log) -> list[str]:

@@ -1,4 +1,4 @@
-"""``bertqa-bench``: train | bench | loadgen | report | parity | score | score-nq | profile | backends | track | reference."""
+"""``bertqa-bench``: train | bench | bench-ddp | loadgen | report | parity | score | score-nq | profile | backends | track | reference."""
 from __future__ import annotations
 
 import argparse
@@ -100,6 +100,42 @@ def cmd_bench(a) -> int:
     if tracker.active and tracker.experiment_id:
         print(f"MLflow: {tracker.uri}, experiment bertqa-{cfg.name}; `make mlflow-ui`, then")
         print("\n".join(tracker.links()))
+    return 0
+
+
+def cmd_bench_ddp(a) -> int:
+    """``bench`` over the ranks torchrun started (one host or several): every rank predicts its
+    share of each backend's plan; rank 0 runs the bench (results, report, MLflow, parity)."""
+    from .bench import run_bench
+    from .ddp import Cluster, is_dist_env
+    from .suite import load_suite
+    from .tracking import Tracker
+
+    if not is_dist_env():
+        raise BenchError("bench-ddp runs under torchrun (RANK and WORLD_SIZE unset): e.g. `torchrun --standalone "
+                         "--nproc-per-node 2 -m bertqa_bench.cli bench-ddp --suite ci`, or `make bench-ddp`")
+    cfg = load_suite(_suite(a), a.overrides + _model_overrides(a))
+    _threads(cfg)
+    cluster = Cluster()
+    if cluster.rank != 0:
+        try:
+            cluster.serve(cfg, log=lambda m: print(f"[rank {cluster.rank}] {m}", flush=True))
+        finally:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        return 0
+    try:
+        tracker = Tracker(cfg.results_root, enabled=not a.no_mlflow)
+        out = run_bench(cfg, backends=_backend_list(a.backends), run_id=a.run_id, tracker=tracker,
+                        progress=not a.no_progress, command=_command_line(), cluster=cluster)
+    finally:
+        cluster.close()  # the other ranks stop waiting for work, whatever happened here
+    print()
+    print(out.summary)
+    print(f"results: {out.run_dir}")
+    print(f"verdict: {out.verdict}")
     return 0
 
 
@@ -277,7 +313,9 @@ def cmd_backends(a) -> int:
 def _command_line() -> str:
     args = " ".join(shlex.quote(x) for x in sys.argv[1:])
     if os.environ.get("TORCHELASTIC_RUN_ID"):  # started by torchrun: say so, with its process count
-        return f"torchrun --nproc_per_node={os.environ.get('LOCAL_WORLD_SIZE', '?')} -m bertqa_bench.cli {args}"
+        nodes = int(os.environ.get("WORLD_SIZE", "1")) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        return (f"torchrun {f'--nnodes={nodes} ' if nodes > 1 else ''}"
+                f"--nproc_per_node={os.environ.get('LOCAL_WORLD_SIZE', '?')} -m bertqa_bench.cli {args}")
     return f"bertqa-bench {args}"
 
 
@@ -311,6 +349,18 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-mlflow", action="store_true")
     b.add_argument("--no-progress", action="store_true")
     b.set_defaults(fn=cmd_bench)
+
+    bd = sub.add_parser("bench-ddp", help="bench with data-parallel prediction over the ranks torchrun started "
+                                          "(one host or several); rank 0 records, the others predict")
+    _suite_args(bd)
+    bd.add_argument("--backends", help="comma-separated backend names (default: the suite's list)")
+    bd.add_argument("--run-id")
+    bd.add_argument("--model", metavar="PATH_OR_NAME", help="as bench --model (on every host)")
+    bd.add_argument("--allow-pickle", action="store_true")
+    bd.add_argument("--dev-file")
+    bd.add_argument("--no-mlflow", action="store_true")
+    bd.add_argument("--no-progress", action="store_true")
+    bd.set_defaults(fn=cmd_bench_ddp)
 
     lgp = sub.add_parser("loadgen", help="MLPerf LoadGen scenarios: each backend as the system under test "
                                          "(SingleStream latency, Server QPS under a latency bound, Offline)")

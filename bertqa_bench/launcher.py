@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from .io import atomic_write_json
 from .worker import Job, run_job_safely
@@ -40,7 +40,10 @@ TAIL_LINES = 15
 def child_env(extra: Optional[dict] = None) -> dict:
     from .config import PROJECT_ROOT
 
-    env = dict(os.environ)
+    from .ddp import strip_dist_env
+
+    # torchrun's variables stay out unless given (``extra``): a worker joins only its own group
+    env = strip_dist_env(dict(os.environ))
     env.update(SAFE_ENV)
     # The child must import this same package, installed or not (a copied tree on a GPU machine).
     path = env.get("PYTHONPATH", "")
@@ -102,6 +105,8 @@ class _Child:
                                      daemon=True)
         self.pump.start()
         self.timed_out = False
+        self.stopped = ""  # why the launcher killed it (another rank failed first)
+        self.fail_order: Optional[int] = None  # 1 for the first child that ended badly on its own, 2, ...
 
     def wait(self, deadline: float) -> None:
         try:
@@ -117,11 +122,16 @@ class _Child:
         self.pump.join(timeout=10)
         elapsed, code = time.perf_counter() - self.t0, self.proc.returncode
         if self.timed_out:
-            return _failed(f"timed out after {timeout_s:g} s (bench.timeout_s); killed", self.log_path, code, elapsed)
+            return _failed(f"timed out after {timeout_s:g} s (bench.timeout_s); killed", self.log_path, code, elapsed,
+                           timed_out=True)
+        if self.stopped:
+            return _failed(self.stopped, self.log_path, code, elapsed, stopped_by_peer=True)
         if self.result_path.exists():
             try:
                 result = json.loads(self.result_path.read_text())
                 result.setdefault("exit_code", code)
+                if self.fail_order is not None and result.get("status") != "ok":
+                    result["fail_order"] = self.fail_order
                 result["wall_s"] = elapsed
                 if result.get("status") == "failed":
                     result["log_tail"] = tail(self.log_path)
@@ -131,30 +141,67 @@ class _Child:
         if code is not None and code < 0:
             name = _signal_name(-code)
             hint = " (the out-of-memory killer sends SIGKILL)" if -code == signal.SIGKILL else ""
-            return _failed(f"crashed: killed by {name}{hint}", self.log_path, code, elapsed)
-        return _failed(f"exited with code {code} without a result", self.log_path, code, elapsed)
+            return _failed(f"crashed: killed by {name}{hint}", self.log_path, code, elapsed,
+                           fail_order=self.fail_order)
+        return _failed(f"exited with code {code} without a result", self.log_path, code, elapsed,
+                       fail_order=self.fail_order)
 
 
 def launch_all(jobs: Sequence["Job"], *, timeout_s: float, log_paths: Sequence[Path], echo: bool = False,
-               envs: Optional[Sequence[Optional[dict]]] = None) -> list[dict]:
-    """Run jobs side by side (data-parallel shards), each in its own process; one time limit for all."""
+               envs: Optional[Sequence[Optional[dict]]] = None, abort: Optional[Callable[[], Optional[str]]] = None,
+               poll_s: float = 0.05) -> list[dict]:
+    """Run jobs side by side (the ranks of a data-parallel job), each in its own process; one time
+    limit for all. As soon as one ends badly (an exception, a signal) the others are killed: they
+    would otherwise wait for it in a collective until the group's timeout. ``abort`` (polled):
+    a reason to kill them all now (a rank on another host failed), or None."""
     envs = envs or [None] * len(jobs)
-    children = []
+    children: list[_Child] = []
     try:
         for job, log_path, env in zip(jobs, log_paths, envs):
             children.append(_Child(job, log_path, echo, env))
         deadline = time.monotonic() + timeout_s
-        for c in children:
-            c.wait(deadline)
-            if c.proc.returncode not in (0, None) or c.timed_out:
-                for other in children:  # one shard died: the others would wait at the barrier forever
-                    if other.proc.poll() is None:
-                        other.kill()
+        if len(children) == 1 and abort is None:
+            children[0].wait(deadline)
+        else:
+            _watch(children, deadline, abort, poll_s)
     except BaseException:  # a signal in the parent (interrupt.Interrupted): take the children down too, then stop
         for c in children:
             c.kill()
         raise
     return [c.result(timeout_s) for c in children]
+
+
+def _watch(children: list, deadline: float, abort, poll_s: float) -> None:
+    running, failures, last_abort_check = list(children), 0, 0.0
+    while running:
+        for c in list(running):
+            if c.proc.poll() is None:
+                continue
+            running.remove(c)
+            if c.proc.returncode != 0:
+                failures += 1
+                c.fail_order = failures
+                for other in running:
+                    other.stopped = f"stopped: rank {children.index(c)} failed first"
+                    other.kill()
+                running = []
+                break
+        now = time.monotonic()
+        if running and abort is not None and now - last_abort_check > 0.5:
+            last_abort_check = now
+            why = abort()
+            if why:
+                for c in running:
+                    c.stopped = why
+                    c.kill()
+                running = []
+        if running and now > deadline:
+            for c in running:
+                c.timed_out = True
+                c.kill()
+            running = []
+        if running:
+            time.sleep(poll_s)
 
 
 def launch(job: "Job", *, timeout_s: float, log_path: Path, echo: bool = False, isolation: str = "process") -> dict:
@@ -172,7 +219,8 @@ def _kill_group(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def _failed(reason: str, log_path: Path, code, elapsed: float) -> dict:
+def _failed(reason: str, log_path: Path, code, elapsed: float, **flags) -> dict:
     last = tail(log_path)
     return {"status": "failed", "error": reason + (f"; last output: {last.splitlines()[-1][:300]}" if last else ""),
-            "exit_code": code, "log_tail": last, "wall_s": elapsed}
+            "exit_code": code, "log_tail": last, "wall_s": elapsed,
+            **{k: v for k, v in flags.items() if v is not None and v is not False}}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import socket
 import sys
 import traceback
 from dataclasses import dataclass
@@ -42,12 +43,11 @@ class Job:
     min_duration_s: float = 0.0
     num_threads: Optional[int] = None
     progress: bool = False
-    # data-parallel prediction: this worker's share of the plan, and the folder where all
-    # shards meet before timing, so their timed passes overlap
+    # data-parallel prediction (ddp.py): this worker's rank of ``shard_count`` in a torch.distributed
+    # group (MASTER_ADDR/PORT, RANK, WORLD_SIZE in its environment) and the group's timeout
     shard_index: int = 0
     shard_count: int = 1
-    barrier_dir: str = ""
-    barrier_timeout_s: float = 1800.0
+    dist_timeout_s: float = 1800.0
     # "bench" (execute below) or "loadgen": the variant as MLPerf LoadGen's system under test
     # (loadgen_sut.execute); ``loadgen`` holds the scenario and its settings
     kind: str = "bench"
@@ -69,8 +69,11 @@ def format_error(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}{where}"
 
 
-def execute(job: Job, plan=None, inputs=None) -> tuple[dict, Optional[dict]]:
-    """Run one job in this process: (result record, dataset-order outputs or None)."""
+def execute(job: Job, plan=None, inputs=None, shard: Optional[tuple[int, int]] = None,
+            before_timing=None) -> tuple[dict, Optional[dict]]:
+    """Run one job in this process: (result record, dataset-order outputs or None). ``shard``
+    (rank, world): only that rank's length-balanced share of the plan; ``before_timing`` runs
+    between warm-up and the timed passes (the data-parallel barrier)."""
     from .backends.variants import Variant
     from .evalset import load_inputs
     from .flops import model_dims, plan_flops
@@ -82,16 +85,17 @@ def execute(job: Job, plan=None, inputs=None) -> tuple[dict, Optional[dict]]:
     why = variant.unavailable_reason()
     if why:
         return {"status": "not run", "error": why}, None
-    if job.num_threads and variant.device == "cpu":
+    if variant.device == "cpu" and (job.num_threads or shard):
         import torch
 
-        torch.set_num_threads(int(job.num_threads))
+        # N CPU ranks side by side: one thread each unless the suite says how many
+        torch.set_num_threads(int(job.num_threads or 1))
     from .schedule import shard_plan
 
     inputs = inputs if inputs is not None else load_inputs(Path(job.evalset))
     plan = plan if plan is not None else Plan.load(Path(job.plan))
-    if job.shard_count > 1:
-        plan = shard_plan(plan, job.shard_count)[job.shard_index]
+    if shard is not None and shard[1] > 1:
+        plan = shard_plan(plan, shard[1])[shard[0]]
     batches = materialize(inputs, plan)
     lengths = np.asarray(inputs["attention_mask"]).sum(axis=1)
     ctx = make_context(job.model_dir, job.task, job.artifacts_dir, job.output_names, plan, batches, job.max_seq_len)
@@ -99,26 +103,13 @@ def execute(job: Job, plan=None, inputs=None) -> tuple[dict, Optional[dict]]:
     run = run_backend(variant.create(), ctx, plan, batches, token_outputs=tuple(job.token_outputs),
                       warmup_batches=job.warmup_batches, min_passes=job.min_passes, min_duration_s=job.min_duration_s,
                       flops=plan_flops(model_dims(ctx.model_dir), plan, lengths), progress=job.progress, probe=probe,
-                      before_timing=(lambda: barrier(job)) if job.shard_count > 1 else None)
+                      before_timing=before_timing)
     record = {"status": "ok", "prepare_s": run.prepare_s, "warmup_batches": run.warmup_batches,
               "prepare_info": run.prepare_info, "timing": run.timing.summary(), "pass_s": run.timing.pass_s,
               "batch_ms": run.timing.batch_ms.tolist(), "measures": run.measures, "outputs": job.outputs,
-              "rows": sorted({int(r) for b in plan.batches for r in b.rows}), "pid": os.getpid()}
+              "rows": sorted({int(r) for b in plan.batches for r in b.rows}), "pid": os.getpid(),
+              "host": socket.gethostname()}
     return record, run.outputs
-
-
-def barrier(job: Job) -> None:
-    """Wait until every shard of a data-parallel job is warmed up (files in barrier_dir)."""
-    import time
-
-    d = Path(job.barrier_dir)
-    d.mkdir(parents=True, exist_ok=True)
-    (d / f"ready-{job.shard_index}").touch()
-    deadline = time.monotonic() + job.barrier_timeout_s
-    while len(list(d.glob("ready-*"))) < job.shard_count:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the other {job.shard_count - 1} data-parallel workers never got ready")
-        time.sleep(0.01)
 
 
 def save_outputs(path: str | Path, outputs: dict) -> None:
@@ -142,6 +133,10 @@ def run_job_safely(job: Job) -> dict:
             from .loadgen_sut import execute as execute_loadgen
 
             record, outputs = execute_loadgen(job)
+        elif job.shard_count > 1:  # one rank of a data-parallel job (ddp.py)
+            from .ddp import execute_distributed
+
+            record, outputs = execute_distributed(job)
         else:
             record, outputs = execute(job)
         if outputs is not None:

@@ -118,3 +118,23 @@ class FailsUnderLoad(_Wrapping):
                     time.sleep(1)
             raise RuntimeError("kaboom under load")
         return self.inner.predict(batch)
+
+
+class FailsOnRank1(_Wrapping):
+    """A data-parallel rank that fails on its own: rank 1's prepare raises (BERTQA_TEST_HOW=raise,
+    the default) or its warm-up never returns (hang); rank 0 is a healthy eager backend."""
+
+    def prepare(self, ctx):
+        if os.environ.get("RANK") == "1" and os.environ.get("BERTQA_TEST_HOW", "raise") == "raise":
+            raise RuntimeError("kaboom on rank 1")
+        super().prepare(ctx)
+
+    def close(self):
+        if hasattr(self, "inner"):
+            self.inner.close()
+
+    def predict(self, batch):
+        if os.environ.get("RANK") == "1":
+            while True:
+                time.sleep(1)
+        return self.inner.predict(batch)

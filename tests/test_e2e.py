@@ -205,9 +205,14 @@ def test_data_parallel_prediction_on_two_processes_gives_the_single_process_answ
     assert dp.answer_agreement == 1.0 and dp.parity == "pass" and dp.max_abs_logit_diff < 1e-5
     assert dp.scores == ref.scores and dp.n_features == ref.n_features
     assert dp.prepare_info["data_parallel"].startswith("2 processes")
-    shard_logs = sorted(p.name for p in (out.run_dir / "logs").glob("eager-fp32-x2.shard*.log"))
-    assert shard_logs == ["eager-fp32-x2.shard0.log", "eager-fp32-x2.shard1.log"]
-    assert not list((out.run_dir / "outputs").glob("*.shard*.npz"))  # merged, shards removed
+    assert "torch.distributed (gloo)" in dp.prepare_info["data_parallel"]
+    rank_logs = sorted(p.name for p in (out.run_dir / "logs").glob("eager-fp32-x2.rank*.log"))
+    assert rank_logs == ["eager-fp32-x2.rank0.log", "eager-fp32-x2.rank1.log"]
+    # rank 0 gathered the logits over the process group and wrote the one outputs file and record
+    assert sorted(p.name for p in (out.run_dir / "outputs").glob("eager-fp32-x2*")) == ["eager-fp32-x2.npz"]
+    assert sorted(p.name for p in (out.run_dir / "workers").glob("eager-fp32-x2*.json")) == [
+        "eager-fp32-x2.job.json", "eager-fp32-x2.json", "eager-fp32-x2.rank1.job.json"]
+    assert not (out.run_dir / "barriers").exists()
     # the padding-free path through the whole bench (plan file, worker, scatter): no padding
     # tokens computed, the padded run's answers
     packed = rows["packed-fp32"]

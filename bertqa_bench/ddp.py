@@ -1,0 +1,488 @@
+"""Data-parallel prediction on a torch.distributed process group.
+
+A variant with ``devices: N`` runs as N worker ranks (``python -m bertqa_bench.worker``, one
+GPU each, or N gloo ranks on the CPU), which form one process group as torchrun's workers do
+(MASTER_ADDR / MASTER_PORT / RANK / WORLD_SIZE / LOCAL_RANK): NCCL when the variant runs on
+CUDA, gloo on the CPU, plus a gloo side-group on CUDA for what the bench itself exchanges.
+
+Every rank makes exactly two collectives per variant, whatever happens to it:
+
+1. **the warm-up barrier**: an ``all_gather_object`` of each rank's state after prepare and
+   warm-up ("ok", or its error). It is a barrier (nobody times before everyone is warm, so the
+   timed passes overlap) that also carries failures: a rank whose prepare raised still enters
+   it, with its error, so the others learn why at once instead of waiting for a timeout;
+2. **the gather**: ``gather_object`` to rank 0 of each rank's result and only its own rows of
+   the outputs; rank 0 puts them back in dataset order and writes the one outputs file and the
+   one result record a single worker would (a pass lasts as long as the slowest rank's, memory
+   peaks are the max over ranks, energy is summed).
+
+Both run on a gloo group with a timeout (the variant's): gloo honours it and raises, where an
+NCCL collective on a dead peer would hang until NCCL's watchdog aborts the whole process; the
+outputs are on the host anyway (the Backend contract), so nothing is copied to a GPU for them.
+
+A rank that dies without a word (SIGKILL, segfault) or hangs is the parent's to handle: the
+launcher kills the other ranks as soon as one ends badly, and names the rank that failed first
+("data-parallel rank 1 of 2: crashed: killed by SIGKILL"). Each rank writes its phase beside its
+result file, so a timeout names the rank that was behind.
+
+``bench-ddp`` under torchrun (several hosts): every torchrun rank starts one worker rank per
+variant on its own host (``Cluster``); rank 0 runs the bench (results, report, MLflow, parity)
+and tells the others, over torchrun's own gloo group, which variant to predict next.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from .errors import BenchError, ConfigError
+
+# What torchrun sets for its workers; a worker the bench starts gets its own values (or none).
+RANK_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+             "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME")
+KILL_ENV = "BERTQA_TEST_KILL_RANK"  # test hook: "RANK" or "VARIANT:RANK" kills that rank after warm-up
+
+
+def is_dist_env(env=None) -> bool:
+    env = os.environ if env is None else env
+    return "WORLD_SIZE" in env and "RANK" in env
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def rank_env(addr: str, port: int, rank: int, world: int, local_rank: int, local_world: int) -> dict:
+    return {"MASTER_ADDR": addr, "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(local_world)}
+
+
+def strip_dist_env(env: dict) -> dict:
+    """``env`` without torchrun's / torchelastic's variables (a worker must not join the wrong group)."""
+    return {k: v for k, v in env.items() if k not in RANK_VARS and not k.startswith("TORCHELASTIC_")}
+
+
+@contextlib.contextmanager
+def without_dist_env():
+    """In a torchrun rank: code that would read WORLD_SIZE (training a missing model) sees one process."""
+    saved = {k: os.environ.pop(k) for k in list(os.environ) if k in RANK_VARS or k.startswith("TORCHELASTIC_")}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
+class PeerFailed(BenchError):
+    """Another rank of this data-parallel job failed; this one stops without its timed passes."""
+
+
+@dataclass
+class Group:
+    rank: int
+    world: int
+    backend: str
+    side: object = None  # the gloo group the bench's own collectives use (None: the default one)
+
+    def all_gather(self, obj) -> list:
+        import torch.distributed as dist
+
+        out = [None] * self.world
+        dist.all_gather_object(out, obj, group=self.side)
+        return out
+
+    def gather(self, obj) -> Optional[list]:
+        import torch.distributed as dist
+
+        out = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=0, group=self.side)
+        return out
+
+
+@contextlib.contextmanager
+def worker_group(cuda: bool, timeout_s: float):
+    """This worker's rank in the job's process group (env: MASTER_ADDR/PORT, RANK, WORLD_SIZE).
+
+    The store is made here explicitly (rank 0 hosts it) rather than by ``env://``: a worker the
+    bench-ddp ranks start must not join torchrun's own agent store, whatever its environment."""
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    timeout = timedelta(seconds=float(timeout_s))
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, rank == 0,
+                          timeout=timeout, wait_for_workers=False)
+    backend = "nccl" if cuda else "gloo"
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    try:
+        # NCCL's collectives do not return on a dead peer within their timeout (the watchdog
+        # tears the process down instead); the barrier and the gather of host arrays go over gloo.
+        side = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
+        yield Group(rank, world, backend, side)
+    finally:
+        dist.destroy_process_group()
+
+
+def write_phase(job, phase: str) -> None:
+    """Where this rank is (beside its result file): a timeout then names the rank that was behind."""
+    try:
+        Path(job.result).with_suffix(".phase").write_text(phase)
+    except OSError:
+        pass
+
+
+PHASES = ("start", "prepare+warm-up", "warm-up barrier", "timed passes", "gather", "done")
+
+
+def read_phase(result_path) -> str:
+    try:
+        return Path(result_path).with_suffix(".phase").read_text().strip()
+    except OSError:
+        return "start"
+
+
+def maybe_kill_self(job, rank: int) -> None:
+    """Test hook: BERTQA_TEST_KILL_RANK=1 (or VARIANT:1) SIGKILLs that rank after the warm-up barrier."""
+    want = os.environ.get(KILL_ENV, "")
+    if not want:
+        return
+    name, _, r = want.rpartition(":")
+    if (not name or name == job.name) and r.strip() == str(rank):
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def merge_records(recs: list, plan, flops: tuple, n: int, backend: str) -> dict:
+    """One record from the ranks' own: a pass lasts as long as the slowest rank's, memory peaks
+    are the max over ranks, energy adds up over GPUs."""
+    from .runner import Timing
+
+    passes = min(len(r["pass_s"]) for r in recs)
+    pass_s = [max(r["pass_s"][k] for r in recs) for k in range(passes)]
+    timing = Timing(pass_s, np.concatenate([np.asarray(r["batch_ms"]) for r in recs]), plan.n_rows,
+                    len(plan.batches), flops[0], flops[1], all(r["timing"]["identical_passes"] for r in recs)).summary()
+    measures: dict = {}
+    for r in recs:
+        for k, v in r.get("measures", {}).items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                measures[k] = measures.get(k, 0.0) + v if k.startswith("energy") else max(measures.get(k, 0.0), v)
+            else:
+                measures.setdefault(k, v)
+    if "energy_j" in measures:  # energy adds up over GPUs; per 1k features and power follow from the sum
+        measures["energy_j_per_1k_features"] = measures["energy_j"] / (plan.n_rows * passes) * 1000.0
+        measures["avg_power_w"] = measures["energy_j"] / sum(pass_s)
+    info = dict(recs[0].get("prepare_info") or {})
+    info["data_parallel"] = (f"{n} processes, one {'GPU' if backend == 'nccl' else 'CPU rank'} each, "
+                             f"torch.distributed ({backend}), length-balanced shards, warm-up barrier, "
+                             "gather to rank 0")
+    return {"status": "ok", "prepare_s": max(r["prepare_s"] for r in recs), "prepare_info": info, "timing": timing,
+            "pass_s": pass_s, "measures": measures,
+            "ranks": [{"rank": i, "pid": r.get("pid"), "host": r.get("host"), "prepare_s": r["prepare_s"],
+                       "pass_s": r["pass_s"], "rows": len(r["rows"])} for i, r in enumerate(recs)]}
+
+
+def _status_of(e: BaseException) -> dict:
+    from .errors import BackendUnavailableError
+    from .worker import format_error
+
+    if isinstance(e, PeerFailed):
+        return {"status": "failed", "error": str(e), "peer_failed": True}
+    if isinstance(e, BackendUnavailableError):
+        return {"status": "not run", "error": str(e)}
+    return {"status": "failed", "error": format_error(e)}
+
+
+def execute_distributed(job) -> tuple[dict, Optional[dict]]:
+    """This worker's rank of a data-parallel job: its shard, the barrier, the gather. Rank 0
+    returns the merged record and dataset-order outputs; the others their own record and None."""
+    import traceback
+
+    from .backends.variants import Variant
+    from .worker import execute
+
+    variant = Variant.from_dict(job.variant)
+    write_phase(job, "start")
+    with worker_group(variant.device == "cuda", job.dist_timeout_s) as g:
+        if (g.rank, g.world) != (job.shard_index, job.shard_count):
+            raise ConfigError(f"data-parallel job for rank {job.shard_index} of {job.shard_count} started as rank "
+                              f"{g.rank} of {g.world}")
+        state = {"synced": False}
+
+        def barrier():
+            state["synced"] = True
+            write_phase(job, "warm-up barrier")
+            peers = g.all_gather({"status": "ok"})
+            bad = [(i, p) for i, p in enumerate(peers) if p["status"] != "ok"]
+            if bad:
+                i, p = bad[0]
+                raise PeerFailed(f"rank {i} of {g.world} did not get ready: {p['error']}")
+            maybe_kill_self(job, g.rank)
+            write_phase(job, "timed passes")
+
+        record, outputs, own = None, None, None
+        write_phase(job, "prepare+warm-up")
+        try:
+            record, outputs = execute(job, shard=(g.rank, g.world), before_timing=barrier)
+            if record["status"] != "ok":
+                own = {"status": record["status"], "error": record.get("error", "")}
+        except Exception as e:  # noqa: BLE001 - told to the other ranks, then reported
+            if not isinstance(e, PeerFailed):
+                traceback.print_exc()
+            own = _status_of(e)
+        if not state["synced"]:  # this rank never reached the barrier: the others wait there for its word
+            g.all_gather(own or {"status": "failed", "error": "no timed passes"})
+        write_phase(job, "gather")
+        if own is None:
+            rows = np.asarray(record.pop("rows"), dtype=np.int64)
+            part = {"rank": g.rank, "status": "ok", "record": record, "rows": rows,
+                    "outputs": {k: v[rows] for k, v in outputs.items()}}
+        else:
+            part = {"rank": g.rank, **own}
+        got = g.gather(part)
+        write_phase(job, "done")
+        if g.rank != 0:
+            return ({"status": "ok", "rank": g.rank, "pid": os.getpid()} if own is None
+                    else {**own, "rank": g.rank}), None
+        return _merge_on_rank0(job, got, outputs, g)
+
+
+def _merge_on_rank0(job, parts: list, outputs: Optional[dict], g: Group) -> tuple[dict, Optional[dict]]:
+    from .evalset import load_inputs
+    from .flops import model_dims, plan_flops
+    from .schedule import Plan
+
+    n = len(parts)
+    bad = [p for p in parts if p["status"] != "ok"]
+    if bad:
+        first = next((p for p in bad if not p.get("peer_failed")), bad[0])
+        status = "failed" if any(p["status"] == "failed" for p in bad) else "not run"
+        return {"status": status, "error": f"data-parallel rank {first['rank']} of {n}: {first['error']}",
+                "failed_rank": first["rank"], "rank": 0}, None
+    merged = {k: v.copy() for k, v in outputs.items()}  # rank 0's own: every row, its own ones filled
+    for p in parts[1:]:
+        for k, v in p["outputs"].items():
+            merged[k][p["rows"]] = v
+    plan = Plan.load(Path(job.plan))
+    lengths = np.asarray(load_inputs(Path(job.evalset))["attention_mask"]).sum(axis=1)
+    flops = plan_flops(model_dims(Path(job.model_dir)), plan, lengths)
+    recs = [dict(p["record"], rows=p["rows"]) for p in parts]
+    rec = merge_records(recs, plan, flops, n, g.backend)
+    rec["outputs"] = job.outputs
+    rec["rank"] = 0
+    return rec, merged
+
+
+# ---- the parent's side -------------------------------------------------------------------------
+
+
+def first_failure(recs: list, n: int, timeout_s: float) -> dict:
+    """The failed record of a data-parallel job, naming the rank that failed first on its own."""
+    status = "failed" if any(r["status"] == "failed" for r in recs) else "not run"
+    r0 = recs[0]
+    if r0["status"] != "ok" and "failed_rank" in r0:  # rank 0 heard it from the rank itself, in the gather
+        return {"status": r0["status"], "error": r0["error"], "failed_rank": r0["failed_rank"]}
+    own = [(r.get("fail_order") or 0, i) for i, r in enumerate(recs)
+           if r["status"] != "ok" and not r.get("stopped_by_peer") and not r.get("peer_failed")
+           and not r.get("timed_out")]
+    if own:
+        i = min(own)[1]
+        return {"status": status, "error": f"data-parallel rank {i} of {n}: {recs[i].get('error')}", "failed_rank": i}
+    late = [i for i, r in enumerate(recs) if r.get("timed_out")]
+    if late:  # the rank furthest behind is the one the others waited for
+        i = min(late, key=lambda i: (PHASES.index(recs[i].get("phase", "start"))
+                                     if recs[i].get("phase", "start") in PHASES else 0, i))
+        where = recs[i].get("phase", "start")
+        return {"status": "failed", "error": f"data-parallel rank {i} of {n}: timed out after {timeout_s:g} s "
+                                             f"in {where} (bench.timeout_s); every rank killed", "failed_rank": i}
+    i = next(i for i, r in enumerate(recs) if r["status"] != "ok")
+    return {"status": status, "error": f"data-parallel rank {i} of {n}: {recs[i].get('error')}", "failed_rank": i}
+
+
+def annotate(recs: list, jobs: list) -> list:
+    for r, j in zip(recs, jobs):
+        r["phase"] = read_phase(j.result)
+    return recs
+
+
+def run_local_ranks(job, n: int, timeout_s: float, logs_dir: Path, gpus: Optional[list]) -> dict:
+    """The single-host case: this process starts the ``n`` ranks itself (as torchrun would, on a
+    free port), waits for them (killing the rest as soon as one ends badly) and returns rank 0's
+    merged record, or the failure naming the rank."""
+    import dataclasses
+
+    from .launcher import launch_all
+
+    port = free_port()
+    jobs = [dataclasses.replace(job, shard_index=i, shard_count=n, dist_timeout_s=timeout_s,
+                                result=job.result if i == 0 else job.result.replace(".json", f".rank{i}.json"))
+            for i in range(n)]
+    envs = [rank_env("127.0.0.1", port, i, n, i, n) | ({"CUDA_VISIBLE_DEVICES": gpus[i]} if gpus else {})
+            for i in range(n)]
+    recs = annotate(launch_all(jobs, timeout_s=timeout_s, envs=envs,
+                               log_paths=[logs_dir / f"{job.name}.rank{i}.log" for i in range(n)]), jobs)
+    for j in jobs:  # the ranks' job and pid files stay (what a supervisor checks after a kill)
+        Path(j.result).with_suffix(".phase").unlink(missing_ok=True)
+        if j is not jobs[0]:
+            Path(j.result).unlink(missing_ok=True)
+    if any(r["status"] != "ok" for r in recs):
+        return first_failure(recs, n, timeout_s)
+    return recs[0]
+
+
+# ---- bench-ddp: the torchrun ranks -------------------------------------------------------------
+
+
+class Cluster:
+    """The torchrun ranks of ``bertqa-bench bench-ddp``, over torchrun's own (gloo) group.
+
+    Rank 0 runs the bench; for each variant it sends the job (and its plan) to the others, and
+    every rank starts one worker rank of the job on its own host. A rank whose worker ends badly
+    says so in torchrun's store at once, and every rank stops its own worker (no rank waits for
+    the group timeout). Then all ranks exchange how their worker ended, and rank 0 records it."""
+
+    CONTROL_TIMEOUT_S = float(os.environ.get("BERTQA_DDP_CONTROL_TIMEOUT_S", 6 * 3600))
+
+    def __init__(self):
+        import torch.distributed as dist
+
+        self.rank, self.world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        self.master_addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        self.host = socket.gethostname()
+        if not dist.is_initialized():
+            # the control group: CPU objects only, and a long timeout (rank 0 scores between variants)
+            dist.init_process_group("gloo", timeout=timedelta(seconds=self.CONTROL_TIMEOUT_S))
+        from torch.distributed import distributed_c10d
+
+        self.store = distributed_c10d._get_default_store()
+        self.seq = 0
+
+    def _bcast(self, obj=None):
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _all_gather(self, obj) -> list:
+        import torch.distributed as dist
+
+        out = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
+    # rank 0 -----------------------------------------------------------------------------------
+    def prepared(self, model, evalset) -> None:
+        """Rank 0 has its model and evaluation set: the others load theirs (the caches, on a shared
+        file system; built from the same suite otherwise) and must have the same ones."""
+        self._bcast({"op": "prepare"})
+        mine = {"host": self.host, "digest": model.digest, "evalset": evalset.key, "error": ""}
+        peers = self._all_gather(mine)
+        bad = [(i, p) for i, p in enumerate(peers) if p["error"] or p["digest"] != mine["digest"]
+               or p["evalset"] != mine["evalset"]]
+        if bad:
+            i, p = bad[0]
+            raise ConfigError(f"bench-ddp rank {i} ({p['host']}): " + (p["error"] or (
+                f"model {p['digest']} / evaluation set {p['evalset']}, rank 0 has {mine['digest']} / "
+                f"{mine['evalset']}; give every host the same models/ (copy it, or a shared file system)")))
+
+    def run(self, job, timeout_s: float, logs_dir: Path) -> dict:
+        self.seq += 1
+        cmd = {"op": "predict", "job": job.to_dict(), "plan": Path(job.plan).read_bytes(), "timeout_s": timeout_s,
+               "addr": self.master_addr, "port": free_port(), "key": f"bertqa/{self.seq}/{job.name}"}
+        self._bcast(cmd)
+        own = self._run_rank(job, cmd, logs_dir)
+        recs = self._all_gather(own)
+        if any(r["status"] != "ok" for r in recs):
+            out = first_failure(recs, self.world, timeout_s)
+            hosts = {i: r.get("host") for i, r in enumerate(recs)}
+            if out.get("failed_rank") is not None:
+                out["error"] = out["error"].replace(f"rank {out['failed_rank']} of {self.world}",
+                                                    f"rank {out['failed_rank']} of {self.world} "
+                                                    f"({hosts.get(out['failed_rank'])})", 1)
+            return out
+        return own
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        try:
+            self._bcast({"op": "done"})
+        finally:
+            dist.destroy_process_group()
+
+    # every rank -------------------------------------------------------------------------------
+    def _run_rank(self, job, cmd: dict, logs_dir: Path) -> dict:
+        import dataclasses
+
+        from .envinfo import cuda_visible_devices
+        from .launcher import launch_all
+
+        job = dataclasses.replace(job, shard_index=self.rank, shard_count=self.world,
+                                  dist_timeout_s=cmd["timeout_s"])
+        env = rank_env(cmd["addr"], cmd["port"], self.rank, self.world, self.local_rank, self.local_world)
+        if job.variant.get("device") == "cuda":
+            given = cuda_visible_devices()
+            env["CUDA_VISIBLE_DEVICES"] = given[self.local_rank] if given else str(self.local_rank)
+        failed_key = cmd["key"] + "/failed"
+
+        def abort() -> Optional[str]:
+            return "stopped: another rank failed" if self.store.add(failed_key, 0) > 0 else None
+
+        rec = launch_all([job], timeout_s=cmd["timeout_s"], log_paths=[logs_dir / f"{job.name}.rank{self.rank}.log"],
+                         envs=[env], abort=abort)[0]
+        rec["phase"], rec["host"] = read_phase(job.result), self.host
+        Path(job.result).with_suffix(".phase").unlink(missing_ok=True)
+        if rec["status"] != "ok" and not rec.get("stopped_by_peer") and not rec.get("peer_failed"):
+            rec["fail_order"] = self.store.add(failed_key, 1)  # first to fail gets 1
+        return rec
+
+    def serve(self, cfg, log=print) -> None:
+        """A rank other than 0: load the model and evaluation set, then predict what rank 0 asks."""
+        import dataclasses
+
+        from .evalset import load_evalset
+        from .tasks import get_task
+        from .train import ensure_model
+        from .worker import Job
+
+        scratch = cfg.results_root / ".ddp" / f"rank{self.rank}"
+        model = evalset = None
+        while True:
+            cmd = self._bcast()
+            if cmd["op"] == "done":
+                return
+            if cmd["op"] == "prepare":
+                info = {"host": self.host, "digest": "", "evalset": "", "error": ""}
+                try:
+                    with without_dist_env():
+                        task = get_task(cfg.task.name)
+                        model = ensure_model(cfg, log)
+                        evalset = load_evalset(cfg, task, str(model.dir), log=log)
+                    info.update(digest=model.digest, evalset=evalset.key)
+                except Exception as e:  # noqa: BLE001 - rank 0 reports it and stops
+                    from .worker import format_error
+
+                    info["error"] = format_error(e)
+                self._all_gather(info)
+                continue
+            job = Job(**cmd["job"])
+            name = job.name
+            (scratch / "plans").mkdir(parents=True, exist_ok=True)
+            plan = scratch / "plans" / f"{cmd['key'].replace('/', '_')}.npz"
+            plan.write_bytes(cmd["plan"])
+            job = dataclasses.replace(job, model_dir=str(model.dir), evalset=str(evalset.path), plan=str(plan),
+                                      artifacts_dir=str(cfg.artifacts_root / name),
+                                      outputs=str(scratch / "outputs" / f"{name}.npz"),
+                                      result=str(scratch / "workers" / f"{name}.json"))
+            for d in ("outputs", "workers"):
+                (scratch / d).mkdir(parents=True, exist_ok=True)
+            self._all_gather(self._run_rank(job, cmd, scratch / "logs"))
