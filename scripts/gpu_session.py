@@ -443,7 +443,7 @@ PLANS = {
     "perf": [step_perf],
     # the second session of 2026-11-26 evening (one H100, ~28 minutes held): most important first
     "perf-server-train-offline-distilbert": [step_perf, lambda s: loadgen(
-        s, "Server", "ort-cuda-fp16-graph-sorted,torch-compile-fp8-packed-graph",
+        s, "Server", "torch-compile-fp8-packed-graph,torch-compile-fp8-sorted",
         extra=("--find-peak-qps", *LOADGEN_SERVER), timeout=900), step_train_speed, lambda s: loadgen(
         s, "Offline", "ort-cuda-fp16-graph-sorted,torch-compile-fp8-sorted,torch-compile-fp8-packed-graph",
         timeout=900), lambda s: family(
