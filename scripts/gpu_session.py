@@ -398,7 +398,7 @@ def step_perf(s: Session) -> list:
     lanes(lambda: train(s, MAIN), lambda: s.run("gpu-tests-issue22", [
         sys.executable, "-m", "pytest", "-q", "-rs", "-m", "gpu", "-p", "no:cacheprovider", "tests/test_fp8.py",
         "-k", "issue22 or torchao"], timeout=600))
-    bench_and_profile(s, "perf", PERF_BACKENDS, ("torch-compile-fp8-packed-host", "torch-compile-fp8-packed-graph"),
+    bench_and_profile(s, "perf", PERF_BACKENDS, ("torch-compile-fp8-packed-host",),
                       timeout=1500)
     return []
 
@@ -442,9 +442,9 @@ PLANS = {
     "loadgen-length-aware": [step_loadgen_length_aware],
     "perf": [step_perf],
     # the second session of 2026-11-26 evening (one H100, ~28 minutes held): most important first
-    "perf-server-train-offline-distilbert": [step_perf, lambda s: loadgen(
-        s, "Server", "torch-compile-fp8-packed-graph,torch-compile-fp8-sorted",
-        extra=("--find-peak-qps", *LOADGEN_SERVER), timeout=900), step_train_speed, lambda s: loadgen(
+    "perf-train-server-offline-distilbert": [step_perf, step_train_speed, lambda s: loadgen(
+        s, "Server", "torch-compile-fp8-packed-graph", extra=("--find-peak-qps", *LOADGEN_SERVER), timeout=900),
+        lambda s: loadgen(
         s, "Offline", "ort-cuda-fp16-graph-sorted,torch-compile-fp8-sorted,torch-compile-fp8-packed-graph",
         timeout=900), lambda s: family(
         s, "gpu-distilbert", "distilbert-base-grown-init",
