@@ -594,8 +594,8 @@ def test_onnxruntime_int8_static_bound_fails_for_a_wrongly_scaled_calibration(ti
     junk["input_ids"][:, 1:] = 0
     junk["attention_mask"][:, 1:] = 0
     junk["token_type_ids"][:] = 0
-    _, good = run(_static_variant("good"), _calibration_ctx(tiny_model, tmp_path / "g", [make_batch(MAX_BATCH, 48, 11)]),
-                  batches)
+    calib = [make_batch(MAX_BATCH, 48, 11)]
+    _, good = run(_static_variant("good"), _calibration_ctx(tiny_model, tmp_path / "g", calib), batches)
     _, bad = run(_static_variant("bad", calibrate_method="percentile", percentile=50.0),
                  _calibration_ctx(tiny_model, tmp_path / "b", [junk]), batches)
     scale = max(float(np.abs(r[n]).max()) for r in ref for n in OUTPUTS)

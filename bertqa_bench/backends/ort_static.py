@@ -223,7 +223,8 @@ def quantize_static_qdq(fp32_path: Path, out_path: Path, batches: Sequence[Mappi
         "quantization": (f"static QDQ, {'U' if a == 'uint8' else 'S'}8{'U' if w == 'uint8' else 'S'}8 "
                          f"(activations {a} per tensor, {o.calibrate_method}; weights {w} "
                          f"{'per channel' if o.per_channel else 'per tensor'}{', 7-bit' if reduce_range else ''}), "
-                         f"{len(quantize)} weight GEMMs, attention {'fused (QKV fp32)' if o.fuse_attention else 'unfused'}"),
+                         f"{len(quantize)} weight GEMMs, attention "
+                         f"{'fused (QKV fp32)' if o.fuse_attention else 'unfused'}"),
         "calibration_batches": len(batches), "calibration_rows": rows, "calibration_tokens": tokens,
         "calibrate_method": o.calibrate_method, "reduce_range": reduce_range,
         "quantized_nodes": len(quantize), "kept_fp32": ";".join(f"{k} [{v}]" for k, v in kept.items()) or "none",
