@@ -10,7 +10,10 @@ Pipeline (each step cached under ``artifacts_dir/onnx``, keyed by what it depend
    fuses one Attention per layer (2/2 on the test model), with the dynamo export none.
 3. CUDA fp16: ``convert_float_to_float16(keep_io_types=True)`` on the optimized graph, so inputs
    stay int64 and logits stay fp32. CPU int8: ``quantize_dynamic`` (QInt8 weights, activations
-   quantized per batch at run time) on the optimized fp32 graph.
+   quantized per batch at run time) on the optimized fp32 graph. CPU static int8 (``graph:
+   int8-static``, options ``int8_static:``): QDQ with activation ranges calibrated on real batches
+   of the run, on the optimized graph without the Attention fusion by default (ort_static.py says
+   why).
 4. The final session is checked against PyTorch at the same two shapes: fp32 must agree within
    ``validate_atol`` (1e-3) or prepare fails; fp16 within 0.25 (overflow/garbage, not rounding);
    int8 is measured only and reported as ``validation_max_abs_diff``.
@@ -32,9 +35,11 @@ prepare.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Optional
@@ -45,6 +50,7 @@ from ..errors import BackendUnavailableError, ConfigError, MissingDependencyErro
 from ..io import atomic_path, atomic_write_json
 from .base import Backend, BackendContext, batch_at_shape
 from .device_io import HostOutputs, batch_shape, cuda_unavailable_reason, gpu_info, pinned_empty
+from .ort_static import Int8StaticOptions, batches_digest, cpu_features, quantize_static_qdq
 from .onnx_export import EXPORTERS, FP32_ATOL, OnnxExport, cache_key, check_against_reference, export_onnx
 
 log = logging.getLogger(__name__)
@@ -98,12 +104,14 @@ def _attention_fused(meta: Mapping[str, Any]) -> int:
     return int(f.get("Attention", 0)) + int(f.get("MultiHeadAttention", 0))
 
 
-GRAPHS = ("fp32", "fp16", "int8")
+GRAPHS = ("fp32", "fp16", "int8", "int8-static")
+SESSION_OPT_LEVELS = ("basic", "extended", "all")
 
 
 @dataclass
 class OrtOptions:
-    graph: str = "fp32"  # fp32 | fp16 (converted, keep_io_types) | int8 (dynamic quantization, CPU)
+    # fp32 | fp16 (converted, keep_io_types) | int8 (dynamic quantization, CPU) | int8-static (QDQ, calibrated, CPU)
+    graph: str = "fp32"
     cuda_graph: bool = False  # CUDA EP: capture a CUDA graph per shape of the run
     opt_level: int = 1  # onnxruntime.transformers.optimizer opt_level
     exporter: str = "auto"  # auto | torchscript | dynamo (see onnx_export.py)
@@ -114,10 +122,21 @@ class OrtOptions:
     inter_op_num_threads: int = 1
     validate_atol: Optional[float] = None  # default: 1e-3 fp32, 0.25 fp16, measure only for int8
     log_severity_level: int = 3
+    int8_static: Optional[Int8StaticOptions] = None  # int8-static: calibration and what stays fp32 (ort_static.py)
+    # CPU session: let idle intra-op threads spin (onnxruntime's default) or sleep at once
+    allow_spinning: bool = True
+    session_opt_level: str = "all"  # the session's graph optimization level: basic | extended | all
 
     def __post_init__(self):
         if self.graph not in GRAPHS:
             raise ConfigError(f"onnxruntime option graph '{self.graph}' is not one of {', '.join(GRAPHS)}")
+        if self.session_opt_level not in SESSION_OPT_LEVELS:
+            raise ConfigError(f"onnxruntime option session_opt_level '{self.session_opt_level}' is not one of "
+                              f"{', '.join(SESSION_OPT_LEVELS)}")
+        if self.graph == "int8-static" and self.int8_static is None:
+            self.int8_static = Int8StaticOptions()
+        elif self.graph != "int8-static" and self.int8_static is not None:
+            raise ConfigError(f"onnxruntime option int8_static needs graph: int8-static (graph is '{self.graph}')")
         if self.exporter not in EXPORTERS:
             raise ConfigError(f"onnxruntime option exporter '{self.exporter}' is not one of {', '.join(EXPORTERS)}")
 
@@ -127,7 +146,7 @@ class OnnxRuntimeBackend(Backend):
 
     @classmethod
     def precision_of(cls, o: OrtOptions) -> str:
-        return o.graph
+        return "int8" if o.graph.startswith("int8") else o.graph
 
     def __init__(self, variant):
         super().__init__(variant)
@@ -143,8 +162,8 @@ class OnnxRuntimeBackend(Backend):
         except MissingDependencyError as e:
             return str(e)
         if variant.device == "cuda":
-            if variant.options.graph == "int8":
-                return "dynamic int8 quantization runs on the CPU execution provider only"
+            if variant.options.graph.startswith("int8"):
+                return "int8 quantization (dynamic or static) runs on the CPU execution provider only"
             why = cuda_unavailable_reason()
             if why:
                 return f"onnxruntime on CUDA {why}"
@@ -163,6 +182,13 @@ class OnnxRuntimeBackend(Backend):
     def int8(self) -> bool:
         return self.options.graph == "int8"
 
+    @property
+    def int8_static(self) -> bool:
+        return self.options.graph == "int8-static"
+
+    def _fuse_attention(self) -> bool:
+        return not self.int8_static or self.options.int8_static.fuse_attention
+
     # --- artifacts -----------------------------------------------------------------------
     def _optimized_model(self, ctx: BackendContext, export: OnnxExport) -> tuple[Path, dict]:
         """Fuse (and convert/quantize); cached with the fusion statistics in a sidecar json."""
@@ -171,8 +197,16 @@ class OnnxRuntimeBackend(Backend):
         num_heads, hidden, layers = _bert_dims(ctx.model_dir)
         use_gpu = self.device == "cuda"
         model_type = optimizer_model_type(ctx.model_dir)
-        key = cache_key(export.key, "optimized", o.graph, o.opt_level, use_gpu, ort.__version__, num_heads, hidden,
-                        o.per_channel, tuple(o.quantize_ops), model_type)
+        key_parts: list[Any] = [export.key, "optimized", o.graph, o.opt_level, use_gpu, ort.__version__, num_heads,
+                                 hidden, o.per_channel, tuple(o.quantize_ops), model_type]
+        calib: list = []
+        if self.int8_static:
+            # The calibrated scales depend on every static option, on the calibration data and on
+            # what the CPU has (reduce_range: auto): all of them are in the key.
+            s = o.int8_static
+            calib = list(ctx.sample_batches[:s.calibration_batches])
+            key_parts += [dataclasses.asdict(s), batches_digest(calib), s.reduce_range_for(cpu_features())]
+        key = cache_key(*key_parts)
         path = export.path.parent / f"model-{o.graph}-{'gpu' if use_gpu else 'cpu'}-{key}.onnx"
         meta_path = path.with_suffix(".json")
         if path.exists() and meta_path.exists():
@@ -182,11 +216,18 @@ class OnnxRuntimeBackend(Backend):
 
         from onnxruntime.transformers.optimizer import optimize_model
 
+        fusion_options = None
+        if not self._fuse_attention():
+            from onnxruntime.transformers.fusion_options import FusionOptions
+
+            fusion_options = FusionOptions(model_type)
+            fusion_options.enable_attention = False  # static QDQ has no rule for Attention: keep Q/K/V MatMuls
         optimized = optimize_model(str(export.path), model_type=model_type, num_heads=num_heads, hidden_size=hidden,
-                                   opt_level=o.opt_level, use_gpu=use_gpu)
+                                   opt_level=o.opt_level, use_gpu=use_gpu, optimization_options=fusion_options)
         stats = {k: int(v) for k, v in optimized.get_fused_operator_statistics().items() if k in FUSED_OPS}
         meta: dict[str, Any] = {"opt_level": o.opt_level, "fusions": stats, "num_hidden_layers": layers,
-                                "optimized_cache_hit": False, "model_type": model_type}
+                                "optimized_cache_hit": False, "model_type": model_type,
+                                "attention_fusion": self._fuse_attention()}
         if self.fp16:
             # keep_io_types: int64 ids in, fp32 logits out; only the inside runs in half.
             optimized.convert_float_to_float16(keep_io_types=True)
@@ -207,6 +248,13 @@ class OnnxRuntimeBackend(Backend):
                                      extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
                 meta["quantization"] = "dynamic QInt8 weights, per_channel=%s, ops=%s" % (
                     bool(o.per_channel), ",".join(o.quantize_ops) or "all")
+            elif self.int8_static:
+                with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
+                    fp32_tmp = Path(scratch) / "optimized-fp32.onnx"
+                    optimized.save_model_to_file(str(fp32_tmp))
+                    t0 = time.perf_counter()
+                    meta.update(quantize_static_qdq(fp32_tmp, Path(tmp), calib, o.int8_static, cpu_features()))
+                    meta["quantize_s"] = round(time.perf_counter() - t0, 2)
             else:
                 optimized.save_model_to_file(str(tmp))
         atomic_write_json(meta_path, meta)
@@ -228,7 +276,8 @@ class OnnxRuntimeBackend(Backend):
         exp = export(o.exporter)
         path, meta = self._optimized_model(ctx, exp)
         tried = {exp.exporter: _attention_fused(meta)}
-        if o.exporter == "auto" and tried[exp.exporter] < meta["num_hidden_layers"]:
+        # (int8-static leaves Attention unfused on purpose by default: nothing to retry for)
+        if o.exporter == "auto" and self._fuse_attention() and tried[exp.exporter] < meta["num_hidden_layers"]:
             other = "dynamo" if exp.exporter == "torchscript" else "torchscript"
             try:
                 alt = export(other)
@@ -249,8 +298,12 @@ class OnnxRuntimeBackend(Backend):
         o: OrtOptions = self.options
         so = ort.SessionOptions()
         so.log_severity_level = int(o.log_severity_level)
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        so.graph_optimization_level = {"basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+                                       "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+                                       "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}[o.session_opt_level]
         if self.device == "cpu":
+            if not o.allow_spinning:
+                so.add_session_config_entry("session.intra_op.allow_spinning", "0")
             # Default to torch's thread count so ORT and the torch reference use the same cores.
             so.intra_op_num_threads = int(o.intra_op_num_threads or torch.get_num_threads())
             so.inter_op_num_threads = int(o.inter_op_num_threads)
@@ -307,7 +360,15 @@ class OnnxRuntimeBackend(Backend):
         }
         if "quantization" in meta:
             self.prepare_info["quantization"] = meta["quantization"]
-        if _attention_fused(meta) < meta["num_hidden_layers"]:
+        if self.int8_static:
+            for k in ("calibration_batches", "calibration_rows", "calibration_tokens", "calibrate_method",
+                      "reduce_range", "quantized_nodes", "kept_fp32", "quantizer", "quantize_s"):
+                if k in meta:
+                    self.prepare_info[k] = meta[k]
+        if self.int8 or self.int8_static:
+            cpu = cpu_features()  # what the integer GEMMs run on, read here, not assumed
+            self.prepare_info.update(cpu_model=cpu["cpu_model"], cpu_flags=cpu["cpu_flags"], cpu_vnni=cpu["vnni"])
+        if self._fuse_attention() and _attention_fused(meta) < meta["num_hidden_layers"]:
             # Not fatal (results stay correct) but the timing is of an unfused graph: say so.
             hint = ""
             if tuple(int(x) for x in ort.__version__.split(".")[:2]) < (1, 31):
@@ -317,13 +378,14 @@ class OnnxRuntimeBackend(Backend):
             log.warning("%s: %s", self.name, self.prepare_info["fusion_warning"])
         if self.device == "cpu":
             self.prepare_info["intra_op_num_threads"] = self.session.get_session_options().intra_op_num_threads
+            self.prepare_info.update(session_opt_level=o.session_opt_level, allow_spinning=o.allow_spinning)
         else:
             self.prepare_info.update(cuda_graph=o.cuda_graph, io_binding=True, **gpu_info())
 
         # The session that will be timed must reproduce PyTorch at the run's shapes (and, without
         # fixed-shape CUDA graphs, at one more); this also warms it up and captures the graphs.
         atol = o.validate_atol if o.validate_atol is not None else (
-            None if self.int8 else FP16_ATOL if self.fp16 else FP32_ATOL)
+            None if self.int8 or self.int8_static else FP16_ATOL if self.fp16 else FP32_ATOL)
         batches, refs = export.run_batches if o.cuda_graph else (export.batches, export.references)
         diffs = check_against_reference(self.predict, batches, refs, atol, f"{self.name} ({path.name})")
         self.prepare_info["validation_max_abs_diff"] = max(diffs.values(), default=0.0)

@@ -163,6 +163,13 @@ BUILTIN = (
     _v("onnxruntime-int8", "onnxruntime", "cpu",
        "ONNX Runtime CPU, dynamic int8 (per-channel QInt8 weights) on the fused graph", graph="int8",
        per_channel=True),
+    # Static INT8 (QDQ): activation ranges calibrated on real batches of the run, u8s8 per-channel
+    # weights, the QA head in fp32, attention left unfused so Q/K/V are int8 too (ort_static.py).
+    _v("onnxruntime-int8-static", "onnxruntime", "cpu",
+       "ONNX Runtime CPU, static int8 QDQ (calibrated on the run's batches, per-channel weights, head fp32)",
+       graph="int8-static"),
+    {**_v("onnxruntime-int8-static-sorted", "onnxruntime", "cpu",
+          "as onnxruntime-int8-static, with length-sorted batches", graph="int8-static"), "batching": "sorted"},
     _v("eager-fp32-cuda", "torch", "cuda", "PyTorch eager fp32 on CUDA, TF32 off (the GPU reference)"),
     _v("eager-tf32", "torch", "cuda", "PyTorch eager fp32 weights on CUDA with TF32 matmuls", tf32=True),
     _v("eager-amp-fp16", "torch", "cuda", "PyTorch eager, fp32 weights, torch.autocast fp16", autocast="fp16"),
