@@ -5,15 +5,15 @@ background, so that it can outlast one device call:
     setsid python3 scripts/gpu_session.py PLAN [--out device-out] &   # start (returns at once)
     python3 scripts/gpu_session.py --status [--out device-out]        # progress; copies results to $OUT
 
-Plans (PLANS): ``families`` (issue 20: a DistilBERT-base grown from MiniLM and a RoBERTa-base on
-generated SQuAD v2.0, each fine-tuned then benchmarked as a user's checkpoint; one GPU),
-``loadgen`` (issue 21: MLPerf LoadGen SingleStream, Server peak and Offline rows;
-one GPU, or two lanes on a 2-GPU host), ``packed-graphs`` (the packed path with CUDA graphs per token bucket; one GPU),
-``ort-memory`` (ONNX Runtime's prepare memory after the export fix; one GPU),
-``next`` (the FP8 sweep and the packed rows; a 4-GPU host, ~15 device minutes),
-``remaining`` and ``squad-sized`` (the 2026-11-26 afternoon runs),
-``h100`` (one GPU: the CPU gate, the suite's model, every backend, a sweep, the calibration
-points, the batching rows), ``x4`` and ``scaling-g128`` (the 2026-11-26 runs), ``tests``.
+Plans (PLANS), reusable: ``h100`` (one GPU: the CPU gate, the suite's model, every backend, a
+sweep, the calibration points, the batching rows), ``tests`` (the GPU tests), ``families`` (issue
+20: DistilBERT-base grown from MiniLM and RoBERTa-base on generated SQuAD v2.0, each fine-tuned
+then benchmarked as a user's checkpoint), ``loadgen`` and ``loadgen-length-aware`` (issue 21:
+MLPerf LoadGen SingleStream, Server peak and Offline rows), ``perf`` (issue 22: the FP8, torchao,
+cuDNN and host-packed rows with profiles), ``train-speed`` (issue 23: one-GPU training, baseline
+and bucketed + compiled, with step profiles), ``predict-scaling`` and ``train-scaling``
+(data-parallel prediction and training on 1, 2 and 4 GPUs of the host). Plans that ran once are
+not kept: the reference tables in results/reference/ record the commands they ran.
 Poll with back-to-back device calls (``sleep N; --status``): a lent machine goes back after 30 s
 idle, taking the background run with it.
 
@@ -158,16 +158,6 @@ def train_scaling(s: Session, global_batch: int = 128, rows: int = 32, counts=(1
 SQUAD_SIZED = ("--set", "data.synthetic.n_train_contexts=17073")
 
 
-def step_squad_sized(s: Session) -> None:
-    """Issue 11's single-GPU target as stated (2 SQuAD-sized epochs) and training scaling at that
-    size: global batch 512, 128 rows per GPU, on 1, then 4, then 2 GPUs (most important first)."""
-    train_scaling(s, 512, 128, counts=(1, 4, 2), tag="squad-", sets=SQUAD_SIZED)
-
-
-def train_g128(s: Session) -> None:
-    train_scaling(s, 128, 32)
-
-
 def predict_scaling(s: Session, sets: list[str]) -> None:
     """Data-parallel prediction on 1, 2 and 4 GPUs, one run (reference: eager FP16 padded, to
     spare device time). ``sets`` must name the model and its own training overrides, else the
@@ -211,94 +201,6 @@ def batching_rows(s: Session, env: dict | None = None) -> None:
                       "torch-compile-fp8-sorted,torch-compile-fp16-packed,eager-fp8-packed,torch-compile-fp8-packed",
                       ("eager-fp16-packed", "torch-compile-fp8-packed", "eager-fp16-sorted", "eager-fp16",
                        "torch-compile-fp8"), env)
-
-
-def train_beside_tests(s: Session) -> None:
-    """The suite's model and the GPU tests side by side on one GPU (tests time nothing)."""
-    lanes(lambda: train(s, MAIN, env=on(0)), lambda: step_tests(s, on(0)))
-
-
-def phase_b(s: Session) -> None:
-    """Side by side, one GPU each: the sweeps of eager FP16 | ONNX Runtime | torch.compile (each
-    against its own eager-fp32-cuda of the same run), and the batching rows with their profiles.
-    Side by side on one host: compare rows only within a run."""
-    s.say("phase B")
-    lanes(lambda: sweep(s, "eager", "eager-fp16", on(0)), lambda: sweep(s, "ort", "ort-cuda-fp16-graph", on(1)),
-          lambda: batching_rows(s, on(2)), lambda: sweep(s, "compile", "torch-compile-fp16-graph", on(3)))
-
-
-def step_x4(s: Session) -> list:
-    """The first 4-GPU session's plan (2026-11-26). A0, side by side: the suite's model | the
-    calibration points 0.0 and 0.3 | the same recipe with train.compile, and the CPU gate. A1,
-    alone: training scaling at global batch 128, prediction scaling, the suite's recipe (global
-    batch 32 = 8 rows per GPU) on 4 GPUs. Then phase B."""
-    gate = cpu_gate(s)
-    s.say("phase A0")
-    lanes(lambda: train(s, MAIN, env=on(0)), lambda: train(s, 0.0, env=on(1)), lambda: train(s, 0.3, env=on(2)),
-          lambda: s.run("train-compile", ["cli", "train", "--suite", SUITE, "--no-mlflow", "--set",
-                                          f"model.name={model_name(MAIN)}-compile", "--set", "train.compile=true", *A],
-                        timeout=900, env=on(3)))
-    s.say("phase A1")
-    train_g128(s)
-    predict_scaling(s, ["--set", f"model.name={model_name(MAIN)}"])
-    if gpus() >= 4:
-        train_ddp(s, "g32-gpus4", 4, ["--set", f"model.name={model_name(MAIN)}-gpus4"])
-    phase_b(s)
-    return [gate]
-
-
-def step_remaining(s: Session) -> list:
-    """What the 2026-11-26 sessions left unmeasured, on one 4-GPU host in ~20 device minutes:
-    the suite's model (alone); one GPU with 128-row micro-batches (the lever for single-GPU
-    training speed: the 32-row step is host-bound); data-parallel prediction on 1, 2 and 4 GPUs
-    (alone); phase B; last, training scaling with 128 rows per GPU (global batch 512)."""
-    train(s, MAIN, env=on(0))
-    train_ddp(s, "g128-r128-gpus1", 1, ["--set", f"model.name={model_name(MAIN)}-g128-r128",
-                                        "--set", "train.batch_size=128", "--set", "train.grad_accum=1"])
-    predict_scaling(s, ["--set", f"model.name={model_name(MAIN)}"])
-    phase_b(s)
-    train_scaling(s, 512, 128)
-    return []
-
-
-def step_next(s: Session) -> list:
-    """What the 2026-11-26 sessions still leave open, on a 4-GPU host in ~12 device minutes: the
-    suite's model, then side by side the FP8 batch-size sweep (the fastest compiled backend,
-    issue 13) | ONNX Runtime at batch 16 and 256 (prepare's host memory after the chunked export
-    checks) | the GPU tests (the packed FP8 and compiled variants had only run on CPUs; tests time
-    nothing), then alone the length-aware rows (issue 10) without neighbours on the host, the
-    compiled and FP8 packed variants among them."""
-    train(s, MAIN, env=on(0))
-    lanes(lambda: sweep(s, "fp8", "torch-compile-fp8", on(0)),
-          lambda: sweep(s, "ort-memory", "ort-cuda-fp16-graph", on(1), batch_sizes="16,256"),
-          lambda: step_tests(s, on(2)))
-    batching_rows(s, on(0))
-    return []
-
-
-def step_ort_memory(s: Session) -> list:
-    """ONNX Runtime's prepare host memory at batch 16 and 256 after the exporter's trace went to
-    EXPORT_ROWS rows under no_grad (one GPU, ~7 device minutes); the GPU tests beside training."""
-    train_beside_tests(s)
-    sweep(s, "ort-memory", "ort-cuda-fp16-graph", on(0), batch_sizes="16,256")
-    return []
-
-
-def step_packed_graphs(s: Session) -> list:
-    """The packed path with one CUDA graph per token bucket against the same rows without graphs,
-    alone on one GPU (~10 device minutes with training); the GPU tests beside training."""
-    train_beside_tests(s)
-    bench_and_profile(s, "packed-graphs", "eager-fp32-cuda,eager-fp16-packed,eager-fp16-packed-graph,"
-                      "torch-compile-fp8-packed,torch-compile-fp8-packed-graph",
-                      ("torch-compile-fp8-packed-graph", "eager-fp16-packed-graph"), on(0), timeout=900)
-    return []
-
-
-# A family's table: the reference, the classic FP16 rows, FP8, the length-aware rows and TensorRT
-# (reported "not run" where it cannot load); the suite's 26 rows would not fit one device session.
-FAMILY_BACKENDS = ("eager-fp32-cuda,eager-fp16,eager-bf16,torch-compile-fp16-graph,ort-cuda-fp16-graph,"
-                   "torch-compile-fp8,tensorrt-fp16,eager-fp16-sorted,ort-cuda-fp16-graph-sorted,"
-                   "eager-fp16-packed,torch-compile-fp8-packed-graph")
 
 
 def family(s: Session, suite: str, init: str, make: list[str], model: str) -> None:
@@ -350,25 +252,7 @@ def loadgen(s: Session, scenario: str, backends: str = LOADGEN_BACKENDS, extra: 
                                           *extra], timeout=timeout, env=env)
 
 
-def step_loadgen(s: Session) -> list:
-    """Issue 21 (~30 device minutes on one GPU, ~18 on two): SingleStream p90 of every row, then
-    the Offline cross-check of the two best length-aware rows (their LoadGen Offline samples/s
-    against their bench features/s from the same process) | the Server peak search (highest
-    target QPS LoadGen calls VALID at p99 <= 130 ms). With two GPUs the lanes run side by side
-    (one host: its CPU is shared; compare rows within a run)."""
-    first = lambda env: (loadgen(s, "SingleStream", env=env),  # noqa: E731
-                         loadgen(s, "Offline", "torch-compile-fp8-sorted,ort-cuda-fp16-graph-sorted,"
-                                 "torch-compile-fp8-packed", env=env, timeout=1200))
-    server = lambda env: loadgen(s, "Server", extra=("--find-peak-qps", *LOADGEN_SERVER), env=env)  # noqa: E731
-    train(s, MAIN, env=on(0))  # the suite's model, once, before two lanes could both start training it
-    if gpus() >= 2:
-        lanes(lambda: first(on(0)), lambda: server(on(1)))
-    else:
-        first(None)
-        server(None)
-    return []
-
-
+LOADGEN_OFFLINE = "ort-cuda-fp16-graph-sorted,torch-compile-fp8-sorted,torch-compile-fp8-packed-graph"
 LOADGEN_LENGTH_AWARE = ("eager-fp16-sorted,torch-compile-fp16-graph-sorted,ort-cuda-fp16-graph-sorted,"
                         "torch-compile-fp8-sorted,torch-compile-fp8-packed,torch-compile-fp8-packed-graph")
 
@@ -381,8 +265,7 @@ def step_loadgen_length_aware(s: Session) -> list:
     loadgen(s, "SingleStream", LOADGEN_LENGTH_AWARE, timeout=1200)
     loadgen(s, "Server", "torch-compile-fp8,ort-cuda-fp16-graph-sorted,torch-compile-fp8-sorted,"
             "torch-compile-fp8-packed-graph", extra=("--find-peak-qps", *LOADGEN_SERVER), timeout=1500)
-    loadgen(s, "Offline", "ort-cuda-fp16-graph-sorted,torch-compile-fp8-sorted,torch-compile-fp8-packed-graph",
-            timeout=900)
+    loadgen(s, "Offline", LOADGEN_OFFLINE, timeout=900)
     return []
 
 
@@ -424,34 +307,19 @@ def step_train_speed(s: Session) -> list:
 # Most important first: a machine goes back after 30 minutes, and each --status call packs
 # what is done so far.
 PLANS = {
-    "families": [step_families],
-    # one GPU: tests, the CPU gate, the suite's model, every backend, a sweep, the calibration points
+    # one GPU: the CPU gate, the suite's model, every backend, a sweep, the calibration points, the batching rows
     "h100": [lambda s: [cpu_gate(s)], lambda s: train(s, MAIN), bench_all,
              lambda s: sweep(s, "all", "eager-fp16,torch-compile-fp16-graph,ort-cuda-fp16-graph"),
              lambda s: [train(s, a) for a in CALIBRATION], batching_rows],
-    "x4": [step_x4],
-    "scaling-g128": [train_g128, lambda s: predict_scaling(s, ["--set", f"model.name={model_name(MAIN)}-g128-gpus1",
-                                                               "--set", "train.batch_size=128"])],
-    "remaining": [step_remaining],
-    "squad-sized": [step_squad_sized],
-    "next": [step_next],
-    "ort-memory": [step_ort_memory],
-    "packed-graphs": [step_packed_graphs],
     "tests": [step_tests],
-    "loadgen": [step_loadgen],
+    "families": [step_families],
+    "loadgen": [lambda s: loadgen(s, "SingleStream"), lambda s: loadgen(
+        s, "Server", extra=("--find-peak-qps", *LOADGEN_SERVER)), lambda s: loadgen(s, "Offline", LOADGEN_OFFLINE)],
     "loadgen-length-aware": [step_loadgen_length_aware],
     "perf": [step_perf],
-    # the second session of 2026-11-26 evening (one H100, ~28 minutes held): most important first
-    "perf-train-server-offline-distilbert": [step_perf, step_train_speed, lambda s: loadgen(
-        s, "Server", "torch-compile-fp8-packed-graph", extra=("--find-peak-qps", *LOADGEN_SERVER), timeout=900),
-        lambda s: loadgen(
-        s, "Offline", "ort-cuda-fp16-graph-sorted,torch-compile-fp8-sorted,torch-compile-fp8-packed-graph",
-        timeout=900), lambda s: family(
-        s, "gpu-distilbert", "distilbert-base-grown-init",
-        ["distilbert", "--size", "base", "--grow-from", "embedded:all-MiniLM-L6-v2"], "distilbert-grown-hard")],
-    "loadgen-then-distilbert": [step_loadgen_length_aware, lambda s: family(
-        s, "gpu-distilbert", "distilbert-base-grown-init",
-        ["distilbert", "--size", "base", "--grow-from", "embedded:all-MiniLM-L6-v2"], "distilbert-grown-hard")],
+    "train-speed": [step_train_speed],
+    "predict-scaling": [lambda s: predict_scaling(s, ["--set", f"model.name={model_name(MAIN)}"])],
+    "train-scaling": [lambda s: train_scaling(s, 512, 128, counts=(1, 2, 4), tag="squad-", sets=SQUAD_SIZED)],
 }
 
 
