@@ -417,7 +417,7 @@ def run_data_parallel(job: Job, n: int, timeout_s: float, bundle: RunBundle, var
     writes the one outputs file and result record a single worker would (dataset order, a pass
     as long as the slowest rank's, memory peaks per GPU, energy summed). A rank that fails fails
     the variant, named: "data-parallel rank 1 of 2: crashed: killed by SIGKILL"."""
-    from .ddp import run_local_ranks
+    from .ddp_launch import run_local_ranks
 
     gpus = visible_gpus(n) if variant.device == "cuda" else None
     return run_local_ranks(job, n, timeout_s, bundle.path("logs"), gpus)

@@ -107,7 +107,8 @@ def cmd_bench_ddp(a) -> int:
     """``bench`` over the ranks torchrun started (one host or several): every rank predicts its
     share of each backend's plan; rank 0 runs the bench (results, report, MLflow, parity)."""
     from .bench import run_bench
-    from .ddp import Cluster, is_dist_env
+    from .ddp import is_dist_env
+    from .ddp_launch import Cluster
     from .suite import load_suite
     from .tracking import Tracker
 

@@ -34,3 +34,13 @@ class BackendUnavailableError(BenchError):
 
 class ConfigError(BenchError):
     pass
+
+
+def format_error(e: BaseException) -> str:
+    if isinstance(e, BenchError):
+        return str(e)
+    import traceback
+
+    tb = traceback.extract_tb(e.__traceback__)
+    where = f" (at {tb[-1].filename.split('/')[-1]}:{tb[-1].lineno})" if tb else ""
+    return f"{type(e).__name__}: {e}{where}"

@@ -236,7 +236,7 @@ class StepProfiler:
         """trace.json, top_kernels.{txt,csv} (profile.py's tables), kernels.md (kernel name,
         calls, total ms, % of the window) and profile.json (step time, GPU idle fraction, time
         per phase on the host)."""
-        from .profile import phase_times, top_kernels, write_profile
+        from .trace_tables import phase_times, top_kernels, write_profile
 
         res = write_profile(self.prof, out, self.cuda, top=top)
         kernels = top_kernels(res["trace"], top=top) if self.cuda else []

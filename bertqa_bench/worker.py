@@ -21,7 +21,7 @@ from typing import Optional
 
 import numpy as np
 
-from .errors import BackendUnavailableError, BenchError
+from .errors import BackendUnavailableError, format_error  # noqa: F401 - format_error: worker's callers
 from .io import atomic_write_json, atomic_write_with
 
 
@@ -59,14 +59,6 @@ class Job:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
-
-
-def format_error(e: BaseException) -> str:
-    if isinstance(e, BenchError):
-        return str(e)
-    tb = traceback.extract_tb(e.__traceback__)
-    where = f" (at {tb[-1].filename.split('/')[-1]}:{tb[-1].lineno})" if tb else ""
-    return f"{type(e).__name__}: {e}{where}"
 
 
 def execute(job: Job, plan=None, inputs=None, shard: Optional[tuple[int, int]] = None,
@@ -136,7 +128,7 @@ def run_job_safely(job: Job) -> dict:
         elif job.shard_count > 1:  # one rank of a data-parallel job (ddp.py)
             from .ddp import execute_distributed
 
-            record, outputs = execute_distributed(job)
+            record, outputs = execute_distributed(job, execute)
         else:
             record, outputs = execute(job)
         if outputs is not None:

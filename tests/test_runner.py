@@ -248,7 +248,7 @@ def test_packed_plan_fills_batches_with_a_budget_of_real_tokens():
 def test_gpu_idle_fraction_is_the_window_minus_the_union_of_kernels(tmp_path):
     import json
 
-    from bertqa_bench.profile import busy_time, gpu_idle_fraction
+    from bertqa_bench.trace_tables import busy_time, gpu_idle_fraction
 
     assert busy_time([(0, 10), (5, 15), (20, 30)]) == 25
     trace = {"traceEvents": [{"ph": "X", "cat": "cpu_op", "ts": 0, "dur": 5},

@@ -239,7 +239,7 @@ def test_profile_steps_write_the_kernel_table_step_time_and_phases(tiny_suite):
 
 
 def test_top_kernels_and_phase_times_read_a_gpu_trace(tmp_path):
-    from bertqa_bench.profile import phase_times, top_kernels
+    from bertqa_bench.trace_tables import phase_times, top_kernels
 
     ev = [{"ph": "X", "cat": "kernel", "name": "gemm", "ts": 0, "dur": 30},
           {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 40, "dur": 30},
