@@ -209,7 +209,7 @@ def family(s: Session, suite: str, init: str, make: list[str], model: str) -> No
     backend of the suite, speed and parity in one run (the ones that cannot run the family say
     why). The suite's YAML says how its model is obtained."""
     if not (ROOT / "models" / init / "config.json").exists():
-        s.run(f"init-{init}", [sys.executable, "-m", "bertqa_bench.families", *make, f"models/{init}"], timeout=600)
+        s.run(f"init-{init}", [sys.executable, "-m", "bertqa_bench.model.families", *make, f"models/{init}"], timeout=600)
     s.run(f"train-{model}", ["cli", "train", "--suite", suite, "--no-mlflow"], timeout=1500)
     m = ROOT / "models" / model / "train_metrics.json"
     metrics = json.loads(m.read_text()) if m.exists() else {}

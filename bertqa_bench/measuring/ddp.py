@@ -1,6 +1,6 @@
 """Data-parallel prediction on a torch.distributed process group.
 
-A variant with ``devices: N`` runs as N worker ranks (``python -m bertqa_bench.worker``, one
+A variant with ``devices: N`` runs as N worker ranks (``python -m bertqa_bench.measuring.worker``, one
 GPU each, or N gloo ranks on the CPU), which form one process group as torchrun's workers do
 (MASTER_ADDR / MASTER_PORT / RANK / WORLD_SIZE / LOCAL_RANK): NCCL when the variant runs on
 CUDA, gloo on the CPU, plus a gloo side-group on CUDA for what the bench itself exchanges.
@@ -41,7 +41,7 @@ from typing import Optional
 
 import numpy as np
 
-from .errors import BenchError, ConfigError
+from ..errors import BenchError, ConfigError
 
 # What torchrun sets for its workers; a worker the bench starts gets its own values (or none).
 RANK_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
@@ -189,7 +189,7 @@ def merge_records(recs: list, plan, flops: tuple, n: int, backend: str) -> dict:
 
 
 def _status_of(e: BaseException) -> dict:
-    from .errors import BackendUnavailableError
+    from ..errors import BackendUnavailableError
     from .worker import format_error
 
     if isinstance(e, PeerFailed):
@@ -204,7 +204,7 @@ def execute_distributed(job) -> tuple[dict, Optional[dict]]:
     returns the merged record and dataset-order outputs; the others their own record and None."""
     import traceback
 
-    from .backends.variants import Variant
+    from ..backends.variants import Variant
     from .worker import execute
 
     variant = Variant.from_dict(job.variant)
@@ -254,7 +254,7 @@ def execute_distributed(job) -> tuple[dict, Optional[dict]]:
 
 
 def _merge_on_rank0(job, parts: list, outputs: Optional[dict], g: Group) -> tuple[dict, Optional[dict]]:
-    from .evalset import load_inputs
+    from ..data.evalset import load_inputs
     from .flops import model_dims, plan_flops
     from .schedule import Plan
 
@@ -423,7 +423,7 @@ class Cluster:
     def _run_rank(self, job, cmd: dict, logs_dir: Path) -> dict:
         import dataclasses
 
-        from .envinfo import cuda_visible_devices
+        from ..envinfo import cuda_visible_devices
         from .launcher import launch_all
 
         job = dataclasses.replace(job, shard_index=self.rank, shard_count=self.world,
@@ -449,9 +449,9 @@ class Cluster:
         """A rank other than 0: load the model and evaluation set, then predict what rank 0 asks."""
         import dataclasses
 
-        from .evalset import load_evalset
-        from .tasks import get_task
-        from .train import ensure_model
+        from ..data.evalset import load_evalset
+        from ..tasks import get_task
+        from ..training.train import ensure_model
         from .worker import Job
 
         scratch = cfg.results_root / ".ddp" / f"rank{self.rank}"
