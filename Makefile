@@ -105,12 +105,12 @@ ui-shots: install
 	$(BIN)/pip install -q -c constraints.txt -e ".[dev,ui]"
 	BERTQA_UI_SHOTS=docs BERTQA_CHROMIUM=$(CHROMIUM) $(BIN)/python -m pytest -q -ra -m ui tests/test_mlflow_ui.py
 
-# MLflow's UI through the bertqa-bench app plugin (bertqa_bench/mlflow_ui.py): MLflow 3.17 opens
+# MLflow's UI through the bertqa-bench app plugin (bertqa_bench/reporting/mlflow_ui.py): MLflow 3.17 opens
 # on its GenAI pages until a browser has chosen "Model training"; the plugin makes that the
 # first-visit choice and sends an experiment's address to its latest bench view. The links printed
 # first: each suite's runs table, its latest bench's view and compare page, its latest training.
 mlflow-ui: install
-	@MLFLOW_TRACKING_URI= $(BIN)/python -c "from bertqa_bench.tracking import ui_links; print('\n'.join(ui_links('results')))" 2>/dev/null || true
+	@MLFLOW_TRACKING_URI= $(BIN)/python -c "from bertqa_bench.reporting.tracking import ui_links; print('\n'.join(ui_links('results')))" 2>/dev/null || true
 	$(BIN)/mlflow ui --app-name bertqa-bench --backend-store-uri sqlite:///results/mlflow.db \
 	  --default-artifact-root results/mlruns --host 127.0.0.1 --port 5000
 

@@ -26,9 +26,9 @@ def load_resume(target: str, suite: str | None = None, overrides=()):
     """(bundle, config) of the run ``target`` (a results/<run-id> folder or a run id) for
     ``--resume``: the run's own saved config; with --suite/--set, they must describe the same
     config, else the resume is refused with the fields that differ."""
-    from .bench import config_diff
+    from .measuring.bench import config_diff
     from .config import resolve_path
-    from .results import RunBundle
+    from .reporting.results import RunBundle
     from .suite import load_suite, suite_from_dict
 
     wanted = load_suite(suite or "default", list(overrides)) if (suite or overrides) else None
@@ -64,8 +64,8 @@ def _threads(cfg) -> None:
 
 def cmd_train(a) -> int:
     from .suite import load_suite
-    from .tracking import Tracker
-    from .train import train
+    from .reporting.tracking import Tracker
+    from .training.train import train
 
     extra = [f"train.profile_steps={a.profile_steps}"] if a.profile_steps is not None else []
     cfg = load_suite(_suite(a), a.overrides + extra)
@@ -75,9 +75,9 @@ def cmd_train(a) -> int:
 
 
 def cmd_bench(a) -> int:
-    from .bench import run_bench
+    from .measuring.bench import run_bench
     from .suite import load_suite
-    from .tracking import Tracker
+    from .reporting.tracking import Tracker
 
     resume = None
     if a.resume:
@@ -106,11 +106,11 @@ def cmd_bench(a) -> int:
 def cmd_bench_ddp(a) -> int:
     """``bench`` over the ranks torchrun started (one host or several): every rank predicts its
     share of each backend's plan; rank 0 runs the bench (results, report, MLflow, parity)."""
-    from .bench import run_bench
-    from .ddp import is_dist_env
-    from .ddp_launch import Cluster
+    from .measuring.bench import run_bench
+    from .measuring.ddp import is_dist_env
+    from .measuring.ddp_launch import Cluster
     from .suite import load_suite
-    from .tracking import Tracker
+    from .reporting.tracking import Tracker
 
     if not is_dist_env():
         raise BenchError("bench-ddp runs under torchrun (RANK and WORLD_SIZE unset): e.g. `torchrun --standalone "
@@ -158,9 +158,9 @@ def _model_overrides(a) -> list[str]:
 
 
 def cmd_loadgen(a) -> int:
-    from .loadgen import run_loadgen
+    from .measuring.loadgen import run_loadgen
     from .suite import load_suite
-    from .tracking import Tracker
+    from .reporting.tracking import Tracker
 
     cfg = load_suite(a.suite, a.overrides)
     _threads(cfg)
@@ -175,10 +175,10 @@ def cmd_loadgen(a) -> int:
 
 
 def cmd_sweep(a) -> int:
-    from .bench import run_bench
+    from .measuring.bench import run_bench
     from .suite import load_suite
-    from .sweep import expand, write_sweep_report
-    from .tracking import Tracker
+    from .measuring.sweep import expand, write_sweep_report
+    from .reporting.tracking import Tracker
 
     if a.resume:  # the sweep's variants were added to the saved config; its variant list is the run's
         resume, cfg = load_resume(a.resume, a.suite, a.overrides)
@@ -205,8 +205,8 @@ def cmd_sweep(a) -> int:
 
 def cmd_report(a) -> int:
     from .config import resolve_path
-    from .report import latest_run, write_report
-    from .results import RunBundle
+    from .reporting.report import latest_run, write_report
+    from .reporting.results import RunBundle
 
     run = Path(a.run_dir) if a.run_dir else latest_run(resolve_path("results"))
     if run is None:
@@ -217,8 +217,8 @@ def cmd_report(a) -> int:
 
 def cmd_parity(a) -> int:
     from .suite import load_suite
-    from .parity_check import run_parity_check
-    from .tracking import Tracker
+    from .reporting.parity_check import run_parity_check
+    from .reporting.tracking import Tracker
 
     cfg = load_suite(_suite(a), a.overrides)
     _threads(cfg)
@@ -255,7 +255,7 @@ def cmd_score_nq(a) -> int:
 
 def cmd_profile(a) -> int:
     from .suite import load_suite
-    from .profile import profile_backend
+    from .measuring.profile import profile_backend
 
     cfg = load_suite(_suite(a), a.overrides)
     _threads(cfg)
@@ -266,7 +266,7 @@ def cmd_profile(a) -> int:
 
 
 def cmd_reference(a) -> int:
-    from .report import reference_tables
+    from .reporting.report import reference_tables
 
     notes = Path(a.notes).read_text() if a.notes else ""
     print(reference_tables([Path(d) for d in a.run_dirs], Path(a.out), a.title, notes))
@@ -274,7 +274,7 @@ def cmd_reference(a) -> int:
 
 
 def cmd_scaling(a) -> int:
-    from .scaling import commands_from_log, load_rows, write_reference
+    from .reporting.scaling import commands_from_log, load_rows, write_reference
 
     commands = commands_from_log(Path(a.commands_log).read_text()) if a.commands_log else None
     rows = load_rows(a.sources, card=a.card or "", date=a.date or "", commands=commands)
@@ -285,7 +285,7 @@ def cmd_scaling(a) -> int:
 
 def cmd_track(a) -> int:
     from .config import resolve_path
-    from .tracking import default_tracking_uri, import_bundle
+    from .reporting.tracking import default_tracking_uri, import_bundle
 
     for d in a.run_dirs:
         rid = import_bundle(Path(d), resolve_path("results"))
@@ -460,10 +460,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from .progress import quiet_library_bars
+    from .measuring.progress import quiet_library_bars
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from .interrupt import Interrupted, as_interrupted, interruptible
+    from .measuring.interrupt import Interrupted, as_interrupted, interruptible
 
     args = build_parser().parse_args(argv)
     quiet_library_bars()

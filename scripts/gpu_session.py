@@ -203,13 +203,20 @@ def batching_rows(s: Session, env: dict | None = None) -> None:
                        "torch-compile-fp8"), env)
 
 
+# A family's table: the reference, the classic FP16 rows, FP8, the length-aware rows and TensorRT
+# (reported "not run" where it cannot load); the suite's 26 rows would not fit one device session.
+FAMILY_BACKENDS = ("eager-fp32-cuda,eager-fp16,eager-bf16,torch-compile-fp16-graph,ort-cuda-fp16-graph,"
+                   "torch-compile-fp8,tensorrt-fp16,eager-fp16-sorted,ort-cuda-fp16-graph-sorted,"
+                   "eager-fp16-packed,torch-compile-fp8-packed-graph")
+
+
 def family(s: Session, suite: str, init: str, make: list[str], model: str) -> None:
     """Issue 20: one encoder family as a user's checkpoint. Make the initial folder (families.py),
     fine-tune it with the suite's recipe, then `bench --model` the trained folder: every GPU
     backend of the suite, speed and parity in one run (the ones that cannot run the family say
     why). The suite's YAML says how its model is obtained."""
     if not (ROOT / "models" / init / "config.json").exists():
-        s.run(f"init-{init}", [sys.executable, "-m", "bertqa_bench.families", *make, f"models/{init}"], timeout=600)
+        s.run(f"init-{init}", [sys.executable, "-m", "bertqa_bench.model.families", *make, f"models/{init}"], timeout=600)
     s.run(f"train-{model}", ["cli", "train", "--suite", suite, "--no-mlflow"], timeout=1500)
     m = ROOT / "models" / model / "train_metrics.json"
     metrics = json.loads(m.read_text()) if m.exists() else {}

@@ -61,9 +61,10 @@ def test_no_import_circles():
     assert not cycles, "import circles: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
-@pytest.mark.parametrize("module", ["runner", "schedule", "launcher", "worker", "parity", "results", "bench",
-                                    "report", "tracking", "backends.base", "backends.torch_backend",
-                                    "backends.onnxruntime", "evalset"])
+@pytest.mark.parametrize("module", ["measuring.runner", "measuring.schedule", "measuring.launcher",
+                                    "measuring.worker", "measuring.parity", "reporting.results", "measuring.bench",
+                                    "reporting.report", "reporting.tracking", "backends.base",
+                                    "backends.torch_backend", "backends.onnxruntime", "data.evalset"])
 def test_nothing_outside_a_task_branches_on_a_task_name(module):
     src = (PKG / (module.replace(".", "/") + ".py")).read_text()
     for needle in ('"nq"', "'nq'", '"squad"', "'squad'", "micro_f1", "answer_type"):

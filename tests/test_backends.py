@@ -246,7 +246,7 @@ def test_shape_baked_export_fails_with_the_measured_difference():
 def test_cpu_checks_run_in_chunks_of_rows_with_the_whole_batch_answers(tiny_model):
     """The export checks' host memory is bounded by chunking rows; BERT rows are independent, so
     the chunked reference is the whole batch's."""
-    from bertqa_bench.modeling import load_inference_module
+    from bertqa_bench.model.modeling import load_inference_module
 
     module = load_inference_module(tiny_model, "squad", attn_implementation="eager", dtype=torch.float32).eval()
     batch = make_batch(7, 24, pad_rows=2)

@@ -2,7 +2,7 @@
 every CPU backend, the folder checks (no QA head, no tokenizer, pickle-only, custom code), and
 the checkpoint's identity in results and MLflow.
 
-Checkpoints are built offline (bertqa_bench/families.py): tiny random weights of each family
+Checkpoints are built offline (bertqa_bench/model/families.py): tiny random weights of each family
 with a tokenizer of its own kind (MiniLM's WordPiece; BPE / Unigram trained on the generated
 corpus), saved with save_pretrained as a user's folder is. The span head is widened
 (``head_scale``) so reduced-precision parity judges the backend, not near-tied random logits.
@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import yaml
 
-from bertqa_bench.checkpoint import CheckpointError, resolve_checkpoint
+from bertqa_bench.model.checkpoint import CheckpointError, resolve_checkpoint
 from bertqa_bench.cli import main
 from bertqa_bench.config import SyntheticConfig
-from bertqa_bench.families import FAMILY_NAMES, build_checkpoint, corpus_from_squad
-from bertqa_bench.results import RunBundle
+from bertqa_bench.model.families import FAMILY_NAMES, build_checkpoint, corpus_from_squad
+from bertqa_bench.reporting.results import RunBundle
 
 CPU_BACKENDS = ["eager-fp32", "eager-bf16-cpu", "torch-compile", "onnxruntime", "onnxruntime-int8"]
 SYN = dict(seed=5, n_train_contexts=6, n_dev_contexts=5, questions_per_context=2, min_words=30, max_words=90,
@@ -106,7 +106,7 @@ def test_bench_model_folder_every_cpu_backend(family, family_checkpoints, corpus
 def test_identity_in_mlflow(family_checkpoints, corpus_dir, tmp_path):
     from mlflow.tracking import MlflowClient
 
-    from bertqa_bench.tracking import default_tracking_uri
+    from bertqa_bench.reporting.tracking import default_tracking_uri
 
     suite = _suite(tmp_path, corpus_dir, ["eager-fp32"])
     folder = family_checkpoints["distilbert"]
@@ -221,7 +221,7 @@ def test_quant_families_have_their_target_linears(family_checkpoints):
     FP8/INT8 swap looks for, and each family left out has none of the q/k/v ones."""
     from bertqa_bench.backends.torch_backend import QUANT_FAMILIES
     from bertqa_bench.backends.torch_fp8 import target_linears
-    from bertqa_bench.modeling import load_inference_module
+    from bertqa_bench.model.modeling import load_inference_module
 
     for fam, folder in family_checkpoints.items():
         m = load_inference_module(folder, "squad")
@@ -235,7 +235,7 @@ def test_quant_families_have_their_target_linears(family_checkpoints):
 def test_featurization_follows_the_tokenizer(family_checkpoints, corpus_dir):
     """Segment ids only for tokenizers that take them (run_qa passes what the tokenizer returns),
     and every context token's offsets cut a piece of the context (BPE's and Unigram's too)."""
-    from bertqa_bench.modeling import load_tokenizer
+    from bertqa_bench.model.modeling import load_tokenizer
     from bertqa_bench.tasks.squad.features import tokenize_examples
     from bertqa_bench.tasks.squad.reader import load_squad_json
 
@@ -270,11 +270,11 @@ def test_distilbert_grown_from_minilm_keeps_the_encoder():
     import torch
     from transformers import AutoModel
 
-    from bertqa_bench.modeling import load_tokenizer, resolve_base
+    from bertqa_bench.model.modeling import load_tokenizer, resolve_base
 
     from transformers import DistilBertConfig
 
-    from bertqa_bench.families import grown_encoder_state
+    from bertqa_bench.model.families import grown_encoder_state
 
     cfg = DistilBertConfig(vocab_size=30522, dim=768, n_layers=6, n_heads=12, hidden_dim=3072)
     sd = grown_encoder_state("distilbert", cfg, "embedded:all-MiniLM-L6-v2")
@@ -305,7 +305,7 @@ def test_packed_encoder_matches_the_padded_model(family, family_checkpoints):
     import torch
 
     from bertqa_bench.backends.packed_bert import pack_model
-    from bertqa_bench.modeling import load_inference_module
+    from bertqa_bench.model.modeling import load_inference_module
 
     m = load_inference_module(family_checkpoints[family], "squad")
     rng = np.random.default_rng(0)

@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bertqa_bench.bench import run_bench
-from bertqa_bench.results import RunBundle
+from bertqa_bench.measuring.bench import run_bench
+from bertqa_bench.reporting.results import RunBundle
 from bertqa_bench.suite import load_suite
 from tests.conftest import TINY_BERT
 
@@ -45,7 +45,7 @@ def _free_port() -> int:
 
 
 def test_the_rank_named_is_the_one_that_failed_first_on_its_own():
-    from bertqa_bench.ddp_launch import first_failure
+    from bertqa_bench.measuring.ddp_launch import first_failure
 
     ok = {"status": "ok"}
     stopped = {"status": "failed", "error": "stopped: rank 2 failed first", "stopped_by_peer": True}
@@ -121,8 +121,8 @@ def _torchrun_nodes(args: list, env: dict, cwd, nnodes: int = 2, timeout: int = 
 
 
 def test_bench_ddp_on_two_torchrun_nodes_gives_the_single_process_answers(tiny_suite, tmp_path):
-    from bertqa_bench.launcher import child_env
-    from bertqa_bench.worker import load_outputs
+    from bertqa_bench.measuring.launcher import child_env
+    from bertqa_bench.measuring.worker import load_outputs
 
     suite = tiny_suite(backends=["eager-fp32", "sorted-eager"], bench={"keep_outputs": True},
                        variants={"sorted-eager": {"base": "eager-fp32", "batching": "sorted"},
@@ -167,7 +167,7 @@ def test_bench_ddp_on_two_torchrun_nodes_gives_the_single_process_answers(tiny_s
 def test_training_on_two_torchrun_nodes_matches_one_process(tiny_suite, tmp_path):
     from safetensors.torch import load_file
 
-    from bertqa_bench.launcher import child_env
+    from bertqa_bench.measuring.launcher import child_env
 
     # no dropout: its masks are drawn per process, the one thing that differs between 1 and 2 ranks
     suite = tiny_suite(backends=["eager-fp32"], model={"config_overrides": {

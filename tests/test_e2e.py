@@ -6,12 +6,12 @@ import sys
 
 import pytest
 
-from bertqa_bench.bench import run_bench
+from bertqa_bench.measuring.bench import run_bench
 from bertqa_bench.errors import UnknownBackendError
-from bertqa_bench.parity_check import run_parity_check
-from bertqa_bench.results import RunBundle
+from bertqa_bench.reporting.parity_check import run_parity_check
+from bertqa_bench.reporting.results import RunBundle
 from bertqa_bench.suite import load_suite
-from bertqa_bench.tracking import Tracker
+from bertqa_bench.reporting.tracking import Tracker
 
 pytestmark = pytest.mark.slow
 
@@ -149,7 +149,7 @@ def test_parity_gate_fails_on_a_broken_backend(tiny_suite, tmp_path, capsys):
 
 
 def test_profile_writes_a_trace_and_top_table(tiny_suite):
-    from bertqa_bench.profile import profile_backend
+    from bertqa_bench.measuring.profile import profile_backend
 
     cfg = load_suite(str(tiny_suite(backends=["eager-fp32"])))
     out = profile_backend(cfg, "eager-fp32", n_batches=2, top=10)
@@ -178,7 +178,7 @@ def test_malformed_dataset_fails_clearly_and_writes_nothing(tiny_suite, tmp_path
 def test_data_parallel_prediction_on_two_processes_gives_the_single_process_answers(tiny_suite):
     import numpy as np
 
-    from bertqa_bench.worker import load_outputs
+    from bertqa_bench.measuring.worker import load_outputs
 
     suite = tiny_suite(backends=["eager-fp32", "eager-fp32-x2", "packed-fp32", "perturbed-x2"],
                        variants={"eager-fp32-x2": {"base": "eager-fp32", "devices": 2},
@@ -225,7 +225,7 @@ def test_ddp_training_on_two_cpu_processes_takes_the_same_steps_as_one(tiny_suit
     processes take exactly the optimizer steps one takes, rank 0 alone saves and evaluates."""
     import subprocess
 
-    from bertqa_bench.launcher import child_env
+    from bertqa_bench.measuring.launcher import child_env
 
     suite = tiny_suite(backends=["eager-fp32"])
     cfg = load_suite(str(suite))
@@ -249,7 +249,7 @@ def test_ddp_training_on_two_cpu_processes_takes_the_same_steps_as_one(tiny_suit
     assert m2["command"].startswith("torchrun --nproc_per_node=2 -m bertqa_bench.cli train")
     # the scaling table is a view of these two runs: one series (same recipe, 4 rows per process
     # per micro-step), efficiency against the 1-process run
-    from bertqa_bench.scaling import load_rows, write_reference
+    from bertqa_bench.reporting.scaling import load_rows, write_reference
 
     rows = load_rows([f"cpu:{cfg.model_dir.parent / 'one'}", f"cpu:{cfg.model_dir.parent / 'two'}"])
     assert len({r.series for r in rows}) == 1 and [r.n_gpus for r in rows] == [1, 2]
@@ -261,7 +261,7 @@ def test_ddp_training_on_two_cpu_processes_takes_the_same_steps_as_one(tiny_suit
 def test_length_grouped_batches_and_rank_shares():
     import numpy as np
 
-    from bertqa_bench.train import length_grouped_batches, rank_micro_batches
+    from bertqa_bench.training.train import length_grouped_batches, rank_micro_batches
 
     rng = np.random.default_rng(0)
     lengths = rng.integers(10, 384, size=1000)
@@ -298,7 +298,7 @@ def test_timing_only_path_builds_random_weights_and_judges_no_parity(tiny_suite)
 
 
 def test_a_model_is_trained_once_per_recipe(tiny_suite):
-    from bertqa_bench.train import ensure_model
+    from bertqa_bench.training.train import ensure_model
 
     suite = tiny_suite(backends=["eager-fp32"])
     logs = []

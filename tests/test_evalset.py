@@ -12,7 +12,7 @@ import pytest
 
 import bertqa_bench.tasks.base as task_base
 from bertqa_bench.config import DataConfig, SuiteConfig, TaskConfig
-from bertqa_bench.evalset import load_evalset
+from bertqa_bench.data.evalset import load_evalset
 from bertqa_bench.tasks import get_task
 from bertqa_bench.tasks.squad.reader import write_squad_json
 from bertqa_bench.tasks.squad.types import Answer, QAExample
@@ -30,7 +30,7 @@ def _examples(question="Where was Marisa Okafor born?"):
 @pytest.fixture
 def setup(tmp_path):
     """A squad-json dev file and a tokenizer folder of our own (copies we can change)."""
-    from bertqa_bench.modeling import resolve_base
+    from bertqa_bench.model.modeling import resolve_base
 
     src = resolve_base("embedded:all-MiniLM-L6-v2")
     tok = tmp_path / "tok"

@@ -3,7 +3,7 @@ import pytest
 
 from bertqa_bench.tasks.squad.features import answer_token_span, tokenize_examples, truncate_questions
 from bertqa_bench.tasks.squad.types import Answer, QAExample
-from bertqa_bench.modeling import load_tokenizer
+from bertqa_bench.model.modeling import load_tokenizer
 
 FILLER = "The old harbour was busy with boats and traders from many distant towns. "
 

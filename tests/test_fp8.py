@@ -35,7 +35,7 @@ def tiny_bert(seed: int = 0, hidden: int = 32, layers: int = 2):
 
 
 def qa(model):
-    from bertqa_bench.modeling import QAModule
+    from bertqa_bench.model.modeling import QAModule
 
     return QAModule(model, OUTPUTS).eval()
 
@@ -497,7 +497,7 @@ def test_a_variants_kept_layers_stay_unquantized_in_the_model_it_builds(tmp_path
     with: the kept layer is the 16-bit model's own (its Linears by type, its output bit for bit on
     the same input), the others are FP8 — not just reported so in prepare_info."""
     from bertqa_bench.backends.torch_backend import TorchBackend
-    from bertqa_bench.modeling import load_inference_module
+    from bertqa_bench.model.modeling import load_inference_module
 
     path = tmp_path / "m"
     tiny_bert(hidden=64, layers=3).save_pretrained(path)

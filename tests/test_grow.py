@@ -3,8 +3,8 @@ stacking places the layers, the grown QA model has bert-base-uncased's exact siz
 import pytest
 import torch
 
-from bertqa_bench.grow import stack_layers, widen_state_dict
-from bertqa_bench.modeling import build_model, resolve_base
+from bertqa_bench.model.grow import stack_layers, widen_state_dict
+from bertqa_bench.model.modeling import build_model, resolve_base
 
 BERT_BASE_SHAPE = "benchmarks/assets/bert-base-uncased-shape"
 

@@ -5,7 +5,7 @@ import logging
 import pytest
 import torch
 
-from bertqa_bench.modeling import build_model
+from bertqa_bench.model.modeling import build_model
 from conftest import TINY_BERT
 
 

@@ -12,11 +12,11 @@ from conftest import TINY_BERT
 
 pytest.importorskip("mlperf_loadgen")
 
-from bertqa_bench.bench import run_bench  # noqa: E402
-from bertqa_bench.loadgen import run_loadgen  # noqa: E402
-from bertqa_bench.loadgen_results import decode_accuracy_log, find_peak, read_result  # noqa: E402
-from bertqa_bench.loadgen_sut import Codec, Shapes, batch_buckets  # noqa: E402
-from bertqa_bench.results import RunBundle  # noqa: E402
+from bertqa_bench.measuring.bench import run_bench  # noqa: E402
+from bertqa_bench.measuring.loadgen import run_loadgen  # noqa: E402
+from bertqa_bench.reporting.loadgen_results import decode_accuracy_log, find_peak, read_result  # noqa: E402
+from bertqa_bench.measuring.loadgen_sut import Codec, Shapes, batch_buckets  # noqa: E402
+from bertqa_bench.reporting.results import RunBundle  # noqa: E402
 from bertqa_bench.suite import load_suite  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -75,7 +75,7 @@ def _rows(out):
     ("Offline", ["eager-fp32", "onnxruntime"], []),
 ])
 def test_each_scenario_end_to_end_for_two_backends(suite, scenario, backends, sets, tmp_path):
-    from bertqa_bench.tracking import Tracker
+    from bertqa_bench.reporting.tracking import Tracker
 
     cfg = load_suite(suite, sets)
     tracker = Tracker(tmp_path / "mlflow") if scenario == "Offline" else None  # one scenario through MLflow
@@ -121,7 +121,7 @@ def test_each_scenario_end_to_end_for_two_backends(suite, scenario, backends, se
     if tracker is not None:
         from mlflow.tracking import MlflowClient
 
-        from bertqa_bench.report import reference_tables
+        from bertqa_bench.reporting.report import reference_tables
 
         # a committed reference table (results/reference/) shows the scenario columns too
         md = reference_tables([out.run_dir], tmp_path / "ref", "LoadGen Offline")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from bertqa_bench.config import DataConfig, SuiteConfig, SyntheticConfig, TaskConfig
-from bertqa_bench.features import Features
+from bertqa_bench.data.features import Features
 from bertqa_bench.errors import DatasetFormatError
 from bertqa_bench.tasks.nq.features import LONG, SHORT, UNKNOWN, YES, build_contexts, featurize_nq
 from bertqa_bench.tasks.nq.metrics import best_threshold, nq_evaluate, score_nq_files
@@ -23,7 +23,7 @@ torch.set_num_threads(1)
 
 @pytest.fixture(scope="module")
 def tok():
-    from bertqa_bench.modeling import load_tokenizer
+    from bertqa_bench.model.modeling import load_tokenizer
 
     return load_tokenizer("embedded:all-MiniLM-L6-v2")
 
@@ -515,7 +515,7 @@ def test_suite_yaml_loads():
 def test_model_outputs_and_loss(tmp_path):
     from transformers import BertConfig
 
-    from bertqa_bench.modeling import load_inference_module
+    from bertqa_bench.model.modeling import load_inference_module
     from bertqa_bench.tasks.nq.model import NQ_OUTPUTS, BertJointForNaturalQuestions
 
     torch.manual_seed(0)

@@ -13,9 +13,9 @@ from types import SimpleNamespace
 
 import pytest
 
-import bertqa_bench.parity_check as gate
+import bertqa_bench.reporting.parity_check as gate
 from bertqa_bench.config import ParityConfig, SuiteConfig
-from bertqa_bench.results import BackendResult
+from bertqa_bench.reporting.results import BackendResult
 from bertqa_bench.suite import load_suite
 
 N_QUESTIONS = 400  # the ci suite's dev set: one question is 0.25 points

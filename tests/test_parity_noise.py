@@ -3,9 +3,9 @@ import numpy as np
 import pytest
 
 from bertqa_bench.config import Tolerance
-from bertqa_bench.parity import (Verdict, compare, paired_bootstrap, questions_to_decide_agreement, verdict,
+from bertqa_bench.measuring.parity import (Verdict, compare, paired_bootstrap, questions_to_decide_agreement, verdict,
                                  wilson_interval)
-from bertqa_bench.results import BackendResult
+from bertqa_bench.reporting.results import BackendResult
 from bertqa_bench.tasks.nq.task import NQTask
 from bertqa_bench.tasks.squad.task import SquadTask
 
@@ -139,7 +139,7 @@ def test_nq_question_scores_reproduce_its_metrics(tmp_path, seed):
     """The NQ decomposition gives back nq_evaluate's long/short/micro F1 exactly, so the bootstrap
     resamples the metric the table reports (random logits: every kind of right and wrong)."""
     from bertqa_bench.config import DataConfig, SuiteConfig, SyntheticConfig, TaskConfig
-    from bertqa_bench.modeling import load_tokenizer
+    from bertqa_bench.model.modeling import load_tokenizer
     from bertqa_bench.tasks.nq.task import NQOptions
 
     tiny = dict(seed=3, n_train_contexts=3, n_dev_contexts=6, questions_per_context=5, min_words=40,

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from bertqa_bench.tasks.squad.postprocess import best_spans, nbest_for_example, postprocess_qa
-from bertqa_bench.features import Features
+from bertqa_bench.data.features import Features
 from bertqa_bench.tasks.squad.types import Answer, QAExample
 
 CONTEXT = "alpha beta gamma delta epsilon"
@@ -105,7 +105,7 @@ def test_shape_mismatch_is_an_error():
 
 def test_vectorized_matches_loop_and_answer_is_context_slice():
     from bertqa_bench.tasks.squad.features import tokenize_examples
-    from bertqa_bench.modeling import load_tokenizer
+    from bertqa_bench.model.modeling import load_tokenizer
 
     tok = load_tokenizer("embedded:all-MiniLM-L6-v2")
     contexts = ["Marisa Okafor was born in Teluma in 1874. " * k + "She worked as a glass engraver."

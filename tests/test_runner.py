@@ -3,9 +3,9 @@ import numpy as np
 import pytest
 
 from bertqa_bench.backends.base import Backend
-from bertqa_bench.flops import bert_flops_per_sequence
-from bertqa_bench.runner import Timing, materialize, timed_passes, warm_up
-from bertqa_bench.schedule import PAD_LOGIT, Plan, batch_inputs, empty_outputs, make_plan, scatter
+from bertqa_bench.measuring.flops import bert_flops_per_sequence
+from bertqa_bench.measuring.runner import Timing, materialize, timed_passes, warm_up
+from bertqa_bench.measuring.schedule import PAD_LOGIT, Plan, batch_inputs, empty_outputs, make_plan, scatter
 
 TOKEN = ("start_logits", "end_logits")
 
@@ -110,7 +110,7 @@ def test_packed_batches_scatter_back_to_dataset_order():
     rows of different lengths, shuffled, with padding inside a batch and positions past its width.
     After scatter (and the padding mask the bench applies) every row holds exactly its own outputs
     at its own index — checked against arrays built directly from the lengths."""
-    from bertqa_bench.schedule import mask_padding
+    from bertqa_bench.measuring.schedule import mask_padding
 
     rng = np.random.default_rng(7)
     lengths = rng.permutation(np.array([3, 17, 5, 64, 9, 33, 2, 48, 12, 7, 26, 40, 4, 61, 19]))
@@ -208,7 +208,7 @@ def test_bert_base_flops_match_the_design_figure():
 def test_progress_in_a_log_is_a_plain_line_every_few_seconds_not_one_per_update():
     import io
 
-    from bertqa_bench.progress import Progress
+    from bertqa_bench.measuring.progress import Progress
 
     log = io.StringIO()  # not a terminal, like CI's captured output
     bar = Progress(10_000, "train", unit="step", every_s=3600, stream=log)
@@ -224,7 +224,7 @@ def test_progress_in_a_log_is_a_plain_line_every_few_seconds_not_one_per_update(
 
 
 def test_padding_positions_never_reach_postprocessing():
-    from bertqa_bench.schedule import mask_padding
+    from bertqa_bench.measuring.schedule import mask_padding
 
     mask = np.array([[1, 1, 0, 0], [1, 1, 1, 0]])
     out = {"start_logits": np.arange(8, dtype=np.float32).reshape(2, 4), "answer_type_logits": np.ones((2, 3))}
@@ -248,7 +248,7 @@ def test_packed_plan_fills_batches_with_a_budget_of_real_tokens():
 def test_gpu_idle_fraction_is_the_window_minus_the_union_of_kernels(tmp_path):
     import json
 
-    from bertqa_bench.trace_tables import busy_time, gpu_idle_fraction
+    from bertqa_bench.measuring.trace_tables import busy_time, gpu_idle_fraction
 
     assert busy_time([(0, 10), (5, 15), (20, 30)]) == 25
     trace = {"traceEvents": [{"ph": "X", "cat": "cpu_op", "ts": 0, "dur": 5},
@@ -263,7 +263,7 @@ def test_gpu_idle_fraction_is_the_window_minus_the_union_of_kernels(tmp_path):
 
 
 def test_data_parallel_workers_take_the_gpus_the_parent_was_given(monkeypatch):
-    from bertqa_bench.bench import visible_gpus
+    from bertqa_bench.measuring.bench import visible_gpus
     from bertqa_bench.errors import ConfigError
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)

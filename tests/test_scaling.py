@@ -4,8 +4,8 @@ import json
 import pytest
 
 from bertqa_bench.errors import BenchError
-from bertqa_bench.results import BackendResult, RunBundle, RunMeta
-from bertqa_bench.scaling import ScalingRow, commands_from_log, load_rows, train_row, with_efficiency
+from bertqa_bench.reporting.results import BackendResult, RunBundle, RunMeta
+from bertqa_bench.reporting.scaling import ScalingRow, commands_from_log, load_rows, train_row, with_efficiency
 
 
 def _metrics(world, sps, *, name="m", accum=1, global_batch=64, lr=1e-4, **extra):

@@ -101,7 +101,7 @@ def test_entities_share_attribute_types_within_a_context():
 
 def test_long_contexts_need_several_windows_and_ask_deep_questions(files):
     from bertqa_bench.tasks.squad.features import tokenize_examples
-    from bertqa_bench.modeling import load_tokenizer
+    from bertqa_bench.model.modeling import load_tokenizer
 
     tok = load_tokenizer("embedded:all-MiniLM-L6-v2")
     dev = load_squad_json(files[1])

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from bertqa_bench.parity import Verdict
-from bertqa_bench.results import BackendResult, RunBundle, RunMeta
+from bertqa_bench.measuring.parity import Verdict
+from bertqa_bench.reporting.results import BackendResult, RunBundle, RunMeta
 from bertqa_bench.suite import load_suite
-from bertqa_bench.tracking import Tracker
-from bertqa_bench.train import train
+from bertqa_bench.reporting.tracking import Tracker
+from bertqa_bench.training.train import train
 
 pytest.importorskip("mlflow")
 
@@ -123,7 +123,7 @@ def test_a_long_training_logs_a_few_hundred_points_at_most(tmp_path):
 
 
 def test_a_training_that_raises_ends_failed(tiny_suite, tmp_path, monkeypatch):
-    import bertqa_bench.train as train_mod
+    import bertqa_bench.training.train as train_mod
 
     def broken(*a, **kw):
         raise RuntimeError("evaluation blew up")
@@ -237,7 +237,7 @@ def test_children_log_few_chosen_metrics_and_the_rest_as_one_json(tmp_path):
     assert ort.data.metrics["parity_pass"] == 0.0 and kids["eager-fp32"].data.metrics["parity_pass"] == 1.0
     assert ort.data.tags["parity"] == "FAIL"
     # a FAIL within the noise of the questions: between the two, and said so
-    from bertqa_bench.tracking import child_metrics, result_view
+    from bertqa_bench.reporting.tracking import child_metrics, result_view
 
     noisy = BackendResult("x", parity="FAIL", parity_within_noise=True)
     noisy.questions_to_decide = 3
@@ -282,7 +282,7 @@ def test_each_bench_saves_its_view_and_prints_its_links(tmp_path):
 
 
 def test_backends_have_their_plot_colour_in_mlflow(tmp_path):
-    from bertqa_bench.colors import for_results
+    from bertqa_bench.reporting.colors import for_results
 
     tracker, client, parent, kids = _bench(tmp_path)
     colour = for_results(_bundle(tmp_path / "again").results)
@@ -291,7 +291,7 @@ def test_backends_have_their_plot_colour_in_mlflow(tmp_path):
 
 
 def test_backend_colours_are_distinct_and_shared_by_a_family():
-    from bertqa_bench.colors import BackendColors
+    from bertqa_bench.reporting.colors import BackendColors
 
     names = ["eager-fp32", "torch-compile", "onnxruntime", "onnxruntime-int8", "eager-bf16-cpu", "eager-fp32-sorted",
              "onnxruntime-sorted"]
@@ -319,7 +319,7 @@ def test_two_benches_have_one_table_each(tmp_path):
 
 
 def test_make_mlflow_ui_prints_the_latest_bench_links(tmp_path):
-    from bertqa_bench.tracking import ui_links
+    from bertqa_bench.reporting.tracking import ui_links
 
     tracker, client, parent, kids = _bench(tmp_path)
     lines = ui_links(tmp_path / "store")

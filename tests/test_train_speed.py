@@ -8,7 +8,7 @@ import torch
 
 from bertqa_bench.config import ConfigError, TrainConfig
 from bertqa_bench.suite import load_suite
-from bertqa_bench.train import (ddp_kwargs, ddp_settings, masked_span_loss, model_recipe, profile_window,
+from bertqa_bench.training.train import (ddp_kwargs, ddp_settings, masked_span_loss, model_recipe, profile_window,
                                 recipe_fields, train, trim_length)
 
 from conftest import TINY_BERT
@@ -189,7 +189,7 @@ def test_two_gloo_processes_train_with_the_ddp_options(tiny_suite):
     from the DDP object into train_metrics.json) and bucketed, padding-masked steps."""
     import subprocess
 
-    from bertqa_bench.launcher import child_env
+    from bertqa_bench.measuring.launcher import child_env
 
     suite = tiny_suite(backends=["eager-fp32"])
     cfg = load_suite(str(suite))
@@ -239,7 +239,7 @@ def test_profile_steps_write_the_kernel_table_step_time_and_phases(tiny_suite):
 
 
 def test_top_kernels_and_phase_times_read_a_gpu_trace(tmp_path):
-    from bertqa_bench.trace_tables import phase_times, top_kernels
+    from bertqa_bench.measuring.trace_tables import phase_times, top_kernels
 
     ev = [{"ph": "X", "cat": "kernel", "name": "gemm", "ts": 0, "dur": 30},
           {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 40, "dur": 30},
@@ -257,7 +257,7 @@ def test_top_kernels_and_phase_times_read_a_gpu_trace(tmp_path):
 
 
 def test_cli_profile_steps_sets_train_profile_steps(tiny_suite, monkeypatch):
-    import bertqa_bench.train as train_mod
+    import bertqa_bench.training.train as train_mod
     from bertqa_bench.cli import main
 
     got = []

@@ -29,7 +29,7 @@ from typing import Any, ClassVar, Mapping, Optional
 
 import numpy as np
 
-from ..features import INPUT_NAMES
+from ..data.features import INPUT_NAMES
 
 # Parity classes decide which tolerances apply (see parity.py).
 FP32_CLASS = "fp32"

@@ -11,7 +11,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
-from ..features import INPUT_NAMES
+from ..data.features import INPUT_NAMES
 
 
 def cuda_unavailable_reason() -> Optional[str]:

@@ -305,7 +305,7 @@ def export_onnx(model_dir: str | Path, task: str, artifacts_dir: str | Path, out
     """
     import torch
 
-    from ..modeling import load_inference_module
+    from ..model.modeling import load_inference_module
 
     if exporter not in EXPORTERS:
         raise OnnxExportError(f"unknown ONNX exporter '{exporter}'; choose one of {', '.join(EXPORTERS)}")

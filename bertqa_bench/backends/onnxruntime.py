@@ -86,7 +86,7 @@ def _preload_cuda_dlls(ort) -> None:
 
 
 def _bert_dims(model_dir: Path) -> tuple[int, int, int]:
-    from ..checkpoint import model_dims
+    from ..model.checkpoint import model_dims
 
     d = model_dims(model_dir)  # through transformers' config: DistilBERT names them n_heads/dim/n_layers
     return d["heads"], d["hidden"], d["layers"]
@@ -94,7 +94,7 @@ def _bert_dims(model_dir: Path) -> tuple[int, int, int]:
 
 def optimizer_model_type(model_dir: Path) -> str:
     """The transformer optimizer's model type for the checkpoint's family (checkpoint.FAMILIES)."""
-    from ..checkpoint import FAMILIES, model_family
+    from ..model.checkpoint import FAMILIES, model_family
 
     return FAMILIES.get(model_family(model_dir), "bert")
 

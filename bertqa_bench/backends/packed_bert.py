@@ -41,7 +41,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..checkpoint import OFFSET_POSITION_FAMILIES, PACKED_FAMILIES
+from ..model.checkpoint import OFFSET_POSITION_FAMILIES, PACKED_FAMILIES
 
 
 def _round_up(x: int, m: int) -> int:

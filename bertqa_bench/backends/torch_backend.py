@@ -42,7 +42,7 @@ DTYPES = ("fp32", "fp16", "bf16")
 # Families whose encoder is BertModel's layout (tests/test_checkpoint.py checks the FP8/INT8
 # target Linears are found in each).
 QUANT_FAMILIES = ("bert", "roberta", "xlm-roberta", "camembert", "electra")
-from ..checkpoint import PACKED_FAMILIES  # noqa: E402 - the families the padding-free encoder computes
+from ..model.checkpoint import PACKED_FAMILIES  # noqa: E402 - the families the padding-free encoder computes
 COMPILE_MODES = ("none", "default", "max-autotune", "max-autotune-no-cudagraphs")
 CUDA_GRAPHS = ("none", "trees", "manual")
 SDPA_BACKENDS = ("cudnn", "efficient", "flash", "math")
@@ -391,7 +391,7 @@ class TorchBackend(Backend):
     def _build_model(self, ctx: BackendContext):
         import torch
 
-        from ..modeling import load_inference_module
+        from ..model.modeling import load_inference_module
 
         o: TorchOptions = self.options
         module = load_inference_module(ctx.model_dir, ctx.task, attn_implementation=o.attn_implementation,

@@ -558,7 +558,7 @@ class TrainingRun:
 def import_bundle(run_dir: Path, results_root: Path) -> str:
     """Log a result bundle written without MLflow (e.g. on a GPU machine) as a parent run with one
     child per backend, exactly as a live ``bench`` would have."""
-    from .parity import Verdict
+    from ..measuring.parity import Verdict
 
     bundle = RunBundle.load(run_dir)
     tracker = Tracker(results_root)

@@ -13,10 +13,10 @@ import re
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .config import BATCHINGS, SuiteConfig, VariantConfig
-from .errors import ConfigError
-from .io import atomic_write_text
-from .results import BackendResult, RunBundle
+from ..config import BATCHINGS, SuiteConfig, VariantConfig
+from ..errors import ConfigError
+from ..io import atomic_write_text
+from ..reporting.results import BackendResult, RunBundle
 
 
 def point_name(variant: str, batch_size: int, batching: str, devices: int = 1) -> str:
@@ -109,7 +109,7 @@ def plot(results: list[BackendResult], path: Path, variants: Sequence[str] = ())
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .colors import for_results
+    from ..reporting.colors import for_results
 
     colour = for_results(results, variants)  # the same colour as the backend's bar in comparison.png
     fig, ax = plt.subplots(figsize=(9, 5))

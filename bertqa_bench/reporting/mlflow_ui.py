@@ -32,7 +32,7 @@ from .tracking import LATEST_VIEW_TAG, VIEW_URL_PARAM, WORKFLOW
 WORKFLOW_STORAGE_KEY = "mlflow.workflowType_v1"  # the UI's useLocalStorage key "mlflow.workflowType", version 1
 MARKER = "bertqa-bench defaults"
 
-SCRIPT = f"""<script>/* {MARKER}: see bertqa_bench/mlflow_ui.py */
+SCRIPT = f"""<script>/* {MARKER}: see bertqa_bench/reporting/mlflow_ui.py */
 (function () {{
   var stored = null;
   try {{

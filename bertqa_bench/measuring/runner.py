@@ -21,8 +21,8 @@ from typing import Callable, Mapping, Optional
 
 import numpy as np
 
-from .backends.base import Backend, BackendContext
-from .errors import BenchError
+from ..backends.base import Backend, BackendContext
+from ..errors import BenchError
 from .progress import Progress
 from .schedule import Plan, batch_inputs, empty_outputs, scatter
 

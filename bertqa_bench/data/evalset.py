@@ -24,10 +24,10 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from .config import ADDED_DEFAULTS, SuiteConfig
+from ..config import ADDED_DEFAULTS, SuiteConfig
 from .features import INPUT_NAMES, Features
-from .io import atomic_dir
-from .tasks import Task
+from ..io import atomic_dir
+from ..tasks import Task
 
 _ARRAYS = INPUT_NAMES + ("example_index",)
 
@@ -58,7 +58,7 @@ _FIRST_KEY_FILES = ("tokenizer.json", "vocab.txt", "tokenizer_config.json", "spe
 
 
 def _tokenizer_fingerprint(tokenizer_source: str) -> str:
-    from .modeling import resolve_base
+    from ..model.modeling import resolve_base
 
     d = Path(resolve_base(tokenizer_source))
     if not d.is_dir():
@@ -67,7 +67,7 @@ def _tokenizer_fingerprint(tokenizer_source: str) -> str:
     # The files keys were first made of, in their order (so existing keys stay as they were), then
     # every other file a tokenizer of a supported family is made from (checkpoint.TOKENIZER_FILES);
     # files absent from a folder add nothing.
-    from .checkpoint import TOKENIZER_FILES
+    from ..model.checkpoint import TOKENIZER_FILES
 
     names = _FIRST_KEY_FILES + tuple(n for n in TOKENIZER_FILES if n not in _FIRST_KEY_FILES)
     for name in names:
@@ -101,7 +101,7 @@ def load_evalset(cfg: SuiteConfig, task: Task, tokenizer_source: str, *, split: 
     path = cfg.cache_root / "evalsets" / f"{task.name}-{split}-{key}"
     if (path / "meta.json").exists():
         return _read(path, key, split)
-    from .modeling import load_tokenizer
+    from ..model.modeling import load_tokenizer
 
     t0 = time.perf_counter()
     examples = task.load_examples(cfg, split)

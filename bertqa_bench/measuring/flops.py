@@ -24,7 +24,7 @@ def model_dims(model_dir: str | Path) -> tuple[int, int, int]:
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     if all(k in cfg for k in ("hidden_size", "num_hidden_layers", "intermediate_size")):
         return int(cfg["hidden_size"]), int(cfg["num_hidden_layers"]), int(cfg["intermediate_size"])
-    from .checkpoint import model_dims as family_dims  # other names (DistilBERT: dim, n_layers, hidden_dim)
+    from ..model.checkpoint import model_dims as family_dims  # other names (DistilBERT: dim, n_layers, hidden_dim)
 
     d = family_dims(model_dir)
     return d["hidden"], d["layers"], d["intermediate"]

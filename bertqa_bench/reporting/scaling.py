@@ -20,11 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from .config import METRICS_FILE
-from .errors import BenchError
-from .io import atomic_write_text
+from ..config import METRICS_FILE
+from ..errors import BenchError
+from ..io import atomic_write_text
 from .results import RunBundle, rows_to_csv
-from .sweep import without_devices
+from ..measuring.sweep import without_devices
 
 
 @dataclass(frozen=True)

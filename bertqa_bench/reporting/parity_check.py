@@ -12,12 +12,12 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from .bench import run_bench
-from .config import SuiteConfig, resolve_path
-from .io import atomic_write_text
-from .parity import check_expected, noise_note, verdict
+from ..measuring.bench import run_bench
+from ..config import SuiteConfig, resolve_path
+from ..io import atomic_write_text
+from ..measuring.parity import check_expected, noise_note, verdict
 from .results import BackendResult, rows_to_csv
-from .tasks import get_task
+from ..tasks import get_task
 
 
 def expected_path(cfg: SuiteConfig) -> Path:

@@ -24,8 +24,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Optional
 
-from .io import atomic_write_json, atomic_write_text
-from .parity import ParityResult
+from ..io import atomic_write_json, atomic_write_text
+from ..measuring.parity import ParityResult
 
 
 def new_run_id(suite: str) -> str:
@@ -351,7 +351,7 @@ class RunBundle:
         run_dir = Path(run_dir)
         meta_path = run_dir / "run.json"
         if not meta_path.exists():
-            from .errors import BenchError
+            from ..errors import BenchError
 
             raise BenchError(f"{run_dir}: no run.json; pass a results/<run-id> folder written by bertqa-bench")
         raw = json.loads(meta_path.read_text())

@@ -21,11 +21,11 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from .config import ADDED_DEFAULTS, METRICS_FILE, SuiteConfig
-from .envinfo import device_name
-from .io import atomic_dir, atomic_write_json
-from .modeling import build_model, count_parameters, load_tokenizer
-from .tasks import Task, get_task
+from ..config import ADDED_DEFAULTS, METRICS_FILE, SuiteConfig
+from ..envinfo import device_name
+from ..io import atomic_dir, atomic_write_json
+from ..model.modeling import build_model, count_parameters, load_tokenizer
+from ..tasks import Task, get_task
 
 
 
@@ -236,7 +236,7 @@ class StepProfiler:
         """trace.json, top_kernels.{txt,csv} (profile.py's tables), kernels.md (kernel name,
         calls, total ms, % of the window) and profile.json (step time, GPU idle fraction, time
         per phase on the host)."""
-        from .trace_tables import phase_times, top_kernels, write_profile
+        from ..measuring.trace_tables import phase_times, top_kernels, write_profile
 
         res = write_profile(self.prof, out, self.cuda, top=top)
         kernels = top_kernels(res["trace"], top=top) if self.cuda else []
@@ -340,16 +340,16 @@ class Prefetcher:
 def _train(cfg: SuiteConfig, *, log: Callable[[str], None], mlrun, evaluate: bool, command: str = "") -> dict:
     from transformers import get_linear_schedule_with_warmup
 
-    from .evalset import load_evalset
-    from .measure import UtilizationSampler
-    from .progress import Progress
+    from ..data.evalset import load_evalset
+    from ..measuring.measure import UtilizationSampler
+    from ..measuring.progress import Progress
 
     t_all = time.perf_counter()
     tc = cfg.train
     world, rank, local_rank = _dist_info()
     cuda = torch.cuda.is_available()
     if world > 1:
-        from .launcher import SAFE_ENV
+        from ..measuring.launcher import SAFE_ENV
 
         for k, v in SAFE_ENV.items():  # NVLink multicast off, here and in anything this starts
             os.environ.setdefault(k, v)
@@ -554,10 +554,10 @@ def _train(cfg: SuiteConfig, *, log: Callable[[str], None], mlrun, evaluate: boo
 def evaluate_model(cfg: SuiteConfig, task: Task, model_dir: Path, device: torch.device, log) -> dict:
     """Dev scores with the benchmark's own reference backend, batch plan, postprocessing and
     scorer (in this process: the model was just trained here)."""
-    from .backends.variants import VariantTable
-    from .evalset import load_evalset
-    from .schedule import make_plan, mask_padding
-    from .worker import Job, execute
+    from ..backends.variants import VariantTable
+    from ..data.evalset import load_evalset
+    from ..measuring.schedule import make_plan, mask_padding
+    from ..measuring.worker import Job, execute
 
     evalset = load_evalset(cfg, task, str(model_dir), log=log)
     plan = make_plan(evalset.lengths(), batching="padded", batch_size=cfg.bench.batch_size,
@@ -593,7 +593,7 @@ class ModelInfo:
 
 def checkpoint_model(cfg: SuiteConfig, log: Callable[[str], None] = print) -> ModelInfo:
     """``model.checkpoint``: checked (checkpoint.py) and used as it is; nothing is trained."""
-    from .checkpoint import resolve_checkpoint
+    from ..model.checkpoint import resolve_checkpoint
 
     ck = resolve_checkpoint(cfg.model.checkpoint, allow_pickle=cfg.model.allow_pickle)
     log(f"model: checkpoint {ck.name} ({ck.model_type}, {ck.weights}, {ck.digest}) from {ck.path}, "
@@ -641,7 +641,7 @@ def ensure_model(cfg: SuiteConfig, log: Callable[[str], None] = print, tracker=N
     else:
         note = "fine-tuned by bertqa-bench train; dev " + ", ".join(
             f"{m}={metrics[f'dev_{m}']:.2f}" for m in task.metric_names if f"dev_{m}" in metrics)
-    from .checkpoint import model_digest, model_family
+    from ..model.checkpoint import model_digest, model_family
 
     return ModelInfo(model_dir, count_parameters(model_dir), metrics, primary, cfg.model.timing_only, note,
                      digest=model_digest(model_dir), family=model_family(model_dir))

@@ -21,8 +21,8 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from .backends.base import FP32_CLASS
-from .config import ParityConfig, Tolerance
+from ..backends.base import FP32_CLASS
+from ..config import ParityConfig, Tolerance
 
 
 def wilson_interval(k: int, n: int, z: float = 1.96) -> tuple[float, float]:

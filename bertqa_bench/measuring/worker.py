@@ -1,4 +1,4 @@
-"""The process one backend variant runs in: ``python -m bertqa_bench.worker JOB.json``.
+"""The process one backend variant runs in: ``python -m bertqa_bench.measuring.worker JOB.json``.
 
 A job names the variant, the model, the cached evaluation set, the batch plan and where to
 write. The worker prepares the backend, warms it up, times its passes (runner.py), writes
@@ -21,8 +21,8 @@ from typing import Optional
 
 import numpy as np
 
-from .errors import BackendUnavailableError, format_error  # noqa: F401 - format_error: worker's callers
-from .io import atomic_write_json, atomic_write_with
+from ..errors import BackendUnavailableError, format_error  # noqa: F401 - format_error: worker's callers
+from ..io import atomic_write_json, atomic_write_with
 
 
 @dataclass
@@ -66,8 +66,8 @@ def execute(job: Job, plan=None, inputs=None, shard: Optional[tuple[int, int]] =
     """Run one job in this process: (result record, dataset-order outputs or None). ``shard``
     (rank, world): only that rank's length-balanced share of the plan; ``before_timing`` runs
     between warm-up and the timed passes (the data-parallel barrier)."""
-    from .backends.variants import Variant
-    from .evalset import load_inputs
+    from ..backends.variants import Variant
+    from ..data.evalset import load_inputs
     from .flops import model_dims, plan_flops
     from .measure import Probe
     from .runner import make_context, materialize, run_backend

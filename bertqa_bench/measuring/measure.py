@@ -52,7 +52,7 @@ def _nvml_handle():
     try:
         import torch
 
-        from .envinfo import cuda_visible_devices
+        from ..envinfo import cuda_visible_devices
 
         pynvml.nvmlInit()
         index = torch.cuda.current_device()

@@ -29,9 +29,9 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from .config import SCENARIOS, SuiteConfig
-from .errors import ConfigError
-from .loadgen_results import NS_PER_MS, decode_accuracy_log
+from ..config import SCENARIOS, SuiteConfig
+from ..errors import ConfigError
+from ..reporting.loadgen_results import NS_PER_MS, decode_accuracy_log
 
 
 # --- the parent side: one row per variant ---------------------------------------------------
@@ -119,14 +119,14 @@ def run_loadgen(cfg: SuiteConfig, scenario: str, *, backends: Optional[list[str]
                 find_peak_qps: bool = False, run_id: Optional[str] = None, tracker=None, progress: bool = True,
                 command: str = "", log: Callable[[str], None] = print):
     """Every variant (reference first) as LoadGen's SUT in ``scenario``; one BackendResult each."""
-    from .backends.variants import VariantTable
+    from ..backends.variants import VariantTable
     from .bench import plan_for, plan_key, plan_path
-    from .envinfo import device_name, environment
-    from .evalset import load_evalset
-    from .results import RunBundle, RunMeta, new_run_id
-    from .tasks import get_task
-    from .tracking import Tracker
-    from .train import ensure_model
+    from ..envinfo import device_name, environment
+    from ..data.evalset import load_evalset
+    from ..reporting.results import RunBundle, RunMeta, new_run_id
+    from ..tasks import get_task
+    from ..reporting.tracking import Tracker
+    from ..training.train import ensure_model
 
     if scenario not in SCENARIOS:
         raise ConfigError(f"scenario '{scenario}' is not one of {', '.join(SCENARIOS)}")

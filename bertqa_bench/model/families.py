@@ -13,8 +13,8 @@ saved with ``save_pretrained`` (safetensors + tokenizer files), exactly what a u
 holds. Random weights time like trained ones; to score, fine-tune the folder first
 (``bertqa-bench train --set model.base=FOLDER``) — the GPU plan does that.
 
-    python -m bertqa_bench.families roberta OUT_DIR [--size base] [--corpus FILE | --corpus-suite SUITE]
-    python -m bertqa_bench.families distilbert OUT_DIR --size base --grow-from embedded:all-MiniLM-L6-v2
+    python -m bertqa_bench.model.families roberta OUT_DIR [--size base] [--corpus FILE | --corpus-suite SUITE]
+    python -m bertqa_bench.model.families distilbert OUT_DIR --size base --grow-from embedded:all-MiniLM-L6-v2
 """
 from __future__ import annotations
 
@@ -202,7 +202,7 @@ def build_checkpoint(family: str, out_dir: str | Path, *, texts: Optional[Iterab
     if with_head and head_scale != 1.0:
         with torch.no_grad():
             model.qa_outputs.weight.mul_(head_scale)
-    from .io import atomic_dir
+    from ..io import atomic_dir
 
     out = Path(out_dir)
     with atomic_dir(out) as tmp:  # a folder appears whole or not at all
@@ -212,7 +212,7 @@ def build_checkpoint(family: str, out_dir: str | Path, *, texts: Optional[Iterab
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bertqa_bench.families", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m bertqa_bench.model.families", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("family", choices=FAMILY_NAMES)
     p.add_argument("out_dir")
@@ -227,8 +227,8 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     corpus = a.corpus
     if a.corpus_suite:
-        from .suite import load_suite
-        from .tasks import get_task
+        from ..suite import load_suite
+        from ..tasks import get_task
 
         cfg = load_suite(a.corpus_suite)
         corpus = get_task(cfg.task.name).data_files(cfg.data, "train")[0]

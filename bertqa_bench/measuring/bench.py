@@ -16,21 +16,21 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from .backends.variants import Variant, VariantTable
-from .checkpoint import model_digest
-from .config import SuiteConfig
-from .errors import ConfigError
-from .envinfo import cuda_visible_devices, device_name, environment
-from .evalset import EvalSet, load_evalset
-from .io import atomic_write_json
+from ..backends.variants import Variant, VariantTable
+from ..model.checkpoint import model_digest
+from ..config import SuiteConfig
+from ..errors import ConfigError
+from ..envinfo import cuda_visible_devices, device_name, environment
+from ..data.evalset import EvalSet, load_evalset
+from ..io import atomic_write_json
 from .launcher import launch
 from .parity import Verdict, compare, determinism, tolerance_for, verdict
-from .report import write_report
-from .results import BackendResult, RunBundle, RunMeta, new_run_id
+from ..reporting.report import write_report
+from ..reporting.results import BackendResult, RunBundle, RunMeta, new_run_id
 from .schedule import Plan, make_plan, mask_padding
-from .tasks import Task, get_task
-from .tracking import Tracker
-from .train import ModelInfo, ensure_model
+from ..tasks import Task, get_task
+from ..reporting.tracking import Tracker
+from ..training.train import ModelInfo, ensure_model
 from .worker import Job, load_outputs
 
 
@@ -127,7 +127,7 @@ def _speedup(r: BackendResult, ref_pass: list, pass_s: list) -> None:
 def measured_model_dir(cfg: SuiteConfig) -> Path:
     """The folder whose files the rows are measured on: a checkpoint's own, else models/<name>."""
     if cfg.model.checkpoint:
-        from .checkpoint import resolve_checkpoint
+        from ..model.checkpoint import resolve_checkpoint
 
         return resolve_checkpoint(cfg.model.checkpoint, allow_pickle=cfg.model.allow_pickle).path
     return cfg.model_dir

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Optional
 
 from .ddp import PHASES, free_port, rank_env, read_phase, without_dist_env
-from .errors import ConfigError
+from ..errors import ConfigError
 
 
 def first_failure(recs: list, n: int, timeout_s: float) -> dict:
@@ -157,7 +157,7 @@ class Cluster:
     def _run_rank(self, job, cmd: dict, logs_dir: Path) -> dict:
         import dataclasses
 
-        from .envinfo import cuda_visible_devices
+        from ..envinfo import cuda_visible_devices
         from .launcher import launch_all
 
         job = dataclasses.replace(job, shard_index=self.rank, shard_count=self.world,
@@ -183,9 +183,9 @@ class Cluster:
         """A rank other than 0: load the model and evaluation set, then predict what rank 0 asks."""
         import dataclasses
 
-        from .evalset import load_evalset
-        from .tasks import get_task
-        from .train import ensure_model
+        from ..data.evalset import load_evalset
+        from ..tasks import get_task
+        from ..training.train import ensure_model
         from .worker import Job
 
         scratch = cfg.results_root / ".ddp" / f"rank{self.rank}"

@@ -1,6 +1,6 @@
 """Data-parallel prediction on a torch.distributed process group.
 
-A variant with ``devices: N`` runs as N worker ranks (``python -m bertqa_bench.worker``, one
+A variant with ``devices: N`` runs as N worker ranks (``python -m bertqa_bench.measuring.worker``, one
 GPU each, or N gloo ranks on the CPU), which form one process group as torchrun's workers do
 (MASTER_ADDR / MASTER_PORT / RANK / WORLD_SIZE / LOCAL_RANK): NCCL when the variant runs on
 CUDA, gloo on the CPU, plus a gloo side-group on CUDA for what the bench itself exchanges.
@@ -43,7 +43,7 @@ from typing import Optional
 
 import numpy as np
 
-from .errors import BenchError, ConfigError
+from ..errors import BenchError, ConfigError
 
 # What torchrun sets for its workers; a worker the bench starts gets its own values (or none).
 RANK_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
@@ -191,7 +191,7 @@ def merge_records(recs: list, plan, flops: tuple, n: int, backend: str) -> dict:
 
 
 def _status_of(e: BaseException) -> dict:
-    from .errors import BackendUnavailableError, format_error
+    from ..errors import BackendUnavailableError, format_error
 
     if isinstance(e, PeerFailed):
         return {"status": "failed", "error": str(e), "peer_failed": True}
@@ -206,7 +206,7 @@ def execute_distributed(job, execute) -> tuple[dict, Optional[dict]]:
     and dataset-order outputs; the others their own record and None."""
     import traceback
 
-    from .backends.variants import Variant
+    from ..backends.variants import Variant
 
     variant = Variant.from_dict(job.variant)
     write_phase(job, "start")
@@ -255,7 +255,7 @@ def execute_distributed(job, execute) -> tuple[dict, Optional[dict]]:
 
 
 def _merge_on_rank0(job, parts: list, outputs: Optional[dict], g: Group) -> tuple[dict, Optional[dict]]:
-    from .evalset import load_inputs
+    from ..data.evalset import load_inputs
     from .flops import model_dims, plan_flops
     from .schedule import Plan
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from .backends.variants import VariantTable
-from .config import SuiteConfig
-from .errors import BackendUnavailableError
-from .evalset import load_evalset
+from ..backends.variants import VariantTable
+from ..config import SuiteConfig
+from ..errors import BackendUnavailableError
+from ..data.evalset import load_evalset
 from .runner import make_context, materialize, warm_up
-from .tasks import get_task
+from ..tasks import get_task
 from .trace_tables import write_profile
 
 
@@ -25,7 +25,7 @@ def profile_backend(cfg: SuiteConfig, name: str, *, n_batches: int = 5, top: int
     from torch.profiler import ProfilerActivity, profile
 
     from .bench import plan_for, plan_key
-    from .train import ensure_model
+    from ..training.train import ensure_model
 
     variant = VariantTable.for_suite(cfg).get(name)
     reason = variant.unavailable_reason()

@@ -276,7 +276,7 @@ def run_test(lg, sut: SUT, qsl, settings, out_dir: Path) -> dict:
     thread: SingleStream's IssueQuery runs right here inside StartTest (no hand-off in the
     latency); for Server and Offline, StartTest runs on a helper thread while this thread
     batches and predicts, so every backend call of the process stays on one thread."""
-    from .loadgen_results import read_result
+    from ..reporting.loadgen_results import read_result
 
     out_dir.mkdir(parents=True, exist_ok=True)
     log = lg.LogSettings()
@@ -348,12 +348,12 @@ def execute(job) -> tuple[dict, Optional[dict]]:
 
 
 def _execute(job) -> tuple[dict, Optional[dict]]:
-    from .backends.base import BackendContext
-    from .backends.variants import Variant
-    from .config import LoadGenConfig, build
-    from .evalset import load_inputs
+    from ..backends.base import BackendContext
+    from ..backends.variants import Variant
+    from ..config import LoadGenConfig, build
+    from ..data.evalset import load_inputs
     from .flops import model_dims, plan_flops
-    from .loadgen_results import find_peak, test_settings
+    from ..reporting.loadgen_results import find_peak, test_settings
     from .measure import Probe
     from .runner import check_contract, materialize, sample_batches, timed_passes, warm_up
     from .schedule import Plan
@@ -361,7 +361,7 @@ def _execute(job) -> tuple[dict, Optional[dict]]:
     try:
         import mlperf_loadgen as lg
     except ImportError:
-        from .errors import BackendUnavailableError
+        from ..errors import BackendUnavailableError
 
         raise BackendUnavailableError("LoadGen is not installed: pip install mlcommons-loadgen "
                                       "(module mlperf_loadgen)") from None

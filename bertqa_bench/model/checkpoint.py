@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from .errors import BenchError
+from ..errors import BenchError
 
 
 class CheckpointError(BenchError):
@@ -92,7 +92,7 @@ class Checkpoint:
 
 
 def _is_local(spec: str) -> Optional[Path]:
-    from .config import resolve_path
+    from ..config import resolve_path
 
     for p in (Path(spec).expanduser(), resolve_path(spec)):
         if p.is_dir():
@@ -108,7 +108,7 @@ def _download(spec: str, allow_pickle: bool) -> Path:
     try:
         from huggingface_hub import snapshot_download
     except ImportError:
-        from .errors import MissingDependencyError
+        from ..errors import MissingDependencyError
 
         raise MissingDependencyError("huggingface_hub", f"downloading checkpoint '{spec}'") from None
     patterns = [CONFIG_FILE, "*.safetensors", SAFETENSORS_INDEX, *TOKENIZER_FILES]

@@ -14,9 +14,9 @@ from typing import Optional
 
 import torch
 
-from .config import resolve_path
-from .errors import MissingDependencyError
-from .tasks import get_task
+from ..config import resolve_path
+from ..errors import MissingDependencyError
+from ..tasks import get_task
 
 EMBEDDED_PREFIX = "embedded:"
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from .io import atomic_write_text
+from ..io import atomic_write_text
 from .results import BackendResult, RunBundle, RunMeta, rows_to_csv
 
 def _f(v, fmt: str, empty: str = "—") -> str:
@@ -45,7 +45,7 @@ def _delta(r: BackendResult, metric: str) -> str:
 
 
 def _parity(r: BackendResult) -> str:
-    from .parity import noise_note
+    from ..measuring.parity import noise_note
 
     if not r.parity:
         return "—"

@@ -1,6 +1,6 @@
 """Runs a backend variant in its own process, with a time limit, and says how it ended.
 
-Each variant is a fresh ``python -m bertqa_bench.worker JOB.json`` (spawned, never forked:
+Each variant is a fresh ``python -m bertqa_bench.measuring.worker JOB.json`` (spawned, never forked:
 nothing of the parent's CUDA context, TF32 switches or compile caches is inherited), in its
 own process group so a hung child and anything it started can be killed together. Its output
 goes to ``logs/<variant>.log`` in the run folder (and, when asked, to the parent's stderr).
@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from .io import atomic_write_json
+from ..io import atomic_write_json
 from .worker import Job, run_job_safely
 
 # NVLink multicast stays off in every process this suite starts: on shared multi-GPU hosts a
@@ -38,7 +38,7 @@ TAIL_LINES = 15
 
 
 def child_env(extra: Optional[dict] = None) -> dict:
-    from .config import PROJECT_ROOT
+    from ..config import PROJECT_ROOT
 
     from .ddp import strip_dist_env
 
@@ -95,7 +95,7 @@ class _Child:
         self.t0 = time.perf_counter()
         from .interrupt import PARENT_ENV
 
-        self.proc = subprocess.Popen([sys.executable, "-m", "bertqa_bench.worker", str(job_path)],
+        self.proc = subprocess.Popen([sys.executable, "-m", "bertqa_bench.measuring.worker", str(job_path)],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      env=child_env({**(env or {}), PARENT_ENV: str(os.getpid())}),
                                      start_new_session=True)
