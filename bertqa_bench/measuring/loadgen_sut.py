@@ -349,14 +349,12 @@ def execute(job) -> tuple[dict, Optional[dict]]:
 
 def _execute(job) -> tuple[dict, Optional[dict]]:
     from ..backends.base import BackendContext
-    from ..backends.variants import Variant
     from ..config import LoadGenConfig, build
-    from ..data.evalset import load_inputs
     from .flops import model_dims, plan_flops
     from ..reporting.loadgen_results import find_peak, test_settings
     from .measure import Probe
     from .runner import check_contract, materialize, sample_batches, timed_passes, warm_up
-    from .schedule import Plan
+    from .job_setup import load_job
 
     try:
         import mlperf_loadgen as lg
@@ -368,17 +366,11 @@ def _execute(job) -> tuple[dict, Optional[dict]]:
     spec = dict(job.loadgen)
     scenario = spec["scenario"]
     cfg = build(LoadGenConfig, dict(spec["settings"]), "loadgen")
-    variant = Variant.from_dict(job.variant)
-    why = variant.unavailable_reason()
+    # the QSL's samples stay in RAM for the whole run (mmap=False)
+    variant, why, inputs, plan = load_job(job, mmap=False)
     if why:
         return {"status": "not run", "error": why}, None
-    if job.num_threads and variant.device == "cpu":
-        import torch
-
-        torch.set_num_threads(int(job.num_threads))
-    inputs = load_inputs(Path(job.evalset), mmap=False)  # the QSL's samples, in RAM for the whole run
     lengths = np.asarray(inputs["attention_mask"]).sum(axis=1).astype(np.int64)
-    plan = Plan.load(Path(job.plan))
     batches = materialize(inputs, plan)
     max_batch = int(cfg.server_max_batch or spec["batch_size"])
     shapes = Shapes(plan.batching, job.max_seq_len, spec["seq_multiple"], max_batch, cfg.server_batch_sizes)

@@ -66,26 +66,16 @@ def execute(job: Job, plan=None, inputs=None, shard: Optional[tuple[int, int]] =
     """Run one job in this process: (result record, dataset-order outputs or None). ``shard``
     (rank, world): only that rank's length-balanced share of the plan; ``before_timing`` runs
     between warm-up and the timed passes (the data-parallel barrier)."""
-    from ..backends.variants import Variant
-    from ..data.evalset import load_inputs
     from .flops import model_dims, plan_flops
+    from .job_setup import load_job
     from .measure import Probe
     from .runner import make_context, materialize, run_backend
-    from .schedule import Plan
-
-    variant = Variant.from_dict(job.variant)
-    why = variant.unavailable_reason()
-    if why:
-        return {"status": "not run", "error": why}, None
-    if variant.device == "cpu" and (job.num_threads or shard):
-        import torch
-
-        # N CPU ranks side by side: one thread each unless the suite says how many
-        torch.set_num_threads(int(job.num_threads or 1))
     from .schedule import shard_plan
 
-    inputs = inputs if inputs is not None else load_inputs(Path(job.evalset))
-    plan = plan if plan is not None else Plan.load(Path(job.plan))
+    # N CPU ranks side by side: one thread each unless the suite says how many
+    variant, why, inputs, plan = load_job(job, plan, inputs, threads=1 if shard else 0)
+    if why:
+        return {"status": "not run", "error": why}, None
     if shard is not None and shard[1] > 1:
         plan = shard_plan(plan, shard[1])[shard[0]]
     batches = materialize(inputs, plan)
