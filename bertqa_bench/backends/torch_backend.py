@@ -284,16 +284,13 @@ class TorchBackend(Backend):
                 import torchao  # noqa: F401
             except ImportError as e:
                 return f"torchao is not installed (pip install torchao): {e}"
+        if o.fp8 is not None and (not hasattr(torch, "_scaled_mm") or not hasattr(torch, "float8_e4m3fn")):
+            return f"torch {torch.__version__} has no torch._scaled_mm / float8_e4m3fn (FP8 GEMMs)"
+        if o.fp8 is not None or o.torchao is not None:
             cap = torch.cuda.get_device_capability()
             if cap < (8, 9):
                 return f"FP8 tensor cores need Hopper/Ada (sm_89+); {torch.cuda.get_device_name()} is sm_{cap[0]}{cap[1]}"
-        if o.fp8 is not None:
-            if not hasattr(torch, "_scaled_mm") or not hasattr(torch, "float8_e4m3fn"):
-                return f"torch {torch.__version__} has no torch._scaled_mm / float8_e4m3fn (FP8 GEMMs)"
-            cap = torch.cuda.get_device_capability()
-            if cap < (8, 9):
-                return f"FP8 tensor cores need Hopper/Ada (sm_89+); {torch.cuda.get_device_name()} is sm_{cap[0]}{cap[1]}"
-            if o.fp8.scaling != "tensor" and cap < (9, 0):
+            if o.fp8 is not None and o.fp8.scaling != "tensor" and cap < (9, 0):
                 return "rowwise FP8 scaling needs sm_90 (Hopper)"
         return None
 
