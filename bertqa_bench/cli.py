@@ -18,6 +18,18 @@ def _suite_args(p: argparse.ArgumentParser) -> None:
                    help="override a suite field, e.g. --set bench.batch_size=16 (repeatable)")
 
 
+def _model_args(p: argparse.ArgumentParser, where: str = "") -> None:
+    """A user's own checkpoint and dev file: bench and bench-ddp take the same three."""
+    p.add_argument("--model", metavar="PATH_OR_NAME",
+                   help="benchmark this fine-tuned extractive-QA checkpoint as it is, no training: a local folder "
+                        "(save_pretrained of model + tokenizer) or a hub name (model.checkpoint)" + where)
+    p.add_argument("--allow-pickle", action="store_true",
+                   help="accept a checkpoint whose only weights are pytorch_model.bin: they will be UNPICKLED, "
+                        "which can run code (safetensors never do)")
+    p.add_argument("--dev-file", help="a SQuAD-format (v1.1 or v2.0) dev file to benchmark on "
+                                      "(data.source=squad-json, data.dev_file)")
+
+
 def _suite(a) -> str:
     return a.suite or "default"
 
@@ -337,14 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
     _suite_args(b)
     b.add_argument("--backends", help="comma-separated backend names (default: the suite's list)")
     b.add_argument("--run-id", help="name of the results/<run-id> folder (default: timestamp-suite)")
-    b.add_argument("--model", metavar="PATH_OR_NAME",
-                   help="benchmark this fine-tuned extractive-QA checkpoint as it is, no training: a local folder "
-                        "(save_pretrained of model + tokenizer) or a hub name (model.checkpoint)")
-    b.add_argument("--allow-pickle", action="store_true",
-                   help="accept a checkpoint whose only weights are pytorch_model.bin: they will be UNPICKLED, "
-                        "which can run code (safetensors never do)")
-    b.add_argument("--dev-file", help="a SQuAD-format (v1.1 or v2.0) dev file to benchmark on "
-                                      "(data.source=squad-json, data.dev_file)")
+    _model_args(b)
     b.add_argument("--resume", metavar="RUN", help="finish an interrupted or partly failed run (a results/<run-id> "
                                                    "folder or its run id): finished rows are kept, the rest run")
     b.add_argument("--no-mlflow", action="store_true")
@@ -356,9 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     _suite_args(bd)
     bd.add_argument("--backends", help="comma-separated backend names (default: the suite's list)")
     bd.add_argument("--run-id")
-    bd.add_argument("--model", metavar="PATH_OR_NAME", help="as bench --model (on every host)")
-    bd.add_argument("--allow-pickle", action="store_true")
-    bd.add_argument("--dev-file")
+    _model_args(bd, where=" (on every host)")
     bd.add_argument("--no-mlflow", action="store_true")
     bd.add_argument("--no-progress", action="store_true")
     bd.set_defaults(fn=cmd_bench_ddp)
