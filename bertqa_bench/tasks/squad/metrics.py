@@ -280,6 +280,17 @@ def read_scoring_dataset(path) -> ScoringDataset:
     return ds
 
 
+def warn_stderr(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
+def read_scoring_files(dataset_path, predictions_path):
+    """What ``bertqa-bench score`` reads for a v1.1 or a v2.0 dataset: (dataset path, predictions
+    path, the dataset's questions, the raw predictions object)."""
+    dataset_path, predictions_path = Path(dataset_path), Path(predictions_path)
+    return dataset_path, predictions_path, read_scoring_dataset(dataset_path), _read_predictions_object(predictions_path)
+
+
 def score_files(dataset_path, predictions_path, *, warn: Optional[Callable[[str], None]] = None) -> dict:
     """Score a predictions file against a SQuAD v1.1 dataset file, accepting what evaluate-v1.1.py accepts.
 
@@ -289,13 +300,8 @@ def score_files(dataset_path, predictions_path, *, warn: Optional[Callable[[str]
     official script's per-question "Unanswered question ..." lines and one summary line of what was
     tolerated.
     """
-    if warn is None:
-        def warn(message: str) -> None:
-            print(message, file=sys.stderr)
-
-    dataset_path, predictions_path = Path(dataset_path), Path(predictions_path)
-    ds = read_scoring_dataset(dataset_path)
-    raw_predictions = _read_predictions_object(predictions_path)
+    warn = warn or warn_stderr
+    dataset_path, predictions_path, ds, raw_predictions = read_scoring_files(dataset_path, predictions_path)
     ids = {qid for qid, _, _ in ds.questions}
     predictions: dict[str, str] = {}
     for key, value in raw_predictions.items():

@@ -20,7 +20,6 @@ results:
 """
 from __future__ import annotations
 
-import sys
 from collections import Counter
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Optional
@@ -144,15 +143,10 @@ def _read_na_probs(path: Path) -> dict:
 def score_v2_files(dataset_path, predictions_path, *, na_prob_file=None, na_prob_thresh: float = 1.0,
                    warn: Optional[Callable[[str], None]] = None) -> dict:
     """``bertqa-bench score`` on a v2.0 dataset: the official script's keys, in its order."""
-    from .metrics import _read_predictions_object, read_scoring_dataset
+    from .metrics import read_scoring_files, warn_stderr
 
-    if warn is None:
-        def warn(message: str) -> None:
-            print(message, file=sys.stderr)
-
-    dataset_path, predictions_path = Path(dataset_path), Path(predictions_path)
-    ds = read_scoring_dataset(dataset_path)
-    raw = _read_predictions_object(predictions_path)
+    warn = warn or warn_stderr
+    dataset_path, predictions_path, ds, raw = read_scoring_files(dataset_path, predictions_path)
     ids = [qid for qid, _, _ in ds.questions]
     for qid, _, record in ds.questions:
         if qid not in raw:
