@@ -2,8 +2,12 @@
 """One GPU session of measurements, run from the repository in place (no install), in the
 background, so that it can outlast one device call:
 
-    setsid python3 scripts/gpu_session.py PLAN [--out device-out] &   # start (returns at once)
+    setsid python3 scripts/gpu_session.py PLAN [PLAN ...] [--out device-out] &   # start (returns at once)
     python3 scripts/gpu_session.py --status [--out device-out]        # progress; copies results to $OUT
+
+Plans run one after another; ``A+B`` runs plans A and B side by side, each on its own GPU of the
+host (lane i = GPU i), and ``A,B`` inside a lane runs them in turn there:
+``loadgen-rest+families,loadgen-offline predict-scaling`` on two GPUs.
 
 Plans (PLANS), reusable: ``h100`` (one GPU: the CPU gate, the suite's model, every backend, a
 sweep, the calibration points, the batching rows), ``tests`` (the GPU tests), ``families`` (issue
@@ -50,21 +54,26 @@ def model_name(ambiguity: float) -> str:
 
 
 class Session:
-    def __init__(self, out: Path):
+    def __init__(self, out: Path, lane: str = "", env: dict | None = None, log=None, lock=None):
         self.out = out
         self.out.mkdir(parents=True, exist_ok=True)
-        self.log = open(out / "driver.log", "a", buffering=1)
-        self.lock = threading.Lock()  # lanes of the x4 plan log from several threads
+        self.log = log or open(out / "driver.log", "a", buffering=1)
+        self.lock = lock or threading.Lock()  # lanes log from several threads
+        self.lane, self.env = lane, dict(env or {})
+
+    def on_gpu(self, gpu: int) -> "Session":
+        """The same session for one lane: every step it runs sees only GPU ``gpu``."""
+        return Session(self.out, f"[gpu{gpu}] ", on(gpu), self.log, self.lock)
 
     def say(self, msg: str) -> None:
         with self.lock:
-            self.log.write(f"{time.strftime('%H:%M:%S')} {msg}\n")
+            self.log.write(f"{time.strftime('%H:%M:%S')} {self.lane}{msg}\n")
 
     def run(self, name: str, args: list[str], *, timeout: float = 3600, env: dict | None = None,
             background: bool = False):
         cmd = args if args[0] != "cli" else CLI + args[1:]
         self.say(f"start {name}: {' '.join(cmd[2:] if cmd[:2] == CLI[:2] else cmd)}")
-        full_env = {**os.environ, **ENV, **(env or {})}
+        full_env = {**os.environ, **ENV, **self.env, **(env or {})}
         f = open(self.out / f"{name}.log", "w")
         p = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=full_env)
         if background:
@@ -247,6 +256,11 @@ LOADGEN_BACKENDS = ("eager-fp16,torch-compile-fp16-graph,ort-cuda-fp16-graph,tor
 # 600 s), at most 8 runs from half the bench throughput of the same process.
 LOADGEN_SERVER = ["--set", "loadgen.server_max_batch=128", "--set", "loadgen.server_batch_sizes=[8,32,128]",
                   "--set", "loadgen.min_duration_ms=5000", "--set", "loadgen.peak_max_runs=8"]
+# Length-aware Server rows: up to 256 rows as the bench's plan (max_batch_rows), each length
+# bucket's ladder ending where its length fills the 32,768-token budget (80 rows at 384 tokens,
+# 256 at 64-128: 22 shapes for 6 buckets).
+LOADGEN_SERVER_LENGTH_AWARE = ["--set", "loadgen.server_max_batch=256", "--set", "loadgen.server_batch_sizes=[8,32,128]",
+                               "--set", "loadgen.min_duration_ms=5000", "--set", "loadgen.peak_max_runs=8"]
 
 
 def loadgen(s: Session, scenario: str, backends: str = LOADGEN_BACKENDS, extra: tuple = (),
@@ -323,12 +337,14 @@ PLANS = {
     "loadgen": [lambda s: loadgen(s, "SingleStream"), lambda s: loadgen(
         s, "Server", extra=("--find-peak-qps", *LOADGEN_SERVER)), lambda s: loadgen(s, "Offline", LOADGEN_OFFLINE)],
     "loadgen-length-aware": [step_loadgen_length_aware],
-    # what issue 21 still lacks after the 2026-11-26 sessions: the Server peak of the length-aware
-    # rows not yet measured, then the Offline cross-check on the H100 (~20 minutes held, one GPU)
+    # issue 21's length-aware Server rows (the budget-filling batch ladder; the ONNX Runtime row,
+    # 72% of bench with the fixed ladder, first), ~20 minutes on one GPU
     "loadgen-rest": [lambda s: train(s, MAIN), lambda s: loadgen(
-        s, "Server", "eager-fp16-sorted,torch-compile-fp16-graph-sorted,torch-compile-fp8-sorted,"
-        "torch-compile-fp8-packed-graph", extra=("--find-peak-qps", *LOADGEN_SERVER), timeout=1800),
-        lambda s: loadgen(s, "Offline", LOADGEN_OFFLINE, timeout=900)],
+        s, "Server", "ort-cuda-fp16-graph-sorted,torch-compile-fp8-sorted,torch-compile-fp16-graph-sorted,"
+        "eager-fp16-sorted,torch-compile-fp8-packed-graph", extra=("--find-peak-qps", *LOADGEN_SERVER_LENGTH_AWARE),
+        timeout=1800)],
+    # the Offline cross-check against bench on the GPU (needs the suite's model: trains it if missing)
+    "loadgen-offline": [lambda s: loadgen(s, "Offline", LOADGEN_OFFLINE, timeout=900)],
     "perf": [step_perf],
     "train-speed": [step_train_speed],
     "predict-scaling": [lambda s: predict_scaling(s, ["--set", f"model.name={model_name(MAIN)}"])],
@@ -336,13 +352,29 @@ PLANS = {
 }
 
 
-def main_run(plan: str, out: Path) -> int:
-    s = Session(out)
-    s.say(f"plan {plan} on {subprocess.run(['nvidia-smi', '-L'], capture_output=True, text=True).stdout.strip()}")
+def run_plan(s: Session, plan: str) -> list:
     background = []
     for step in PLANS[plan]:
         started = step(s)
         background += [p for p in (started or []) if isinstance(p, subprocess.Popen)]
+    return background
+
+
+def main_run(plans: list[str], out: Path) -> int:
+    s = Session(out)
+    s.say(f"plans {' '.join(plans)} on {subprocess.run(['nvidia-smi', '-L'], capture_output=True, text=True).stdout.strip()}")
+    background: list = []
+    for group in plans:
+        parts = group.split("+")
+        if len(parts) == 1:
+            for plan in parts[0].split(","):
+                background += run_plan(s, plan)
+            continue
+        found: list = []
+        lanes(*[lambda g=g, p=p: [found.extend(run_plan(s.on_gpu(g), q)) for q in p.split(",")]
+                for g, p in enumerate(parts)])
+        background += found
+        s.say(f"lanes {group} done")
     for p in background:
         s.say(f"background {p.args[2:6]} exit {p.wait()}")
     s.say("DONE")
@@ -371,7 +403,8 @@ def pack(out: Path, dest: Path) -> Path:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("plan", nargs="?", choices=sorted(PLANS))
+    ap.add_argument("plans", nargs="*", metavar="PLAN",
+                    help=f"one of {', '.join(sorted(PLANS))}; A+B runs A and B side by side, one GPU each")
     ap.add_argument("--out", default="device-out")
     ap.add_argument("--status", action="store_true")
     a = ap.parse_args()
@@ -382,7 +415,10 @@ def main() -> int:
         if os.environ.get("OUT"):
             print("packed", pack(out, Path(os.environ["OUT"])))
         return 0
-    return main_run(a.plan, out)
+    unknown = [p for g in a.plans for lane in g.split("+") for p in lane.split(",") if p not in PLANS]
+    if unknown or not a.plans:
+        ap.error(f"unknown plan {unknown[0]!r}; valid: {', '.join(sorted(PLANS))}" if unknown else "name a plan")
+    return main_run(a.plans, out)
 
 
 if __name__ == "__main__":

@@ -231,3 +231,54 @@ def test_loadgen_settings_are_typed_and_the_command_parses(suite):
     assert a.scenario == "Server" and a.find_peak_qps
     with pytest.raises(SystemExit):
         build_parser().parse_args(["loadgen", "--scenario", "MultiStream"])
+
+
+def test_server_ladder_fills_the_token_budget_at_every_length():
+    # the GPU suite's Server batcher: 32,768 tokens, batch sizes 8/32/128/256, 64-token buckets
+    srt = Shapes("sorted", 384, 64, 256, [8, 32, 128], token_budget=32768)
+    assert srt.ladder(384) == [8, 32, 80] and srt.ladder(320) == [8, 32, 96]
+    assert srt.ladder(256) == [8, 32, 128] and srt.ladder(128) == [8, 32, 128, 256]
+    assert srt.rows(81, 384) is None and srt.rows(33, 384) == 80 and srt.rows(200, 128) == 256
+    server = srt.all(np.arange(1, 385), "Server")
+    assert all(b * s <= 32768 for b, s in server) and (80, 384) in server and (256, 64) in server
+    # a padded variant keeps its fixed ladder: every row is max_seq_len anyway
+    assert Shapes("padded", 384, 64, 128, [8, 32, 128], token_budget=32768).ladder(384) == [8, 32, 128]
+
+
+class _FakeLoadGen:
+    def ConstructSUT(self, issue, flush):
+        return object()
+
+
+def _server_sut(lengths, max_batch=256, budget=32768):
+    from bertqa_bench.measuring.loadgen_sut import SUT
+
+    lengths = np.asarray(lengths, dtype=np.int64)
+    shapes = Shapes("sorted", 384, 64, max_batch, [8, 32, 128], token_budget=budget)
+    sut = SUT(_FakeLoadGen(), None, {}, lengths, None, shapes, scenario="Server", max_batch=max_batch,
+              max_wait_us=2000, token_budget=budget, offline_plan=None)
+    sut._pending = [(float(k), k, k) for k in range(len(lengths))]  # (arrival, response id, feature)
+    return sut, shapes
+
+
+def test_server_batches_of_long_features_fill_the_budget_not_a_power_of_two():
+    sut, shapes = _server_sut([380] * 200)
+    first = sut._take()
+    # 80 rows of 384 tokens (30,720) fit the budget; the fixed ladder stopped at 32
+    assert len(first) == 80 and [i for _, _, i in first] == list(range(80))  # oldest first
+    assert shapes.rows(len(first), 384) * 384 <= 32768
+
+
+def test_server_batch_keeps_the_oldest_and_prefers_shorter_neighbours():
+    # oldest at 200 tokens (bucket 256); then one of 300 (320) and one of 150 (192), then the rest short
+    lengths = [200, 300, 150] + [60] * 10
+    sut, shapes = _server_sut(lengths, max_batch=2)
+    group = [i for _, _, i in sut._take()]
+    assert group == [0, 2]  # the 192-bucket neighbour, not the 320 one that would pad both rows
+    # every sample is answered exactly once over the following batches
+    seen = set(group)
+    while sut._pending:
+        batch = [i for _, _, i in sut._take()]
+        assert batch and not seen & set(batch)
+        seen |= set(batch)
+    assert seen == set(range(len(lengths)))

@@ -91,8 +91,13 @@ def _fill_scenario(r, rec: dict, scenario: str) -> None:
         r.peak_search = ", ".join(f"{x['target_qps']:.4g}:{'V' if x['validity'] == 'VALID' else 'I'}" for x in runs)
     sut = rec.get("sut") or {}
     if sut:
-        r.sut_batcher = (f"{sut['grouping']}, max batch {sut['max_batch']}, max wait {sut['max_wait_us']} µs, "
-                         f"mean batch {sut['mean_batch_rows']:.1f}" if scenario == "Server" else
+        ladder = sut.get("ladder") or {}
+        caps = "; ".join(f"{s} tokens: {sizes[-1]}" for s, sizes in sorted(ladder.items(), key=lambda x: int(x[0]))
+                         if sizes and sizes[-1] < sut["max_batch"])
+        r.sut_batcher = (f"{sut['grouping']}, max batch {sut['max_batch']}"
+                         + (f" (token budget: {caps})" if caps else "")
+                         + f", max wait {sut['max_wait_us']} µs, mean batch {sut['mean_batch_rows']:.1f}"
+                         if scenario == "Server" else
                          (f"batch of one at its own length, in {sut['shapes']} length buckets" if sut["length_aware"]
                           else "batch of one, padded to max_seq_len") if scenario == "SingleStream" else
                          "the bench plan over LoadGen's query")
