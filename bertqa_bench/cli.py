@@ -127,7 +127,20 @@ def cmd_bench_ddp(a) -> int:
     if not is_dist_env():
         raise BenchError("bench-ddp runs under torchrun (RANK and WORLD_SIZE unset): e.g. `torchrun --standalone "
                          "--nproc-per-node 2 -m bertqa_bench.cli bench-ddp --suite ci`, or `make bench-ddp`")
-    cfg = load_suite(_suite(a), a.overrides + _model_overrides(a))
+    resume = None
+    if a.resume:
+        if a.model or a.dev_file:
+            raise BenchError("--resume finishes a run with its own model and data; it takes no --model / --dev-file")
+        try:
+            resume, cfg = load_resume(a.resume, a.suite, a.overrides)
+        except BenchError as e:
+            # Another host: the run's bundle lies on rank 0's host; this rank's --suite/--set say
+            # what to load, and rank 0 refuses a model or evaluation set unlike its run's.
+            if int(os.environ.get("RANK", "0")) == 0 or not str(e).startswith("nothing to resume"):
+                raise
+            cfg = load_suite(_suite(a), a.overrides)
+    else:
+        cfg = load_suite(_suite(a), a.overrides + _model_overrides(a))
     _threads(cfg)
     cluster = Cluster()
     if cluster.rank != 0:
@@ -142,7 +155,8 @@ def cmd_bench_ddp(a) -> int:
     try:
         tracker = Tracker(cfg.results_root, enabled=not a.no_mlflow)
         out = run_bench(cfg, backends=_backend_list(a.backends), run_id=a.run_id, tracker=tracker,
-                        progress=not a.no_progress, command=_command_line(), cluster=cluster)
+                        progress=not a.no_progress, command=_command_line(), cluster=cluster,
+                        resume=resume)
     finally:
         cluster.close()  # the other ranks stop waiting for work, whatever happened here
     print()
@@ -332,13 +346,21 @@ def _command_line() -> str:
     return f"bertqa-bench {args}"
 
 
+def _output_args(p: argparse.ArgumentParser, progress: bool = True) -> None:
+    """Where a run's record goes besides its result bundle (one spelling for every command)."""
+    p.add_argument("--no-mlflow", action="store_true",
+                   help="write the result bundle only; log it to MLflow later with `bertqa-bench track`")
+    if progress:
+        p.add_argument("--no-progress", action="store_true", help="no live progress line (logs, CI)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bertqa-bench", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train", help="fine-tune the suite's model and save it under models/")
     _suite_args(t)
-    t.add_argument("--no-mlflow", action="store_true")
+    _output_args(t, progress=False)
     t.add_argument("--profile-steps", type=int, metavar="N",
                    help="record N optimizer steps half-way through training with torch.profiler (rank 0) and write "
                         "kernels.md (top kernels, step time, GPU idle fraction) under results/profiles/ "
@@ -352,8 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(b)
     b.add_argument("--resume", metavar="RUN", help="finish an interrupted or partly failed run (a results/<run-id> "
                                                    "folder or its run id): finished rows are kept, the rest run")
-    b.add_argument("--no-mlflow", action="store_true")
-    b.add_argument("--no-progress", action="store_true")
+    _output_args(b)
     b.set_defaults(fn=cmd_bench)
 
     bd = sub.add_parser("bench-ddp", help="bench with data-parallel prediction over the ranks torchrun started "
@@ -362,8 +383,10 @@ def build_parser() -> argparse.ArgumentParser:
     bd.add_argument("--backends", help="comma-separated backend names (default: the suite's list)")
     bd.add_argument("--run-id")
     _model_args(bd, where=" (on every host)")
-    bd.add_argument("--no-mlflow", action="store_true")
-    bd.add_argument("--no-progress", action="store_true")
+    bd.add_argument("--resume", metavar="RUN", help="finish an interrupted or partly failed run on rank 0's host "
+                                                    "(results/<run-id> or its run id; other hosts give the same "
+                                                    "--suite/--set): finished rows are kept, the rest run")
+    _output_args(bd)
     bd.set_defaults(fn=cmd_bench_ddp)
 
     lgp = sub.add_parser("loadgen", help="MLPerf LoadGen scenarios: each backend as the system under test "
@@ -374,8 +397,7 @@ def build_parser() -> argparse.ArgumentParser:
     lgp.add_argument("--find-peak-qps", action="store_true",
                      help="Server: search the highest target QPS that LoadGen calls VALID")
     lgp.add_argument("--run-id")
-    lgp.add_argument("--no-mlflow", action="store_true")
-    lgp.add_argument("--no-progress", action="store_true")
+    _output_args(lgp)
     lgp.set_defaults(fn=cmd_loadgen)
 
     sw = sub.add_parser("sweep", help="backend x batch size x batching in one run (one MLflow parent), with the best "
@@ -387,8 +409,7 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--devices", default="1", help="comma-separated GPU counts for data-parallel prediction, e.g. 1,2,4")
     sw.add_argument("--run-id")
     sw.add_argument("--resume", metavar="RUN", help="finish an interrupted sweep (results/<run-id> or its run id)")
-    sw.add_argument("--no-mlflow", action="store_true")
-    sw.add_argument("--no-progress", action="store_true")
+    _output_args(sw)
     sw.set_defaults(fn=cmd_sweep)
 
     r = sub.add_parser("report", help="rebuild summary.md and the plot of a result bundle")
@@ -399,8 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
     _suite_args(pc)
     pc.add_argument("--backends", help="comma-separated backend names (default: the suite's list)")
     pc.add_argument("--update-expected", action="store_true", help="rewrite the suite's expected-results file")
-    pc.add_argument("--no-mlflow", action="store_true")
-    pc.add_argument("--no-progress", action="store_true")
+    _output_args(pc)
     pc.set_defaults(fn=cmd_parity)
 
     s = sub.add_parser("score", help="official SQuAD v1.1 EM/F1, or v2.0 exact/f1/HasAns/NoAns, of a predictions file")

@@ -162,6 +162,17 @@ def test_bench_ddp_on_two_torchrun_nodes_gives_the_single_process_answers(tiny_s
     logs = sorted(p.name for p in (cfg.results_root / "two" / "logs").glob("eager-fp32.rank*.log"))
     assert logs == ["eager-fp32.rank0.log"]  # rank 1's log lies on its own host (results/.ddp/rank1)
     assert (cfg.results_root / ".ddp" / "rank1" / "logs" / "eager-fp32.rank1.log").exists()
+    # bench-ddp --resume on the same two nodes: the failed row runs again, the finished ones stay
+    run = str(cfg.results_root / "two")
+    outs = _torchrun_nodes(["bench-ddp", "--resume", run, "--no-mlflow", "--no-progress"],
+                           child_env({"OMP_NUM_THREADS": "1"}), tmp_path)
+    assert sum("verdict:" in o for o in outs) == 1
+    bundle = RunBundle.load(cfg.results_root / "two")
+    rows3 = {r.backend: r for r in bundle.results}
+    assert list(rows3) == ["eager-fp32", "killed", "sorted-eager"] and len(bundle.meta.resumes) == 1
+    assert rows3["killed"].ok and rows3["killed"].n_devices == 2 and rows3["killed"].parity == "pass"
+    for name in ("eager-fp32", "sorted-eager"):  # kept as they were measured, not run again
+        assert rows3[name] == rows2[name]
 
 
 def test_training_on_two_torchrun_nodes_matches_one_process(tiny_suite, tmp_path):

@@ -1,0 +1,48 @@
+"""scripts/gpu_session.py composes plans: ``A+B`` side by side (lane i sees only GPU i), ``A,B`` in
+turn inside a lane, separate arguments one after another; an unknown plan lists the valid ones."""
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def gs(monkeypatch):
+    spec = importlib.util.spec_from_file_location("gpu_session", ROOT / "scripts" / "gpu_session.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    monkeypatch.setattr(mod, "gpus", lambda: 2)
+    real = subprocess.run
+    monkeypatch.setattr(mod.subprocess, "run", lambda *a, **k: real(["echo", "two test GPUs"], capture_output=True,
+                                                                     text=True))
+
+    def step(name):
+        return lambda s: s.run(name, [sys.executable, "-c",
+                                      "import os; print(os.environ.get('CUDA_VISIBLE_DEVICES', 'all'))"])
+
+    for n in "abcd":
+        mod.PLANS[n] = [step(n)]
+    return mod
+
+
+def test_lanes_see_their_own_gpu_and_run_in_order(gs, tmp_path):
+    assert gs.main_run(["a+b,c", "d"], tmp_path) == 0
+    seen = {n: (tmp_path / f"{n}.log").read_text().strip() for n in "abcd"}
+    assert seen == {"a": "0", "b": "1", "c": "1", "d": "all"}
+    log = (tmp_path / "driver.log").read_text().splitlines()
+    # c follows b in lane 1; d starts only after both lanes are done
+    text = "\n".join(log)
+    assert text.index("[gpu1] end b") < text.index("[gpu1] start c") < text.index("lanes a+b,c done") < text.index(
+        "start d")
+
+
+def test_an_unknown_plan_is_refused_with_the_valid_ones(gs, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["gpu_session.py", "a+nope"])
+    with pytest.raises(SystemExit):
+        gs.main()
+    err = capsys.readouterr().err
+    assert "unknown plan 'nope'" in err and "loadgen-rest" in err
