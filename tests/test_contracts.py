@@ -117,3 +117,12 @@ def test_the_gate_fails_on_an_inconclusive_run(monkeypatch, tiny_suite, tmp_path
     rc = cli.main(["parity", "--suite", str(suite), "--no-mlflow", "--no-progress",
                    "--set", f"parity.expected_file={tmp_path / 'none.csv'}"])
     assert rc == 1 and "PARITY CHECK FAILED (FAIL)" in capsys.readouterr().err
+
+
+def test_outputs_written_into_reused_memory_break_the_contract():
+    from bertqa_bench.measuring.runner import check_owned
+
+    buf = np.zeros((4, 8), dtype=np.float32)
+    check_owned("fresh", {"start_logits": buf.copy()}, {"start_logits": buf.copy()})
+    with pytest.raises(ContractError, match="same memory as the previous batch's start_logits"):
+        check_owned("reuser", {"start_logits": buf[:2]}, {"start_logits": buf[:3]})

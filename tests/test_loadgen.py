@@ -282,3 +282,45 @@ def test_server_batch_keeps_the_oldest_and_prefers_shorter_neighbours():
         assert batch and not seen & set(batch)
         seen |= set(batch)
     assert seen == set(range(len(lengths)))
+
+
+def _reference_take(p, lengths, shapes, max_batch, budget):
+    """The batcher's rule written plainly (one candidate at a time, no arrays): the fast _take
+    must choose exactly these samples."""
+    seq = [shapes.seq(int(lengths[i])) for _, _, i in p]
+    anchor = seq[0]
+    order = [0] + sorted(range(1, len(p)), key=lambda k: (abs(seq[k] - anchor), seq[k] > anchor, k))
+    chosen, longest, real = [], 0, 0
+    for k in order:
+        if len(chosen) >= max_batch:
+            break
+        lng, rl = max(longest, seq[k]), real + int(lengths[p[k][2]])
+        if shapes.packed:
+            cost = rl
+        else:
+            rows = shapes.rows(len(chosen) + 1, lng)
+            cost = rows * lng if rows is not None else budget + 1
+        if chosen and cost > budget:
+            continue
+        chosen.append(k)
+        longest, real = lng, rl
+    return [p[k] for k in sorted(chosen)]
+
+
+@pytest.mark.parametrize("batching", ["sorted", "packed"])
+def test_server_take_chooses_what_the_plain_rule_chooses(batching):
+    from bertqa_bench.measuring.loadgen_sut import SUT
+
+    rng = np.random.default_rng(7)
+    for trial in range(40):
+        n = int(rng.integers(1, 400))
+        lengths = rng.integers(20, 385, size=n)
+        max_batch, budget = int(rng.choice([16, 64, 256])), int(rng.choice([4096, 32768]))
+        shapes = Shapes(batching, 384, 64, max_batch, [8, 32, 128], token_budget=budget)
+        sut = SUT(_FakeLoadGen(), None, {}, lengths, None, shapes, scenario="Server", max_batch=max_batch,
+                  max_wait_us=2000, token_budget=budget, offline_plan=None)
+        arrivals = rng.permutation(n)  # the queue's order is arrival order, not feature order
+        sut._pending = [(float(k), k, int(i)) for k, i in enumerate(arrivals)]
+        while sut._pending:
+            want = _reference_take(list(sut._pending), lengths, shapes, max_batch, budget)
+            assert sut._take() == want, (trial, batching)

@@ -121,7 +121,8 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def predict(self, batch: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Run one batch; return outputs as host float32 numpy arrays once they are ready."""
+        """Run one batch; return outputs as host float32 numpy arrays once they are ready. They are
+        the caller's: a later predict must not write into them (copy out of reused buffers)."""
 
     def close(self) -> None:
         """Free device memory and sessions."""

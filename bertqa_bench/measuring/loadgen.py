@@ -97,6 +97,8 @@ def _fill_scenario(r, rec: dict, scenario: str) -> None:
         r.sut_batcher = (f"{sut['grouping']}, max batch {sut['max_batch']}"
                          + (f" (token budget: {caps})" if caps else "")
                          + f", max wait {sut['max_wait_us']} µs, mean batch {sut['mean_batch_rows']:.1f}"
+                         + (f", real tokens {sut['token_efficiency']:.0%} of those computed (bench plan "
+                            f"{sut['bench_token_efficiency']:.0%})" if "token_efficiency" in sut else "")
                          if scenario == "Server" else
                          (f"batch of one at its own length, in {sut['shapes']} length buckets" if sut["length_aware"]
                           else "batch of one, padded to max_seq_len") if scenario == "SingleStream" else

@@ -132,11 +132,24 @@ def warm_up(backend: Backend, plan: Plan, batches: list, n: int, output_names: t
             order.append(i)
     chosen = set(order)
     order += [i for i in range(len(batches)) if i not in chosen][: max(0, n - len(order))]
+    previous = None
     for i in order:
         out = backend.predict(batches[i])
         if output_names:
             check_contract(backend.name, out, batches[i], output_names, token_outputs)
+            if previous is not None:
+                check_owned(backend.name, previous, out)
+            previous = out
     return len(order)
+
+
+def check_owned(name: str, earlier: dict, later: dict) -> None:
+    """The outputs of a predict are the caller's: a later predict must not write into them (the
+    LoadGen SUT encodes one batch's answers on another thread while the next batch runs)."""
+    for k, v in later.items():
+        if k in earlier and np.shares_memory(earlier[k], v):
+            raise ContractError(f"backend {name} returned {k} in the same memory as the previous batch's {k}; "
+                                f"return arrays the caller owns (copy out of reused buffers)")
 
 
 def timed_passes(backend: Backend, plan: Plan, batches: list, output_names: tuple, token_outputs: tuple,
