@@ -127,24 +127,25 @@ def cmd_bench_ddp(a) -> int:
     if not is_dist_env():
         raise BenchError("bench-ddp runs under torchrun (RANK and WORLD_SIZE unset): e.g. `torchrun --standalone "
                          "--nproc-per-node 2 -m bertqa_bench.cli bench-ddp --suite ci`, or `make bench-ddp`")
-    resume = None
-    if a.resume:
-        if a.model or a.dev_file:
-            raise BenchError("--resume finishes a run with its own model and data; it takes no --model / --dev-file")
-        try:
-            resume, cfg = load_resume(a.resume, a.suite, a.overrides)
-        except BenchError as e:
-            # Another host: the run's bundle lies on rank 0's host; this rank's --suite/--set say
-            # what to load, and rank 0 refuses a model or evaluation set unlike its run's.
-            if int(os.environ.get("RANK", "0")) == 0 or not str(e).startswith("nothing to resume"):
-                raise
-            cfg = load_suite(_suite(a), a.overrides)
-    else:
-        cfg = load_suite(_suite(a), a.overrides + _model_overrides(a))
-    _threads(cfg)
+    if a.resume and (a.model or a.dev_file):
+        raise BenchError("--resume finishes a run with its own model and data; it takes no --model / --dev-file")
+    # The group first: a rank that cannot load its config then leaves a formed group (its peers'
+    # next collective fails at once) instead of leaving the others waiting to form it.
     cluster = Cluster()
     if cluster.rank != 0:
         try:
+            if a.resume:
+                try:
+                    cfg = load_resume(a.resume, a.suite, a.overrides)[1]
+                except BenchError as e:
+                    # Another host: the run's bundle lies on rank 0's host; this rank's --suite/--set
+                    # say what to load, and rank 0 refuses a model or evaluation set unlike its run's.
+                    if not str(e).startswith("nothing to resume"):
+                        raise
+                    cfg = load_suite(_suite(a), a.overrides)
+            else:
+                cfg = load_suite(_suite(a), a.overrides + _model_overrides(a))
+            _threads(cfg)
             cluster.serve(cfg, log=lambda m: print(f"[rank {cluster.rank}] {m}", flush=True))
         finally:
             import torch.distributed as dist
@@ -153,10 +154,15 @@ def cmd_bench_ddp(a) -> int:
                 dist.destroy_process_group()
         return 0
     try:
+        resume = None
+        if a.resume:
+            resume, cfg = load_resume(a.resume, a.suite, a.overrides)
+        else:
+            cfg = load_suite(_suite(a), a.overrides + _model_overrides(a))
+        _threads(cfg)
         tracker = Tracker(cfg.results_root, enabled=not a.no_mlflow)
         out = run_bench(cfg, backends=_backend_list(a.backends), run_id=a.run_id, tracker=tracker,
-                        progress=not a.no_progress, command=_command_line(), cluster=cluster,
-                        resume=resume)
+                        progress=not a.no_progress, command=_command_line(), cluster=cluster, resume=resume)
     finally:
         cluster.close()  # the other ranks stop waiting for work, whatever happened here
     print()

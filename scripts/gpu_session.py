@@ -99,7 +99,7 @@ def gpus() -> int:
 
 def on(gpu: int) -> dict:
     """The environment of a step that runs on one GPU of the host (a lane)."""
-    return {"CUDA_VISIBLE_DEVICES": str(gpu % max(1, gpus()))}
+    return {"CUDA_VISIBLE_DEVICES": str(gpu)}
 
 
 def lanes(*work) -> None:
@@ -370,9 +370,20 @@ def main_run(plans: list[str], out: Path) -> int:
             for plan in parts[0].split(","):
                 background += run_plan(s, plan)
             continue
+        if len(parts) > gpus():  # two lanes on one GPU would time each other
+            s.say(f"refused {group}: {len(parts)} lanes, {gpus()} GPU(s)")
+            raise SystemExit(f"{group}: {len(parts)} lanes need as many GPUs; this host has {gpus()}")
         found: list = []
-        lanes(*[lambda g=g, p=p: [found.extend(run_plan(s.on_gpu(g), q)) for q in p.split(",")]
-                for g, p in enumerate(parts)])
+
+        def lane(g: int, plans: str) -> None:
+            ls = s.on_gpu(g)
+            try:
+                for q in plans.split(","):
+                    found.extend(run_plan(ls, q))
+            except BaseException as e:  # noqa: BLE001 - the other lanes go on; the log says why
+                ls.say(f"lane failed: {type(e).__name__}: {e}")
+
+        lanes(*[lambda g=g, p=p: lane(g, p) for g, p in enumerate(parts)])
         background += found
         s.say(f"lanes {group} done")
     for p in background:

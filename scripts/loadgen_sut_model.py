@@ -45,7 +45,7 @@ class SimulatedDevice:
 
     def __init__(self, max_rows: int, max_seq: int, packed: bool, launch_us: float, seed: int = 0):
         rng = np.random.default_rng(seed)
-        self.logits = rng.standard_normal((max_rows, max_seq)).astype(np.float32)
+        self.logits = rng.standard_normal((max_rows, max_seq)).astype(np.float32)  # rows >= any batch's
         self.packed, self.launch_s, self.tokens_per_s = packed, launch_us / 1e6, 1e9
 
     def tokens(self, batch: dict) -> int:
@@ -101,9 +101,10 @@ def main() -> int:
                              a.batching == "packed", a.launch_us)
     # calibrate: device time over the plan = n / bench_fps, less the host time of the loop itself
     total_tokens = sum(device.tokens(batch_inputs(inputs, x)) for x in plan.batches)
-    device.tokens_per_s = 1e18
+    device.tokens_per_s, device.launch_s = 1e18, 0.0  # the loop's host time alone
     host_s = len(lengths) / bench(device, inputs, plan)
-    device_s = len(lengths) / a.bench_fps - host_s - a.launch_us / 1e6 * len(plan.batches)
+    device.launch_s = a.launch_us / 1e6
+    device_s = len(lengths) / a.bench_fps - host_s - device.launch_s * len(plan.batches)
     if device_s <= 0:
         ap.error(f"--bench-fps {a.bench_fps} leaves no device time after {host_s:.3f} s of host time and launches")
     device.tokens_per_s = total_tokens / device_s
@@ -151,7 +152,7 @@ def main() -> int:
                     out["server_mean_batch"] = sut.batch_rows / max(1, sut.batches)
                     out["server_token_efficiency"] = sut.tokens_real / max(1, sut.tokens_computed)
                     out["server_runs"] = [(round(q), r.get("validity")) for q, r in runs]
-                    print(f"Server peak {qps:,.0f} QPS = {qps / fps:.1%} of bench (p99 {res.get('p99_ms', 0):.1f} "
+                    print(f"Server peak {qps:,.0f} QPS = {qps / fps:.1%} of bench (p99 {res.get('p99_ms') or 0:.1f} "
                           f"ms; runs {out['server_runs']}; mean batch {out['server_mean_batch']:.1f}; real tokens "
                           f"{out['server_token_efficiency']:.0%} of computed, bench plan {out['bench_token_efficiency']:.0%})",
                           flush=True)

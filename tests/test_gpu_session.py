@@ -46,3 +46,16 @@ def test_an_unknown_plan_is_refused_with_the_valid_ones(gs, monkeypatch, capsys)
         gs.main()
     err = capsys.readouterr().err
     assert "unknown plan 'nope'" in err and "loadgen-rest" in err
+
+
+def test_more_lanes_than_gpus_are_refused_and_a_failing_lane_is_logged(gs, tmp_path):
+    with pytest.raises(SystemExit, match="3 lanes need as many GPUs"):
+        gs.main_run(["a+b+c"], tmp_path)
+
+    def boom(s):
+        raise RuntimeError("no such model")
+
+    gs.PLANS["boom"] = [boom]
+    assert gs.main_run(["boom+a"], tmp_path / "2") == 0
+    log = (tmp_path / "2" / "driver.log").read_text()
+    assert "[gpu0] lane failed: RuntimeError: no such model" in log and "[gpu1] end a: exit 0" in log

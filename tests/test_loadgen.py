@@ -324,3 +324,45 @@ def test_server_take_chooses_what_the_plain_rule_chooses(batching):
         while sut._pending:
             want = _reference_take(list(sut._pending), lengths, shapes, max_batch, budget)
             assert sut._take() == want, (trial, batching)
+
+
+def test_ladder_keeps_a_max_batch_the_budget_allows():
+    # 12 rows at 384 tokens fit a 12 x 384 budget: rounding to 8 rows applies only where the budget binds
+    assert Shapes("sorted", 384, 64, 12, token_budget=12 * 384).ladder(384) == [1, 2, 4, 8, 12]
+    assert Shapes("sorted", 384, 64, 12, token_budget=12 * 384).ladder(448 // 2) == [1, 2, 4, 8, 12]
+
+
+class _RecordingLoadGen(_FakeLoadGen):
+    def __init__(self):
+        self.answered = []
+
+    def QuerySampleResponse(self, rid, ptr, n):
+        return (rid, ptr, n)
+
+    def QuerySamplesComplete(self, responses):
+        self.answered += list(responses)
+
+    def DestroySUT(self, handle):
+        pass
+
+
+def test_an_answer_that_cannot_be_encoded_is_still_sent_and_the_error_kept():
+    """LoadGen waits for every sample with no time limit: the responder must answer a batch it
+    cannot encode (empty), or the run would hang until the launcher's time limit."""
+    from bertqa_bench.measuring.loadgen_sut import SUT
+
+    class Broken:
+        def encode(self, out, k, length):
+            if k == 1:
+                raise ValueError("row 1 has no logits")
+            return np.zeros(4, np.float32)
+
+    lg = _RecordingLoadGen()
+    shapes = Shapes("sorted", 384, 64, 8, token_budget=4096)
+    sut = SUT(lg, None, {}, np.array([10, 20, 30]), Broken(), shapes, scenario="Server", max_batch=8,
+              max_wait_us=2000, token_budget=4096, offline_plan=None)
+    sut._respond([(0.0, 100, 0), (0.0, 101, 1), (0.0, 102, 2)], {"start_logits": np.zeros((3, 4))})
+    sut._respond([(0.0, 103, 0)], None)
+    sut.close()  # joins the responder: everything handed to it is answered by now
+    assert sorted(lg.answered) == [(100, 0, 0), (101, 0, 0), (102, 0, 0), (103, 0, 0)]
+    assert sut.error == "ValueError: row 1 has no logits"

@@ -99,7 +99,8 @@ class Shapes:
         seq = int(seq)
         if seq not in self._ladders:
             fit = self.token_budget // seq
-            cap = min(self.buckets[-1], max(1, fit // 8 * 8 if fit >= 8 else fit))
+            # the budget binds: round down to a multiple of 8 rows; else the largest bucket fits
+            cap = self.buckets[-1] if fit >= self.buckets[-1] else max(1, fit // 8 * 8 if fit >= 8 else fit)
             self._ladders[seq] = sorted({b for b in self.buckets if b < cap} | {cap})
         return self._ladders[seq]
 
@@ -271,15 +272,20 @@ class SUT:
             self._complete(items, out)
 
     def _complete(self, items: list, out: Optional[dict]) -> None:
+        """Every sample handed here is answered: LoadGen waits for each one without a time limit,
+        so an answer that cannot be encoded is sent empty and the error kept (the job fails)."""
         lg = self.lg
-        bufs, responses = [], []
-        for k, (_, rid, idx) in enumerate(items):
-            if out is None:
-                responses.append(lg.QuerySampleResponse(rid, 0, 0))
-                continue
-            buf = self.codec.encode(out, k, int(self.lengths[idx]))
-            bufs.append(buf)  # alive until QuerySamplesComplete has copied what it logs
-            responses.append(lg.QuerySampleResponse(rid, buf.ctypes.data, buf.nbytes))
+        bufs = []
+        try:
+            if out is not None:
+                bufs = [self.codec.encode(out, k, int(self.lengths[idx])) for k, (_, _, idx) in enumerate(items)]
+        except BaseException as e:  # noqa: BLE001
+            traceback.print_exception(e)
+            self.error = self.error or f"{type(e).__name__}: {e}"
+            bufs = []
+        # bufs stay alive until QuerySamplesComplete has copied what it logs
+        responses = ([lg.QuerySampleResponse(rid, b.ctypes.data, b.nbytes) for (_, rid, _), b in zip(items, bufs)]
+                     if bufs else [lg.QuerySampleResponse(rid, 0, 0) for _, rid, _ in items])
         lg.QuerySamplesComplete(responses)
 
     def _respond_loop(self) -> None:
@@ -292,7 +298,7 @@ class SUT:
                 return
             try:
                 self._complete(*item)
-            except BaseException as e:  # noqa: BLE001 - keep the error; LoadGen then times out the run
+            except BaseException as e:  # noqa: BLE001 - LoadGen's own call failed: nothing more to send
                 traceback.print_exception(e)
                 self.error = self.error or f"{type(e).__name__}: {e}"
 
@@ -530,7 +536,7 @@ def _execute(job) -> tuple[dict, Optional[dict]]:
             record["accuracy"] = run_test(lg, sut, qsl, test_settings(lg, cfg, scenario, "accuracy", target, **hints),
                                           out_root / "accuracy")
             record["accuracy_log"] = str(out_root / "accuracy" / "mlperf_log_accuracy.json")
-            sut.batches = sut.batch_rows = 0  # from here on: the performance runs only
+            sut.batches = sut.batch_rows = sut.tokens_real = sut.tokens_computed = 0  # the performance runs only
             if scenario == "Server" and spec.get("find_peak"):
                 def at(qps: float) -> dict:
                     return run_test(lg, sut, qsl, test_settings(lg, cfg, scenario, "performance", qps, **hints),

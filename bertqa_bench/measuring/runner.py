@@ -132,14 +132,14 @@ def warm_up(backend: Backend, plan: Plan, batches: list, n: int, output_names: t
             order.append(i)
     chosen = set(order)
     order += [i for i in range(len(batches)) if i not in chosen][: max(0, n - len(order))]
-    previous = None
+    earlier: list = []
     for i in order:
         out = backend.predict(batches[i])
         if output_names:
             check_contract(backend.name, out, batches[i], output_names, token_outputs)
-            if previous is not None:
-                check_owned(backend.name, previous, out)
-            previous = out
+            for prev in earlier:  # every earlier batch: a backend may reuse one buffer per shape
+                check_owned(backend.name, prev, out)
+            earlier.append(out)
     return len(order)
 
 
