@@ -137,7 +137,8 @@ MUTANTS = [
       ("tests/test_contracts.py", "-k", "reused"), "a backend that writes each batch into the previous batch's arrays passes"),
     # --- the LoadGen Server batcher
     M("server-ladder-ignores-budget", "bertqa_bench/measuring/loadgen_sut.py",
-      "cap = min(self.buckets[-1], max(1, fit // 8 * 8 if fit >= 8 else fit))", "cap = self.buckets[-1]",
+      "cap = self.buckets[-1] if fit >= self.buckets[-1] else max(1, fit // 8 * 8 if fit >= 8 else fit)",
+      "cap = self.buckets[-1]",
       ("tests/test_loadgen.py", "-k", "ladder or server_batch or plain_rule"),
       "a Server batch of long features is padded past the token budget"),
     M("server-take-longer-first", "bertqa_bench/measuring/loadgen_sut.py",
