@@ -99,7 +99,8 @@ def test_a_hung_rank_times_out_named(tiny_suite, monkeypatch):
     assert not _live_workers_of(os.getpid())
 
 
-def _torchrun_nodes(args: list, env: dict, cwd, nnodes: int = 2, timeout: int = 300) -> list:
+def _torchrun_nodes(args: list, env: dict, cwd, nnodes: int = 2, timeout: int = 300, codes: list | None = None) -> list:
+    """Each node's output; every node must exit 0 unless ``codes`` is given (it gets the exit codes)."""
     port = _free_port()
     procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes),
                                "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
@@ -115,6 +116,9 @@ def _torchrun_nodes(args: list, env: dict, cwd, nnodes: int = 2, timeout: int = 
             for q in procs:
                 q.kill()
             raise
+    if codes is not None:
+        codes.extend(p.returncode for p in procs)
+        return outs
     for p, o in zip(procs, outs):
         assert p.returncode == 0, o[-3000:]
     return outs
@@ -173,6 +177,20 @@ def test_bench_ddp_on_two_torchrun_nodes_gives_the_single_process_answers(tiny_s
     assert rows3["killed"].ok and rows3["killed"].n_devices == 2 and rows3["killed"].parity == "pass"
     for name in ("eager-fp32", "sorted-eager"):  # kept as they were measured, not run again
         assert rows3[name] == rows2[name]
+
+
+def test_bench_ddp_resume_of_a_missing_run_fails_on_rank_0_and_no_rank_waits(tiny_suite, tmp_path):
+    from bertqa_bench.measuring.launcher import child_env
+
+    suite = tiny_suite(backends=["eager-fp32"])
+    codes: list = []
+    t0 = time.monotonic()
+    outs = _torchrun_nodes(["bench-ddp", "--resume", str(tmp_path / "no-such-run"), "--suite", str(suite),
+                            "--no-mlflow", "--no-progress"], child_env({"OMP_NUM_THREADS": "1"}), tmp_path,
+                           timeout=240, codes=codes)
+    # rank 0 refuses, naming what is missing; rank 1 (the "other host") is told the run is over
+    assert codes[0] != 0 and "nothing to resume" in outs[0], outs[0][-2000:]
+    assert time.monotonic() - t0 < 200
 
 
 def test_training_on_two_torchrun_nodes_matches_one_process(tiny_suite, tmp_path):
