@@ -153,6 +153,7 @@ def cmd_bench_ddp(a) -> int:
             if dist.is_initialized():
                 dist.destroy_process_group()
         return 0
+    error = ""
     try:
         resume = None
         if a.resume:
@@ -163,8 +164,11 @@ def cmd_bench_ddp(a) -> int:
         tracker = Tracker(cfg.results_root, enabled=not a.no_mlflow)
         out = run_bench(cfg, backends=_backend_list(a.backends), run_id=a.run_id, tracker=tracker,
                         progress=not a.no_progress, command=_command_line(), cluster=cluster, resume=resume)
+    except BaseException as e:
+        error = f"{type(e).__name__}: {e}"
+        raise
     finally:
-        cluster.close()  # the other ranks stop waiting for work, whatever happened here
+        cluster.close(error)  # the other ranks stop waiting for work, whatever happened here
     print()
     print(out.summary)
     print(f"results: {out.run_dir}")

@@ -145,11 +145,13 @@ class Cluster:
             return out
         return own
 
-    def close(self) -> None:
+    def close(self, error: str = "") -> None:
+        """Tell the other ranks the run is over (``error``: rank 0 failed, and so must they, or
+        torchrun would hold their hosts at its exit barrier waiting for rank 0's)."""
         import torch.distributed as dist
 
         try:
-            self._bcast({"op": "done"})
+            self._bcast({"op": "done", "error": error})
         finally:
             dist.destroy_process_group()
 
@@ -193,6 +195,10 @@ class Cluster:
         while True:
             cmd = self._bcast()
             if cmd["op"] == "done":
+                if cmd.get("error"):
+                    from ..errors import BenchError
+
+                    raise BenchError(f"rank 0 failed, so this rank stops: {cmd['error']}")
                 return
             if cmd["op"] == "prepare":
                 info = {"host": self.host, "digest": "", "evalset": "", "error": ""}
