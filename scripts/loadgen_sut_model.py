@@ -33,7 +33,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bertqa_bench.measuring.loadgen_sut import SUT, Codec, Shapes, plan_efficiency, run_test  # noqa: E402
+from bertqa_bench.measuring.loadgen_sut import SUT, Codec, Shapes, run_test  # noqa: E402
 from bertqa_bench.measuring.schedule import batch_inputs, make_plan  # noqa: E402
 from bertqa_bench.reporting.loadgen_results import find_peak, test_settings  # noqa: E402
 
@@ -110,7 +110,7 @@ def main() -> int:
     device.tokens_per_s = total_tokens / device_s
     fps = float(np.median([bench(device, inputs, plan) for _ in range(3)]))
     out = {"features": len(lengths), "batching": a.batching, "bench_fps": fps, "target_bench_fps": a.bench_fps,
-           "bench_token_efficiency": plan_efficiency(plan, lengths),
+           "bench_token_efficiency": plan.token_efficiency(lengths),
            "host_s_per_pass": host_s, "launch_us": a.launch_us, "max_wait_us": lg_cfg.server_max_wait_us,
            "max_batch": max_batch, "token_budget": tokens}
     print(f"{len(lengths)} features ({a.batching}); simulated bench {fps:,.0f} features/s "

@@ -289,3 +289,18 @@ def test_a_content_keyed_cache_entry_finished_first_by_another_process_stays(tmp
     with atomic_dir(entry) as tmp:  # a saved model: the new one replaces the old
         (tmp / "x").write_text("new")
     assert (entry / "x").read_text() == "new"
+
+
+def test_token_efficiency_is_real_over_computed_tokens():
+    from bertqa_bench.measuring.schedule import make_plan
+
+    lengths = np.array([10, 20, 30, 40, 90, 100, 110, 128])
+    padded = make_plan(lengths, batching="padded", batch_size=4, max_seq_len=128)
+    assert padded.token_efficiency(lengths) == pytest.approx(lengths.sum() / (8 * 128))
+    srt = make_plan(lengths, batching="sorted", batch_size=4, max_seq_len=128, seq_multiple=32)
+    # sorted batches keep a constant token count, padding the short buckets with repeated rows:
+    # 4x128 + 5x96 + 8x64 + 16x32 = 2,016 tokens computed for 528 real ones
+    assert [b.shape for b in srt.batches] == [(4, 128), (5, 96), (8, 64), (16, 32)]
+    assert srt.token_efficiency(lengths) == pytest.approx(528 / 2016)
+    assert make_plan(lengths, batching="packed", batch_size=4, max_seq_len=128,
+                     tokens_per_batch=256).token_efficiency(lengths) == 1.0

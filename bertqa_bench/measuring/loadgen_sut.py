@@ -395,14 +395,6 @@ def run_test(lg, sut: SUT, qsl, settings, out_dir: Path) -> dict:
     return read_result(out_dir)
 
 
-def plan_efficiency(plan, lengths: np.ndarray) -> float:
-    """Real tokens over the tokens the device computes for the bench's plan (packed: 1)."""
-    if plan.batching == "packed":
-        return 1.0
-    computed = sum(int(b.shape[0]) * int(b.shape[1]) for b in plan.batches)
-    return float(lengths.sum()) / max(1, computed)
-
-
 def _allow_recompiles(n_shapes: int) -> None:
     """torch.compile without dynamic shapes compiles once per shape, and dynamo stops at its
     recompile limit (8) and runs the rest eagerly, silently; a Server shape set (batch sizes x
@@ -559,7 +551,7 @@ def _execute(job) -> tuple[dict, Optional[dict]]:
             probe.end_phase("predict")
             record["sut"] = {"batches": sut.batches, "mean_batch_rows": sut.batch_rows / max(1, sut.batches),
                              "token_efficiency": sut.tokens_real / max(1, sut.tokens_computed),
-                             "bench_token_efficiency": plan_efficiency(plan, lengths),
+                             "bench_token_efficiency": plan.token_efficiency(lengths),
                              "max_batch": max_batch, "max_wait_us": cfg.server_max_wait_us,
                              "grouping": ("length-aware" if shapes.length_aware else "first come, first served"),
                              "length_aware": shapes.length_aware, "shapes": len(sut_shapes),

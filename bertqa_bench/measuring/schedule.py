@@ -65,6 +65,12 @@ class Plan:
     def real_tokens(self, lengths: np.ndarray) -> int:
         return int(sum(int(lengths[b.rows].sum()) for b in self.batches))
 
+    def token_efficiency(self, lengths: np.ndarray) -> float:
+        """Real tokens over the tokens the device computes (a packed batch computes real ones only)."""
+        if self.batching == "packed":
+            return 1.0
+        return self.real_tokens(lengths) / max(1, self.computed_tokens)
+
     def save(self, path: Path) -> Path:
         rows = np.concatenate([b.rows for b in self.batches]).astype(np.int64)
         counts = np.array([b.n_real for b in self.batches], dtype=np.int64)
