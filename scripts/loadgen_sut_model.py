@@ -127,7 +127,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for scenario in a.scenarios.split(","):
             sut = SUT(lg, device, inputs, lengths, codec, shapes, scenario=scenario, max_batch=max_batch,
-                      max_wait_us=lg_cfg.server_max_wait_us, token_budget=tokens,
+                      max_wait_us=lg_cfg.server_max_wait_us,
                       offline_plan=lambda lens: make_plan(lens, batching=a.batching, batch_size=b.batch_size,
                                                           max_seq_len=cfg.data.max_seq_len,
                                                           seq_multiple=b.seq_multiple,
@@ -139,7 +139,7 @@ def main() -> int:
                                     Path(tmp) / scenario / f"{qps:.6g}")
 
                 if scenario == "Server":
-                    sut.batches = sut.batch_rows = 0
+                    sut.reset_counts()
                     if a.server_qps:
                         r = at(a.server_qps)
                         best, runs = ((a.server_qps, r) if r.get("validity") == "VALID" else None), [(a.server_qps, r)]

@@ -256,7 +256,7 @@ def _server_sut(lengths, max_batch=256, budget=32768):
     lengths = np.asarray(lengths, dtype=np.int64)
     shapes = Shapes("sorted", 384, 64, max_batch, [8, 32, 128], token_budget=budget)
     sut = SUT(_FakeLoadGen(), None, {}, lengths, None, shapes, scenario="Server", max_batch=max_batch,
-              max_wait_us=2000, token_budget=budget, offline_plan=None)
+              max_wait_us=2000, offline_plan=None)
     sut._pending = [(float(k), k, k) for k in range(len(lengths))]  # (arrival, response id, feature)
     return sut, shapes
 
@@ -318,7 +318,7 @@ def test_server_take_chooses_what_the_plain_rule_chooses(batching):
         max_batch, budget = int(rng.choice([16, 64, 256])), int(rng.choice([4096, 32768]))
         shapes = Shapes(batching, 384, 64, max_batch, [8, 32, 128], token_budget=budget)
         sut = SUT(_FakeLoadGen(), None, {}, lengths, None, shapes, scenario="Server", max_batch=max_batch,
-                  max_wait_us=2000, token_budget=budget, offline_plan=None)
+                  max_wait_us=2000, offline_plan=None)
         arrivals = rng.permutation(n)  # the queue's order is arrival order, not feature order
         sut._pending = [(float(k), k, int(i)) for k, i in enumerate(arrivals)]
         while sut._pending:
@@ -360,7 +360,7 @@ def test_an_answer_that_cannot_be_encoded_is_still_sent_and_the_error_kept():
     lg = _RecordingLoadGen()
     shapes = Shapes("sorted", 384, 64, 8, token_budget=4096)
     sut = SUT(lg, None, {}, np.array([10, 20, 30]), Broken(), shapes, scenario="Server", max_batch=8,
-              max_wait_us=2000, token_budget=4096, offline_plan=None)
+              max_wait_us=2000, offline_plan=None)
     sut._respond([(0.0, 100, 0), (0.0, 101, 1), (0.0, 102, 2)], {"start_logits": np.zeros((3, 4))})
     sut._respond([(0.0, 103, 0)], None)
     sut.close()  # joins the responder: everything handed to it is answered by now

@@ -144,16 +144,13 @@ class SUT:
     """The backend behind LoadGen's SystemUnderTest callbacks (see the module docstring)."""
 
     def __init__(self, lg, backend, inputs: dict, lengths: np.ndarray, codec: Codec, shapes: Shapes, *,
-                 scenario: str, max_batch: int, max_wait_us: int, token_budget: int, offline_plan: Callable):
+                 scenario: str, max_batch: int, max_wait_us: int, offline_plan: Callable):
         self.lg, self.backend, self.inputs, self.lengths = lg, backend, inputs, lengths
         self.codec, self.shapes, self.scenario = codec, shapes, scenario
-        self.max_batch, self.max_wait_s, self.token_budget = int(max_batch), max_wait_us / 1e6, int(token_budget)
+        self.max_batch, self.max_wait_s = int(max_batch), max_wait_us / 1e6
         self.offline_plan = offline_plan
         self.error: Optional[str] = None
-        self.batches = 0
-        self.batch_rows = 0
-        self.tokens_real = 0  # the batches' real tokens, and what the device computed (padding included)
-        self.tokens_computed = 0
+        self.reset_counts()
         # each feature's padded length, once (the batcher reads it for every pending sample)
         self.seq_of = np.array([shapes.seq(int(v)) for v in lengths], dtype=np.int64)
         # SingleStream answers on its own thread: a hand-off would only add to the latency
@@ -240,7 +237,7 @@ class SUT:
         anchor = int(seq_a[0])
         order = np.lexsort((np.arange(len(p)), seq_a > anchor, np.abs(seq_a - anchor))).tolist()
         seq, lens = seq_a.tolist(), self.lengths[idx].tolist()
-        packed, budget, ladder = self.shapes.packed, self.token_budget, self.shapes.ladder
+        packed, budget, ladder = self.shapes.packed, self.shapes.token_budget, self.shapes.ladder
         chosen, longest, real = [], 0, 0
         for k in order:
             n = len(chosen)
@@ -315,6 +312,10 @@ class SUT:
             return
         self._count(rows, batch["input_ids"].shape)
         self._respond(items, out)
+
+    def reset_counts(self) -> None:
+        """Batches, rows, and real and computed tokens (padding included) since the last reset."""
+        self.batches = self.batch_rows = self.tokens_real = self.tokens_computed = 0
 
     def _count(self, rows: np.ndarray, shape) -> None:
         real = int(self.lengths[rows].sum())
@@ -512,7 +513,7 @@ def _execute(job) -> tuple[dict, Optional[dict]]:
         perf_count = min(n, cfg.performance_sample_count or n)
         qsl = lg.ConstructQSL(n, perf_count, lambda s: None, lambda s: None)  # already in RAM
         sut = SUT(lg, backend, inputs, lengths, codec, shapes, scenario=scenario, max_batch=max_batch,
-                  max_wait_us=cfg.server_max_wait_us, token_budget=tokens,
+                  max_wait_us=cfg.server_max_wait_us,
                   offline_plan=lambda lens: make_plan(lens, batching=plan.batching, batch_size=spec["batch_size"],
                                                       max_seq_len=job.max_seq_len, seq_multiple=spec["seq_multiple"],
                                                       tokens_per_batch=spec.get("tokens_per_batch"),
@@ -528,7 +529,7 @@ def _execute(job) -> tuple[dict, Optional[dict]]:
             record["accuracy"] = run_test(lg, sut, qsl, test_settings(lg, cfg, scenario, "accuracy", target, **hints),
                                           out_root / "accuracy")
             record["accuracy_log"] = str(out_root / "accuracy" / "mlperf_log_accuracy.json")
-            sut.batches = sut.batch_rows = sut.tokens_real = sut.tokens_computed = 0  # the performance runs only
+            sut.reset_counts()  # from here on: the performance runs only
             if scenario == "Server" and spec.get("find_peak"):
                 def at(qps: float) -> dict:
                     return run_test(lg, sut, qsl, test_settings(lg, cfg, scenario, "performance", qps, **hints),
