@@ -86,18 +86,34 @@ def cmd_train(a) -> int:
     return 0
 
 
+def _check_resume_args(a) -> None:
+    if a.resume and (a.model or a.dev_file):
+        raise BenchError("--resume finishes a run with its own model and data; it takes no --model / --dev-file")
+
+
+def _bench_config(a, other_host: bool = False):
+    """(bundle to resume or None, config) of ``bench``/``bench-ddp``: the run's own with --resume,
+    else the suite's with --model/--dev-file. ``other_host``: a bench-ddp rank whose host may lack
+    the run's bundle (it lies on rank 0's); then its --suite/--set say what to load, and rank 0
+    refuses a model or evaluation set unlike its run's."""
+    from .suite import load_suite
+
+    if not a.resume:
+        return None, load_suite(_suite(a), a.overrides + _model_overrides(a))
+    _check_resume_args(a)
+    try:
+        return load_resume(a.resume, a.suite, a.overrides)
+    except BenchError as e:
+        if not other_host or not str(e).startswith("nothing to resume"):
+            raise
+        return None, load_suite(_suite(a), a.overrides)
+
+
 def cmd_bench(a) -> int:
     from .measuring.bench import run_bench
-    from .suite import load_suite
     from .reporting.tracking import Tracker
 
-    resume = None
-    if a.resume:
-        if a.model or a.dev_file:
-            raise BenchError("--resume finishes a run with its own model and data; it takes no --model / --dev-file")
-        resume, cfg = load_resume(a.resume, a.suite, a.overrides)
-    else:
-        cfg = load_suite(_suite(a), a.overrides + _model_overrides(a))
+    resume, cfg = _bench_config(a)
     _threads(cfg)
     tracker = Tracker(cfg.results_root, enabled=not a.no_mlflow)
     out = run_bench(cfg, backends=_backend_list(a.backends), run_id=a.run_id, tracker=tracker,
@@ -121,30 +137,18 @@ def cmd_bench_ddp(a) -> int:
     from .measuring.bench import run_bench
     from .measuring.ddp import is_dist_env
     from .measuring.ddp_launch import Cluster
-    from .suite import load_suite
     from .reporting.tracking import Tracker
 
     if not is_dist_env():
         raise BenchError("bench-ddp runs under torchrun (RANK and WORLD_SIZE unset): e.g. `torchrun --standalone "
                          "--nproc-per-node 2 -m bertqa_bench.cli bench-ddp --suite ci`, or `make bench-ddp`")
-    if a.resume and (a.model or a.dev_file):
-        raise BenchError("--resume finishes a run with its own model and data; it takes no --model / --dev-file")
+    _check_resume_args(a)  # refused on every rank before any group forms
     # The group first: a rank that cannot load its config then leaves a formed group (its peers'
     # next collective fails at once) instead of leaving the others waiting to form it.
     cluster = Cluster()
     if cluster.rank != 0:
         try:
-            if a.resume:
-                try:
-                    cfg = load_resume(a.resume, a.suite, a.overrides)[1]
-                except BenchError as e:
-                    # Another host: the run's bundle lies on rank 0's host; this rank's --suite/--set
-                    # say what to load, and rank 0 refuses a model or evaluation set unlike its run's.
-                    if not str(e).startswith("nothing to resume"):
-                        raise
-                    cfg = load_suite(_suite(a), a.overrides)
-            else:
-                cfg = load_suite(_suite(a), a.overrides + _model_overrides(a))
+            cfg = _bench_config(a, other_host=True)[1]
             _threads(cfg)
             cluster.serve(cfg, log=lambda m: print(f"[rank {cluster.rank}] {m}", flush=True))
         finally:
@@ -155,11 +159,7 @@ def cmd_bench_ddp(a) -> int:
         return 0
     error = ""
     try:
-        resume = None
-        if a.resume:
-            resume, cfg = load_resume(a.resume, a.suite, a.overrides)
-        else:
-            cfg = load_suite(_suite(a), a.overrides + _model_overrides(a))
+        resume, cfg = _bench_config(a)
         _threads(cfg)
         tracker = Tracker(cfg.results_root, enabled=not a.no_mlflow)
         out = run_bench(cfg, backends=_backend_list(a.backends), run_id=a.run_id, tracker=tracker,
