@@ -165,6 +165,9 @@ class ModelConfig:
             raise ConfigError("model.timing_only needs model.random_init (pretrained weights should be fine-tuned)")
 
 
+COMPILE_SCOPES = ("layers", "model")
+
+
 @dataclass
 class TrainConfig:
     epochs: float = 2.0
@@ -180,6 +183,14 @@ class TrainConfig:
     grad_accum: int = 1
     num_threads: Optional[int] = None
     compile: bool = False  # torch.compile the training step (dynamic shapes; static per bucket with seq_bucket)
+    # What `compile` compiles. "layers" (regional compilation): each block of the model's repeated
+    # layer stack (BertLayer, DistilBERT's TransformerBlock, ...) in place, the embeddings and the
+    # head eager. The blocks share one compiled graph per shape, so compiling costs one layer's
+    # trace per length bucket instead of the whole model's (117 s for 3 buckets of BERT-base on an
+    # H100, h100-train-speed.md), and DDP keeps its own bucketed all-reduce, overlapped with the
+    # backward, around the compiled blocks (no DDPOptimizer graph splitting). "model": the whole
+    # (DDP-wrapped) model as one compiled region, as before.
+    compile_scope: str = "layers"
     # Length buckets (issue 23). 0: every micro-batch is trimmed to its longest feature rounded up
     # to 8, as before (many shapes; `compile` then traces them dynamically). N > 0: rounded up to a
     # multiple of N instead (capped at the features' seq_len), so training sees at most
@@ -220,6 +231,8 @@ class TrainConfig:
             raise ConfigError("train.mixed_precision must be auto, fp16, bf16 or no")
         if self.seq_bucket < 0 or self.profile_steps < 0:
             raise ConfigError("train.seq_bucket and train.profile_steps must be >= 0")
+        if self.compile_scope not in COMPILE_SCOPES:
+            raise ConfigError(f"train.compile_scope {self.compile_scope!r} is unknown; valid: {', '.join(COMPILE_SCOPES)}")
         if self.ddp_bucket_cap_mb is not None and self.ddp_bucket_cap_mb <= 0:
             raise ConfigError("train.ddp_bucket_cap_mb must be positive (or null: DDP's default)")
         if self.loss_mask_padding is None:

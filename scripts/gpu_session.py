@@ -61,8 +61,9 @@ class Session:
         self.lock = lock or threading.Lock()  # lanes log from several threads
         self.lane, self.env = lane, dict(env or {})
 
-    def on_gpu(self, gpu: int) -> "Session":
-        """The same session for one lane: every step it runs sees only GPU ``gpu``."""
+    def on_gpu(self, gpu) -> "Session":
+        """The same session for one lane: every step it runs sees only GPU ``gpu`` (or the GPUs
+        of a string such as "2,3")."""
         return Session(self.out, f"[gpu{gpu}] ", on(gpu), self.log, self.lock)
 
     def say(self, msg: str) -> None:
@@ -144,11 +145,11 @@ def train(s: Session, a: float, env: dict | None = None) -> dict:
     return metrics
 
 
-def train_ddp(s: Session, tag: str, n_gpus: int, sets: list[str]) -> None:
+def train_ddp(s: Session, tag: str, n_gpus: int, sets: list[str], env: dict | None = None) -> None:
     """torchrun + DDP on ``n_gpus`` GPUs of this host (the Makefile's train-ddp)."""
     s.run(f"train-{tag}", [sys.executable, "-m", "torch.distributed.run", "--standalone",
                            f"--nproc_per_node={n_gpus}", "-m", "bertqa_bench.cli", "train", "--suite", SUITE,
-                           "--no-mlflow", *sets, *A], timeout=900)
+                           "--no-mlflow", *sets, *A], timeout=900, env=env)
 
 
 def train_scaling(s: Session, global_batch: int = 128, rows: int = 32, counts=(1, 2, 4), tag: str = "",
@@ -325,6 +326,29 @@ def step_train_speed(s: Session) -> list:
     return []
 
 
+def step_scale_out(s: Session) -> list:
+    """Issue 23 on a 4-GPU host: SQuAD-sized training (global batch 512, 128-token buckets, each
+    encoder layer compiled once per bucket, a 5-step profile on rank 0), then data-parallel
+    prediction on 1, 2 and 4 GPUs over NCCL, then training on 4 GPUs. First, side by side on
+    their own GPUs: one GPU at 256 and at 128 rows per micro-step, and 2 GPUs at 128 rows."""
+    recipe = [*SQUAD_SIZED, "--set", "train.batch_size=512", "--set", "train.seq_bucket=128",
+              "--set", "train.compile=true", "--profile-steps", "5"]
+
+    def run(lane: Session, gpus: int, rows: int) -> None:
+        name = f"bb-squad-r{rows}-gpus{gpus}"
+        # Inductor's caches off: every run pays its own compile (else the later runs would reuse
+        # the earlier runs' kernels and their whole-run rates would not compare)
+        train_ddp(lane, f"squad-r{rows}-gpus{gpus}", gpus,
+                  [*recipe, "--set", f"train.grad_accum={512 // (gpus * rows)}", "--set", f"model.name={name}"],
+                  env={"TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"})
+
+    lanes(lambda: run(s.on_gpu(0), 1, 256), lambda: run(s.on_gpu(1), 1, 128), lambda: run(s.on_gpu("2,3"), 2, 128))
+    # the checkpoint as a user's folder: no recipe check, so the sweep never retrains it
+    predict_scaling(s, ["--set", "model.checkpoint=models/bb-squad-r128-gpus1"])
+    run(s, 4, 128)
+    return []
+
+
 # Most important first: a machine goes back after 30 minutes, and each --status call packs
 # what is done so far.
 PLANS = {
@@ -347,6 +371,7 @@ PLANS = {
     "perf": [step_perf],
     "train-speed": [step_train_speed],
     "predict-scaling": [lambda s: predict_scaling(s, ["--set", f"model.name={model_name(MAIN)}"])],
+    "scale-out": [step_scale_out],
     "train-scaling": [lambda s: train_scaling(s, 512, 128, counts=(1, 2, 4), tag="squad-", sets=SQUAD_SIZED)],
 }
 

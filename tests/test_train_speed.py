@@ -92,11 +92,8 @@ def test_masked_loss_is_hf_loss_without_padding_and_does_not_see_padding():
     assert abs(hf[0] - hf[1]) > 1e-3
 
 
-def test_bucketed_steps_train_the_same_model_as_unbucketed_ones():
-    """Two AdamW steps on the same rows trimmed to 8 and padded to a 64-token bucket: the same
-    losses and weights up to float tolerance (the attention and the loss both mask padding)."""
-    b = [_batch(s) for s in (2, 3)]
-    results = []
+def _two_steps(b, results):
+    """Two AdamW steps on the batches ``b`` trimmed to 40 and padded to 64 tokens."""
     for to in (40, 64):
         model = _tiny_qa(5).train()
         for m in model.modules():  # dropout off: the two runs must draw nothing at random
@@ -113,6 +110,21 @@ def test_bucketed_steps_train_the_same_model_as_unbucketed_ones():
             opt.zero_grad(set_to_none=True)
             losses.append(float(loss.detach()))
         results.append((losses, grads, {k: v.detach().clone() for k, v in model.state_dict().items()}))
+
+
+def test_bucketed_steps_train_the_same_model_as_unbucketed_ones():
+    """Two AdamW steps on the same rows trimmed to 8 and padded to a 64-token bucket: the same
+    losses and weights up to float tolerance (the attention and the loss both mask padding)."""
+    b = [_batch(s) for s in (2, 3)]
+    results = []
+    # One thread: with several, the reductions split differently at 40 and at 64 columns, and
+    # Adam turns that rounding (1e-7) into weight differences of ~3e-5 (it failed run alone).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _two_steps(b, results)
+    finally:
+        torch.set_num_threads(threads)
     (l8, g8, w8), (l64, g64, w64) = results
     assert l8 == pytest.approx(l64, abs=1e-6)
     for a, c in zip(g8, g64):  # the gradients agree to float rounding
@@ -186,7 +198,8 @@ def test_ddp_options_reach_distributed_data_parallel(tmp_path):
 
 def test_two_gloo_processes_train_with_the_ddp_options(tiny_suite):
     """torchrun, 2 CPU processes: the trainer builds DDP with the configured options (read back
-    from the DDP object into train_metrics.json) and bucketed, padding-masked steps."""
+    from the DDP object into train_metrics.json) around regionally compiled layers, and bucketed,
+    padding-masked steps."""
     import subprocess
 
     from bertqa_bench.measuring.launcher import child_env
@@ -197,7 +210,7 @@ def test_two_gloo_processes_train_with_the_ddp_options(tiny_suite):
                           "-m", "bertqa_bench.cli", "train", "--suite", str(suite), "--no-mlflow",
                           "--set", "model.name=ddp-opts", "--set", "train.epochs=0.5",
                           "--set", "train.ddp_bucket_cap_mb=1", "--set", "train.ddp_static_graph=true",
-                          "--set", "train.seq_bucket=32"],
+                          "--set", "train.seq_bucket=32", "--set", "train.compile=true"],
                          env=child_env({"OMP_NUM_THREADS": "1"}), capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     m = json.loads((cfg.model_dir.parent / "ddp-opts" / "train_metrics.json").read_text())
@@ -205,6 +218,8 @@ def test_two_gloo_processes_train_with_the_ddp_options(tiny_suite):
     assert m["ddp"] == {"bucket_cap_mb": 1.0, "static_graph": True, "gradient_as_bucket_view": True}
     assert m["seq_bucket"] == 32 and m["loss_mask_padding"] is True and set(m["train_lengths"]) <= {32, 64, 96}
     assert m["train_rows"] == [4]  # 8 rows of a global batch / 2 processes, every micro-step
+    # DDP around the regionally compiled layers (DDP's own overlapped all-reduce, no DDPOptimizer)
+    assert m["compile_scope"] == "layers" and m["compiled_blocks"] == 2
 
 
 def test_profile_window_starts_half_way_and_fits():
@@ -266,3 +281,58 @@ def test_cli_profile_steps_sets_train_profile_steps(tiny_suite, monkeypatch):
     assert main(["train", "--suite", str(suite), "--no-mlflow", "--profile-steps", "4"]) == 0
     assert main(["train", "--suite", str(suite), "--no-mlflow", "--set", "train.profile_steps=2"]) == 0
     assert [c.train.profile_steps for c in got] == [4, 2]
+
+
+def test_repeated_blocks_find_each_familys_layer_stack_and_only_that():
+    from transformers import DistilBertConfig, DistilBertForQuestionAnswering
+
+    from bertqa_bench.training.train import compile_blocks, repeated_blocks
+
+    bert = _tiny_qa()
+    assert [n for n, _ in repeated_blocks(bert)] == ["bert.encoder.layer.0", "bert.encoder.layer.1"]
+    distil = DistilBertForQuestionAnswering(DistilBertConfig(vocab_size=100, dim=32, n_layers=3, n_heads=2,
+                                                             hidden_dim=64, max_position_embeddings=64))
+    assert [n for n, _ in repeated_blocks(distil)] == [f"distilbert.transformer.layer.{i}" for i in range(3)]
+    mixed = torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.ReLU()]), torch.nn.Linear(2, 2))
+    assert repeated_blocks(mixed) == []
+    with pytest.raises(ValueError, match="compile_scope=model"):
+        compile_blocks(mixed, dynamic=False)
+
+
+def test_compile_scope_is_checked_and_is_not_part_of_the_recipe(tiny_suite):
+    with pytest.raises(ConfigError, match="valid: layers, model"):
+        TrainConfig(compile_scope="encoder")
+    suite = tiny_suite(backends=["eager-fp32"])
+    assert model_recipe(load_suite(str(suite), ["train.compile=true", "train.compile_scope=model"])) == \
+        model_recipe(load_suite(str(suite)))
+
+
+def test_regionally_compiled_training_reaches_the_eager_model(tiny_suite, monkeypatch):
+    """train.compile with compile_scope=layers (each BertLayer compiled in place, one static graph
+    per 32-token bucket) trains the same model as the eager step, up to the fused kernels' float
+    rounding; the blocks are really compiled (dynamo compiled frames) and recorded."""
+    import torch._dynamo
+    from safetensors.torch import load_file
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    no_dropout = {**TINY_BERT, "num_hidden_layers": 3, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
+    suite = tiny_suite(backends=["eager-fp32"], model={"config_overrides": no_dropout})
+    sets = ["train.seq_bucket=32"]
+    a = load_suite(str(suite), sets + ["model.name=eager"])
+    b = load_suite(str(suite), sets + ["model.name=regional", "train.compile=true"])
+    ma = train(a, log=lambda m: None, evaluate=False)
+    torch._dynamo.reset()
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    mb = train(b, log=lambda m: None, evaluate=False)
+    assert mb["compile_scope"] == "layers" and mb["compiled_blocks"] == 3 and ma["compiled_blocks"] == 0
+    # the three layers share one graph per bucket shape (the loss adds its own): compiled per
+    # layer, there would be at least 3 per shape
+    graphs = counters["stats"]["unique_graphs"]
+    print("UG", graphs, mb["train_lengths"])
+    assert 0 < graphs < 3 * len(mb["train_lengths"]) + 1
+    wa, wb = load_file(a.model_dir / "model.safetensors"), load_file(b.model_dir / "model.safetensors")
+    worst = max(float((wa[k] - wb[k]).abs().max()) for k in wa if _compared(k))
+    assert worst < 1e-3, worst
+    assert abs(ma["final_loss"] - mb["final_loss"]) < 1e-3

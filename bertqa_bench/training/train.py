@@ -52,7 +52,7 @@ _EVAL_ONLY = {"dev_file", "max_eval_examples", "target_eval_features", "n_dev_co
 # loss (loss_mask_padding, which seq_bucket requires and which is in the recipe) the model is the
 # same up to numerics. DDP's options decide when gradients travel, not their sum; profile_steps
 # only watches.
-_HOW_FAST = {"num_threads", "compile", "grad_accum", "seq_bucket", "ddp_bucket_cap_mb", "ddp_static_graph",
+_HOW_FAST = {"num_threads", "compile", "compile_scope", "grad_accum", "seq_bucket", "ddp_bucket_cap_mb", "ddp_static_graph",
              "ddp_gradient_as_bucket_view", "profile_steps"}
 
 
@@ -153,6 +153,31 @@ def ddp_settings(ddp_model) -> dict:
     config), for train_metrics.json."""
     return {"bucket_cap_mb": ddp_model.bucket_bytes_cap / 2**20, "static_graph": bool(ddp_model.static_graph),
             "gradient_as_bucket_view": bool(ddp_model.gradient_as_bucket_view)}
+
+
+def repeated_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The model's repeated layer stack: the children of its largest ModuleList whose children
+    all share one class (BERT's ``encoder.layer``, DistilBERT's ``transformer.layer``, ...), with
+    their names. Empty when the model has none."""
+    best: list = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.ModuleList) and len(mod) > 1 and len({type(c) for c in mod}) == 1 \
+                and len(mod) > len(best):
+            best = [(f"{name}.{i}", c) for i, c in enumerate(mod)]
+    return best
+
+
+def compile_blocks(model: torch.nn.Module, dynamic: bool, **options) -> list[str]:
+    """Regional compilation: compile each of the model's repeated blocks in place (the blocks
+    share the compiled code, so a new shape is traced once, not once per layer); the rest of the
+    model stays eager. Returns the compiled blocks' names; raises when there are none."""
+    blocks = repeated_blocks(model)
+    if not blocks:
+        raise ValueError(f"train.compile_scope=layers: {type(model).__name__} has no repeated layer stack "
+                         f"(a ModuleList of one block class); use train.compile_scope=model")
+    for _, block in blocks:
+        block.compile(dynamic=dynamic, **options)
+    return [n for n, _ in blocks]
 
 
 def masked_span_loss(start_logits: torch.Tensor, end_logits: torch.Tensor, attention_mask: torch.Tensor,
@@ -391,6 +416,7 @@ def _train(cfg: SuiteConfig, *, log: Callable[[str], None], mlrun, evaluate: boo
     if world > 1:
         ddp_model = torch.nn.parallel.DistributedDataParallel(model, **ddp_kwargs(tc, device, local_rank))
     n_buckets = -(-features.seq_len // tc.seq_bucket) if tc.seq_bucket else None
+    step_fn, compiled_blocks = ddp_model, []
     if tc.compile and n_buckets:
         # A bounded set of shapes: the rows per micro-batch are fixed (full global batches only,
         # divisible by processes x accumulation steps) and the length takes at most n_buckets
@@ -400,9 +426,13 @@ def _train(cfg: SuiteConfig, *, log: Callable[[str], None], mlrun, evaluate: boo
 
         limit = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
         setattr(dynamo_config, limit, max(getattr(dynamo_config, limit), n_buckets + 8))
-        step_fn = torch.compile(ddp_model, dynamic=False)
-    else:
-        step_fn = torch.compile(ddp_model, dynamic=True) if tc.compile else ddp_model
+    if tc.compile and tc.compile_scope == "layers":
+        compiled_blocks = compile_blocks(model, dynamic=not n_buckets)
+        if rank == 0:
+            log(f"train: compiled the {len(compiled_blocks)} blocks of {compiled_blocks[0].rsplit('.', 1)[0]} "
+                f"({'static, one graph per length bucket' if n_buckets else 'dynamic shapes'})")
+    elif tc.compile:
+        step_fn = torch.compile(ddp_model, dynamic=not n_buckets)
     loss_fn = None
     if tc.loss_mask_padding:
         loss_fn = torch.compile(masked_span_loss, dynamic=not n_buckets) if tc.compile else masked_span_loss
@@ -523,6 +553,7 @@ def _train(cfg: SuiteConfig, *, log: Callable[[str], None], mlrun, evaluate: boo
         "final_loss": float(np.mean(losses[-5:])) if losses else float("nan"), "device": str(device),
         "device_name": device_name(device.type), "command": command, "date": time.strftime("%Y-%m-%d"),
         "world_size": world, "global_batch": tc.batch_size, "grad_accum": tc.grad_accum, "compile": tc.compile,
+        "compile_scope": tc.compile_scope if tc.compile else None, "compiled_blocks": len(compiled_blocks),
         "seq_bucket": tc.seq_bucket, "loss_mask_padding": tc.loss_mask_padding,
         # the distinct lengths (and rows) of this process's micro-batches: the shapes a compiled step saw
         "train_lengths": sorted({t for _, t in shapes}), "train_rows": sorted({r for r, _ in shapes}),
