@@ -98,6 +98,9 @@ def test_each_scenario_end_to_end_for_two_backends(suite, scenario, backends, se
         assert f"Scenario : {scenario}" in (perf / "mlperf_log_summary.txt").read_text()
         assert read_result(perf)["validity"] == "VALID"
         assert not list((out.run_dir / "loadgen" / name).rglob("mlperf_log_trace.json"))
+        if scenario != "SingleStream":  # predict's own rate in the LoadGen run, beside the bench's
+            rate = float(r.sut_batcher.rsplit("predict itself ", 1)[1].split()[0].replace(",", ""))
+            assert rate >= r.achieved_qps * 0.999, (rate, r.achieved_qps)  # predict is part of the run
     ref = rows["eager-fp32"]
     assert (out.run_dir / "loadgen" / "eager-fp32" / "accuracy" / "mlperf_log_accuracy.json").exists()
     if scenario == "SingleStream":
@@ -184,6 +187,23 @@ def test_find_peak_returns_the_highest_valid_target_within_its_precision():
     best, _ = find_peak(at, 5000.0, 0.05, 20)
     assert best is not None and best[0] <= capacity
     assert find_peak(lambda q: {"validity": "INVALID"}, 10.0, 0.05, 4)[0] is None
+
+
+def test_a_batch_encoded_at_once_gives_each_sample_its_own_answer():
+    """encode_batch (the responder's one masked copy) against encode (one sample at a time):
+    the same values for every sample, token outputs cut at each length, the rest whole, from a
+    padded batch with more rows than samples."""
+    rng = np.random.default_rng(1)
+    lengths = np.array([7, 1, 12, 4])
+    out = {"start_logits": rng.normal(size=(6, 12)).astype(np.float16),
+           "answer_type_logits": rng.normal(size=(6, 5)).astype(np.float32),
+           "end_logits": rng.normal(size=(6, 12)).astype(np.float32)}
+    codec = Codec(list(out), ("start_logits", "end_logits"), out)
+    buf, starts, sizes = codec.encode_batch(out, lengths)
+    assert buf.dtype == np.float32 and sizes == [2 * n + 5 for n in lengths.tolist()]
+    for k, n in enumerate(lengths.tolist()):
+        assert np.array_equal(buf[starts[k]:starts[k] + sizes[k]], codec.encode(out, k, n))
+    assert starts[-1] + sizes[-1] == len(buf)
 
 
 def test_codec_and_accuracy_log_decoding_round_trip(tmp_path):
@@ -352,10 +372,8 @@ def test_an_answer_that_cannot_be_encoded_is_still_sent_and_the_error_kept():
     from bertqa_bench.measuring.loadgen_sut import SUT
 
     class Broken:
-        def encode(self, out, k, length):
-            if k == 1:
-                raise ValueError("row 1 has no logits")
-            return np.zeros(4, np.float32)
+        def encode_batch(self, out, lengths):
+            raise ValueError("row 1 has no logits")
 
     lg = _RecordingLoadGen()
     shapes = Shapes("sorted", 384, 64, 8, token_budget=4096)

@@ -103,6 +103,8 @@ def _fill_scenario(r, rec: dict, scenario: str) -> None:
                          (f"batch of one at its own length, in {sut['shapes']} length buckets" if sut["length_aware"]
                           else "batch of one, padded to max_seq_len") if scenario == "SingleStream" else
                          "the bench plan over LoadGen's query")
+        if scenario != "SingleStream" and sut.get("predict_features_per_s"):
+            r.sut_batcher += f"; predict itself {sut['predict_features_per_s']:,.0f} features/s"
     bench = rec.get("bench")
     if bench:
         r.bench_features_per_s = bench["features_per_s"]

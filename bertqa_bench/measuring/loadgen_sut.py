@@ -139,6 +139,24 @@ class Codec:
         parts = [out[n][i, :length] if kind == "token" else np.ravel(out[n][i]) for n, kind in self.layout]
         return np.ascontiguousarray(np.concatenate(parts), dtype=np.float32)
 
+    def encode_batch(self, out: dict, lengths: np.ndarray) -> tuple[np.ndarray, list, list]:
+        """A batch's answers in one float32 buffer: sample k's are ``sizes[k]`` values from
+        ``starts[k]``, the same values as ``encode(out, k, lengths[k])``. One masked copy instead
+        of numpy calls per sample: the responder holds the GIL while it encodes, and a backend
+        whose predict does Python work (the packed rows) waits for it meanwhile."""
+        n = len(lengths)
+        cols, masks = [], []
+        for name, kind in self.layout:
+            a = np.asarray(out[name][:n], dtype=np.float32).reshape(n, -1)
+            cols.append(a)
+            masks.append(np.arange(a.shape[1])[None, :] < np.asarray(lengths)[:, None] if kind == "token"
+                         else np.ones(a.shape, dtype=bool))
+        mask = np.concatenate(masks, axis=1)
+        buf = np.concatenate(cols, axis=1)[mask]  # row-major: each sample's parts in layout order
+        sizes = mask.sum(axis=1)
+        starts = np.cumsum(sizes) - sizes
+        return buf, starts.tolist(), sizes.tolist()
+
 
 class SUT:
     """The backend behind LoadGen's SystemUnderTest callbacks (see the module docstring)."""
@@ -272,17 +290,22 @@ class SUT:
         """Every sample handed here is answered: LoadGen waits for each one without a time limit,
         so an answer that cannot be encoded is sent empty and the error kept (the job fails)."""
         lg = self.lg
-        bufs = []
+        buf = None
         try:
             if out is not None:
-                bufs = [self.codec.encode(out, k, int(self.lengths[idx])) for k, (_, _, idx) in enumerate(items)]
+                lengths = self.lengths[np.fromiter((idx for _, _, idx in items), dtype=np.int64, count=len(items))]
+                buf, starts, sizes = self.codec.encode_batch(out, lengths)
         except BaseException as e:  # noqa: BLE001
             traceback.print_exception(e)
             self.error = self.error or f"{type(e).__name__}: {e}"
-            bufs = []
-        # bufs stay alive until QuerySamplesComplete has copied what it logs
-        responses = ([lg.QuerySampleResponse(rid, b.ctypes.data, b.nbytes) for (_, rid, _), b in zip(items, bufs)]
-                     if bufs else [lg.QuerySampleResponse(rid, 0, 0) for _, rid, _ in items])
+            buf = None
+        # buf stays alive until QuerySamplesComplete has copied what it logs
+        if buf is not None:
+            base, w = buf.ctypes.data, buf.itemsize
+            responses = [lg.QuerySampleResponse(rid, base + w * s, w * n)
+                         for (_, rid, _), s, n in zip(items, starts, sizes)]
+        else:
+            responses = [lg.QuerySampleResponse(rid, 0, 0) for _, rid, _ in items]
         lg.QuerySamplesComplete(responses)
 
     def _respond_loop(self) -> None:
@@ -306,19 +329,24 @@ class SUT:
         try:
             rows = np.array([i for _, _, i in items], dtype=np.int64)
             batch = self._batch(rows)
+            t0 = time.perf_counter()
             out = self.backend.predict(batch)
+            dt = time.perf_counter() - t0
         except BaseException as e:  # noqa: BLE001
             self._fail(e, items)
             return
-        self._count(rows, batch["input_ids"].shape)
+        self._count(rows, batch["input_ids"].shape, dt)
         self._respond(items, out)
 
     def reset_counts(self) -> None:
-        """Batches, rows, and real and computed tokens (padding included) since the last reset."""
+        """Batches, rows, real and computed tokens (padding included) and the seconds spent in
+        the backend's predict since the last reset."""
         self.batches = self.batch_rows = self.tokens_real = self.tokens_computed = 0
+        self.predict_s = 0.0
 
-    def _count(self, rows: np.ndarray, shape) -> None:
+    def _count(self, rows: np.ndarray, shape, predict_s: float) -> None:
         real = int(self.lengths[rows].sum())
+        self.predict_s += predict_s
         self.batches += 1
         self.batch_rows += len(rows)
         self.tokens_real += real
@@ -334,11 +362,14 @@ class SUT:
                 self._respond(part, None)
                 continue
             try:
-                out = self.backend.predict(batch_inputs(self.inputs, Batch(idx[b.rows], b.shape)))
+                x = batch_inputs(self.inputs, Batch(idx[b.rows], b.shape))
+                t0 = time.perf_counter()
+                out = self.backend.predict(x)
+                dt = time.perf_counter() - t0
             except BaseException as e:  # noqa: BLE001
                 self._fail(e, part)
                 continue
-            self._count(idx[b.rows], b.shape)
+            self._count(idx[b.rows], b.shape, dt)
             self._respond(part, out)
 
     def _fail(self, e: BaseException, items: list) -> None:
@@ -550,7 +581,12 @@ def _execute(job) -> tuple[dict, Optional[dict]]:
             # Energy stays the bench passes' (above): a Server run's joules include idle time
             # between arrivals, which says more about the target QPS than about the backend.
             probe.end_phase("predict")
+            # predict's own rate in the performance runs, beside the bench's: equal rates put a
+            # LoadGen shortfall outside predict (batch formation, inputs, answers, LoadGen itself);
+            # a lower one in predict (the device ran slower, or other batches)
             record["sut"] = {"batches": sut.batches, "mean_batch_rows": sut.batch_rows / max(1, sut.batches),
+                             "predict_s": sut.predict_s,
+                             "predict_features_per_s": sut.batch_rows / sut.predict_s if sut.predict_s else None,
                              "token_efficiency": sut.tokens_real / max(1, sut.tokens_computed),
                              "bench_token_efficiency": plan.token_efficiency(lengths),
                              "max_batch": max_batch, "max_wait_us": cfg.server_max_wait_us,
