@@ -344,7 +344,7 @@ def step_scale_out(s: Session) -> list:
 
     lanes(lambda: run(s.on_gpu(0), 1, 256), lambda: run(s.on_gpu(1), 1, 128), lambda: run(s.on_gpu("2,3"), 2, 128))
     # the checkpoint as a user's folder: no recipe check, so the sweep never retrains it
-    predict_scaling(s, ["--set", "model.checkpoint=models/bb-squad-r128-gpus1"])
+    predict_scaling(s, ["--set", "model.checkpoint=models/bb-squad-r128-gpus1", "--set", "model.grow_from=null"])
     run(s, 4, 128)
     return []
 

@@ -24,6 +24,25 @@ def test_rows_of_one_recipe_form_one_series_whatever_the_model_is_called():
     assert a.rows_per_gpu == b.rows_per_gpu == 16  # 64 = 1 x 4 x 16 = 4 x 1 x 16
 
 
+def test_the_last_epoch_has_its_own_rate_and_efficiency_and_compiled_runs_their_own_series():
+    """A compiled run pays its compilation in the first epoch: the last epoch's rate is taken
+    apart (samples of one epoch over its time), with its own efficiency; compiled and eager runs
+    of one recipe are not compared."""
+    one = _metrics(1, 100.0, accum=4, train_epoch_s=[7.0, 3.0], compile=True, compile_scope="layers", seq_bucket=64)
+    four = _metrics(4, 250.0, accum=1, train_epoch_s=[3.0, 1.0], compile=True, compile_scope="layers", seq_bucket=64)
+    eager = _metrics(4, 300.0, accum=1, train_epoch_s=[2.0, 1.3])
+    rows = with_efficiency([train_row(m, host="h") for m in (one, four, eager)])
+    assert rows[0].series == rows[1].series != rows[2].series
+    assert "compiled (layers), 64-token buckets" in rows[0].series
+    # 1000 samples over 2 epochs: 500 in the last one, in 3 s (1 GPU) and 1 s (4 GPUs)
+    assert rows[0].last_epoch_samples_per_s == pytest.approx(500 / 3.0)
+    assert rows[1].last_epoch_samples_per_s == pytest.approx(500 / 1.0)
+    assert rows[1].efficiency == pytest.approx(250 / 400)
+    assert rows[1].last_epoch_efficiency == pytest.approx(500 / (4 * 500 / 3.0))
+    assert rows[2].efficiency is None and rows[2].last_epoch_efficiency is None  # no 1-GPU row of its own
+    assert train_row(_metrics(1, 100.0), host="h").last_epoch_samples_per_s is None  # one epoch: nothing apart
+
+
 def test_efficiency_is_taken_against_the_one_gpu_row_of_the_same_host_and_series():
     rows = [ScalingRow("train", 1, "X", "A", "s", 100.0), ScalingRow("train", 2, "X", "A", "s", 180.0),
             ScalingRow("train", 1, "X", "B", "s", 50.0), ScalingRow("train", 4, "X", "B", "s", 150.0),

@@ -3,9 +3,12 @@
 Training rows come from each model's ``train_metrics.json`` (one torchrun per GPU count),
 prediction rows from a sweep's result bundle over ``--devices`` (one row per GPU count). Scaling
 efficiency is samples/s on N GPUs over N x the 1-GPU samples/s *of the same series on the same
-host*: a series is one recipe (training: every recipe field but the model's name, and the rows each
-GPU computes per micro-step; prediction: backend, batching and batch size), so a ratio is never
-taken across recipes, machines or runs of another kind.
+host*: a series is one recipe (training: every recipe field but the model's name, the rows each
+GPU computes per micro-step, and whether the step was compiled, on which length buckets;
+prediction: backend, batching and batch size), so a ratio is never taken across recipes, machines
+or runs of another kind. Training rows also give the last epoch's rate and its efficiency: a
+compiled run pays its compilation (once per length bucket, on every rank at once) in the first
+epoch, so the whole run's rate mixes a fixed cost into what scales.
 
     bertqa-bench scaling hostA:models/m-gpus1 hostA:models/m-gpus2 hostA:results/predict-run \\
         --out results/reference/h100-scaling --title "..."
@@ -38,6 +41,8 @@ class ScalingRow:
     dev_f1: Optional[float] = None
     dev_em: Optional[float] = None
     efficiency: Optional[float] = None
+    last_epoch_samples_per_s: Optional[float] = None  # training: the last epoch alone (None for one epoch)
+    last_epoch_efficiency: Optional[float] = None
     parity: str = ""  # prediction: the row's parity verdict against its run's reference (training: n/a)
     global_batch: Optional[int] = None
     rows_per_gpu: Optional[int] = None  # rows per GPU per micro-step (training) / batch size (prediction)
@@ -69,13 +74,19 @@ def train_row(metrics: dict, *, host: str, source: str = "", card: str = "", dat
     rows = gb // (world * accum)
     recipe = {k: v for k, v in (metrics.get("recipe_fields") or {}).items() if k != "model.name"}
     card = metrics.get("device_name") or card
+    how = (f", compiled ({metrics.get('compile_scope') or 'model'})" if metrics.get("compile") else "") \
+        + (f", {metrics['seq_bucket']}-token buckets" if metrics.get("seq_bucket") else "")
+    epochs = metrics.get("train_epoch_s") or []
+    sps = float(need("train_samples_per_s"))
+    last = (sps * float(metrics["train_s"]) / len(epochs) / float(epochs[-1])
+            if len(epochs) > 1 and metrics.get("train_s") and epochs[-1] else None)
     if not card:
         raise BenchError(f"{source}: the metrics do not name the GPU (saved before 'device_name' existed); "
                          "pass --card")
     return ScalingRow(
         job="train", n_gpus=world, card=card, host=host,
-        series=f"train {_series_id(recipe)}: global batch {gb}, {rows} rows/GPU, {need('train_features')} features",
-        samples_per_s=float(need("train_samples_per_s")), dev_f1=metrics.get("dev_f1"),
+        series=f"train {_series_id(recipe)}: global batch {gb}, {rows} rows/GPU, {need('train_features')} features{how}",
+        samples_per_s=sps, last_epoch_samples_per_s=last, dev_f1=metrics.get("dev_f1"),
         dev_em=metrics.get("dev_exact_match"), global_batch=gb, rows_per_gpu=rows, grad_accum=accum,
         train_features=metrics.get("train_features"), train_steps=metrics.get("train_steps"),
         train_s=metrics.get("train_s"), gpu_util_mean_pct=metrics.get("gpu_utilization_mean_pct"),
@@ -104,9 +115,15 @@ def predict_rows(bundle: RunBundle, *, host: str) -> list[ScalingRow]:
 
 def with_efficiency(rows: list[ScalingRow]) -> list[ScalingRow]:
     """Efficiency against the 1-GPU row of the same job, host and series (None where there is none)."""
-    one = {(r.job, r.host, r.series): r.samples_per_s for r in rows if r.n_gpus == 1}
-    return [dataclasses.replace(r, efficiency=(r.samples_per_s / (r.n_gpus * one[k]))
-                                if (k := (r.job, r.host, r.series)) in one else None) for r in rows]
+    one = {(r.job, r.host, r.series): r for r in rows if r.n_gpus == 1}
+
+    def eff(r: ScalingRow, field: str) -> Optional[float]:
+        base = one.get((r.job, r.host, r.series))
+        mine, theirs = getattr(r, field), getattr(base, field) if base else None
+        return mine / (r.n_gpus * theirs) if mine and theirs else None
+
+    return [dataclasses.replace(r, efficiency=eff(r, "samples_per_s"),
+                                last_epoch_efficiency=eff(r, "last_epoch_samples_per_s")) for r in rows]
 
 
 def commands_from_log(text: str) -> dict[str, str]:
@@ -144,6 +161,10 @@ def _num(v: Optional[float], digits: int = 2) -> str:
     return "—" if v is None else f"{v:.{digits}f}"
 
 
+def _pct(v: Optional[float]) -> str:
+    return "—" if v is None else f"{v:.1%}"
+
+
 def markdown(rows: list[ScalingRow], title: str, notes: str = "") -> str:
     lines = [f"# {title}", ""] + ([notes.strip(), ""] if notes else [])
     groups: dict[tuple, list[ScalingRow]] = {}
@@ -153,12 +174,17 @@ def markdown(rows: list[ScalingRow], title: str, notes: str = "") -> str:
         rs = sorted(rs, key=lambda r: r.n_gpus)
         unit = "training samples/s" if job == "train" else "features/s"
         lines += [f"## {series} — {host}, {rs[0].card}", "",
-                  f"| GPUs | {unit} | scaling efficiency | dev EM | dev F1 |"
+                  f"| GPUs | {unit} | scaling efficiency |"
+                  + (" last epoch samples/s | last epoch efficiency |" if job == "train" else "")
+                  + " dev EM | dev F1 |"
                   + (" time (s) | mean GPU util (rank 0) |" if job == "train" else " parity (same run) |"),
-                  "|---|---|---|---|---|" + ("---|---|" if job == "train" else "---|")]
+                  "|---|---|---|---|---|" + ("---|---|---|---|" if job == "train" else "---|")]
         for r in rs:
-            eff = f"{r.efficiency:.1%}" if r.efficiency is not None else "—"
-            lines.append(f"| {r.n_gpus} | {r.samples_per_s:,.0f} | {eff} | {_num(r.dev_em)} | {_num(r.dev_f1)} |"
+            lines.append(f"| {r.n_gpus} | {r.samples_per_s:,.0f} | {_pct(r.efficiency)} |"
+                         + (f" {'—' if r.last_epoch_samples_per_s is None else f'{r.last_epoch_samples_per_s:,.0f}'} |"
+                            f" {_pct(r.last_epoch_efficiency)} |"
+                            if job == "train" else "")
+                         + f" {_num(r.dev_em)} | {_num(r.dev_f1)} |"
                          + (f" {_num(r.train_s, 1)} | {_num(r.gpu_util_mean_pct, 0)}% |" if job == "train"
                             else f" {r.parity or '—'} |"))
         lines += ["", "Commands (" + ", ".join(sorted({r.date for r in rs if r.date})) + "):", ""]
