@@ -43,10 +43,12 @@ class SimulatedDevice:
 
     name = "simulated-device"
 
-    def __init__(self, max_rows: int, max_seq: int, packed: bool, launch_us: float, seed: int = 0):
+    def __init__(self, max_rows: int, max_seq: int, packed: bool, launch_us: float, seed: int = 0,
+                 host_us: float = 0.0):
         rng = np.random.default_rng(seed)
         self.logits = rng.standard_normal((max_rows, max_seq)).astype(np.float32)  # rows >= any batch's
         self.packed, self.launch_s, self.tokens_per_s = packed, launch_us / 1e6, 1e9
+        self.host_s = host_us / 1e6
 
     def tokens(self, batch: dict) -> int:
         mask = batch["attention_mask"]
@@ -54,6 +56,11 @@ class SimulatedDevice:
 
     def predict(self, batch: dict) -> dict:
         b, s = batch["input_ids"].shape
+        # a real backend's host side of predict (packing, launches, output copies) holds the GIL:
+        # Python work, so the SUT's other threads (the responder) compete with it for the GIL
+        end = time.perf_counter() + self.host_s
+        while time.perf_counter() < end:
+            pass
         time.sleep(self.launch_s + self.tokens(batch) / self.tokens_per_s)
         return {"start_logits": self.logits[:b, :s], "end_logits": self.logits[:b, :s]}
 
@@ -72,6 +79,8 @@ def main() -> int:
     ap.add_argument("--batching", default="sorted", choices=["padded", "sorted", "packed"])
     ap.add_argument("--bench-fps", type=float, required=True, help="the GPU row's bench features/s to simulate")
     ap.add_argument("--launch-us", type=float, default=100.0, help="device time per batch beside its tokens")
+    ap.add_argument("--host-us", type=float, default=0.0,
+                    help="host time per batch inside predict that holds the GIL (Python work; part of the bench rate)")
     ap.add_argument("--set", dest="overrides", action="append", default=[],
                     help="suite overrides, e.g. loadgen.server_max_wait_us=10000")
     ap.add_argument("--scenarios", default="Offline,Server")
@@ -98,8 +107,9 @@ def main() -> int:
     max_batch = int(lg_cfg.server_max_batch or b.batch_size)
     tokens = b.tokens_per_batch or max_batch * cfg.data.max_seq_len
     device = SimulatedDevice(max(max_batch, b.max_batch_rows or 0, 256), cfg.data.max_seq_len,
-                             a.batching == "packed", a.launch_us)
+                             a.batching == "packed", a.launch_us, host_us=a.host_us)
     # calibrate: device time over the plan = n / bench_fps, less the host time of the loop itself
+    # (with --host-us, predict's own host part included)
     total_tokens = sum(device.tokens(batch_inputs(inputs, x)) for x in plan.batches)
     device.tokens_per_s, device.launch_s = 1e18, 0.0  # the loop's host time alone
     host_s = len(lengths) / bench(device, inputs, plan)
@@ -111,7 +121,8 @@ def main() -> int:
     fps = float(np.median([bench(device, inputs, plan) for _ in range(3)]))
     out = {"features": len(lengths), "batching": a.batching, "bench_fps": fps, "target_bench_fps": a.bench_fps,
            "bench_token_efficiency": plan.token_efficiency(lengths),
-           "host_s_per_pass": host_s, "launch_us": a.launch_us, "max_wait_us": lg_cfg.server_max_wait_us,
+           "host_s_per_pass": host_s, "launch_us": a.launch_us, "host_us": a.host_us,
+           "max_wait_us": lg_cfg.server_max_wait_us,
            "max_batch": max_batch, "token_budget": tokens}
     print(f"{len(lengths)} features ({a.batching}); simulated bench {fps:,.0f} features/s "
           f"(asked {a.bench_fps:,.0f}; host loop alone {len(lengths) / host_s:,.0f}/s)", flush=True)
