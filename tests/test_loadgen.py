@@ -384,3 +384,54 @@ def test_an_answer_that_cannot_be_encoded_is_still_sent_and_the_error_kept():
     sut.close()  # joins the responder: everything handed to it is answered by now
     assert sorted(lg.answered) == [(100, 0, 0), (101, 0, 0), (102, 0, 0), (103, 0, 0)]
     assert sut.error == "ValueError: row 1 has no logits"
+
+
+def test_offline_gathers_each_batch_ahead_and_answers_every_sample_when_one_fails():
+    """Offline builds batch k+1's host arrays on a helper thread while batch k runs: the backend
+    gets exactly the bench plan's batches, in order. When a batch's predict raises, the error is
+    kept and that batch and every later one are answered empty (the row fails; LoadGen must still
+    hear of every sample), while the batches before it keep their answers."""
+    from bertqa_bench.measuring.loadgen_sut import SUT
+    from bertqa_bench.measuring.schedule import Batch, batch_inputs, make_plan
+
+    rng = np.random.default_rng(3)
+    n, seq = 40, 32
+    lengths = rng.integers(4, seq + 1, n)
+    inputs = {"input_ids": rng.integers(5, 100, (n, seq)), "attention_mask": (np.arange(seq) < lengths[:, None]) * 1,
+              "token_type_ids": np.zeros((n, seq), np.int64)}
+
+    def plan_of(lens):
+        return make_plan(lens, batching="sorted", batch_size=8, max_seq_len=seq, seq_multiple=8,
+                         tokens_per_batch=64, max_batch_rows=8)
+
+    class Backend:
+        seen: list = []
+        fail_at = 4
+
+        def predict(self, x):
+            self.seen.append({k: v.copy() for k, v in x.items()})
+            if len(self.seen) == self.fail_at:
+                raise RuntimeError("batch 4 fell over")
+            b, s = x["input_ids"].shape
+            return {"start_logits": np.ones((b, s), np.float32), "end_logits": np.ones((b, s), np.float32)}
+
+    lg = _RecordingLoadGen()
+    example = {"start_logits": np.zeros((1, seq), np.float32), "end_logits": np.zeros((1, seq), np.float32)}
+    codec = Codec(["start_logits", "end_logits"], ("start_logits", "end_logits"), example)
+    backend = Backend()
+    sut = SUT(lg, backend, inputs, lengths, codec, Shapes("sorted", seq, 8, 8, token_budget=64), scenario="Offline",
+              max_batch=8, max_wait_us=2000, offline_plan=plan_of)
+    order = rng.permutation(n)
+    items = [(0.0, 1000 + int(i), int(i)) for i in order]
+    sut._offline(items)
+    sut.close()
+    plan = plan_of(lengths[order])
+    expected = [batch_inputs(inputs, Batch(order[b.rows], b.shape)) for b in plan.batches]
+    assert len(expected) > Backend.fail_at and len(backend.seen) == Backend.fail_at  # nothing runs after it
+    for got, want in zip(backend.seen, expected):
+        assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in want)
+    assert sorted(rid for rid, _, _ in lg.answered) == sorted(1000 + i for i in range(n))
+    empty = {1000 + int(order[r]) for b in plan.batches[Backend.fail_at - 1:] for r in b.rows}
+    assert {rid for rid, _, size in lg.answered if size == 0} == empty
+    assert all(size == 2 * int(lengths[rid - 1000]) * 4 for rid, _, size in lg.answered if rid not in empty)
+    assert sut.error == "RuntimeError: batch 4 fell over"
