@@ -36,7 +36,7 @@ How each scenario reaches the backend (``predict`` is synchronous, one batch at 
 * Offline — the one query is planned exactly like ``bench`` plans the evaluation set
   (schedule.make_plan with the variant's batching), batches answered as they finish; each
   batch's host arrays are gathered one batch ahead on a helper thread (the bench builds them
-  before its clock), which the CPU model of this SUT puts at +2.8 points for the packed FP8 row.
+  before its clock), which the CPU model of this SUT puts at about +3 points for the packed FP8 row.
 
 In Server and Offline, a responder thread encodes each batch's answers and hands them to LoadGen
 (``QuerySamplesComplete``) while the next batch runs. ``scripts/
