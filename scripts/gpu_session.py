@@ -129,10 +129,26 @@ def cpu_gate(s: Session):
                       "PYTHONPATH": f"/root/gate-site:/root/device-site:{ROOT}"}, background=True)
 
 
+# Lanes that need the same model (``loadgen-rest+loadgen-offline``): the first trains it, the
+# others wait for it, then use it (two lanes writing one model folder at once would race).
+_TRAINING: dict[str, threading.Lock] = {}
+_TRAINED: set = set()
+_TRAINING_LOCK = threading.Lock()
+
+
 def train(s: Session, a: float, env: dict | None = None) -> dict:
     name = model_name(a)
-    s.run(f"train-{name}", ["cli", "train", "--suite", SUITE, "--no-mlflow", "--set", f"model.name={name}",
-                            "--set", f"data.synthetic.ambiguity={a}"], timeout=900, env=env)
+    with _TRAINING_LOCK:
+        lock = _TRAINING.setdefault(name, threading.Lock())
+    with lock:
+        if name in _TRAINED:
+            s.say(f"train-{name}: trained by another lane of this session; using it")
+        else:
+            code = s.run(f"train-{name}", ["cli", "train", "--suite", SUITE, "--no-mlflow", "--set",
+                                           f"model.name={name}", "--set", f"data.synthetic.ambiguity={a}"],
+                         timeout=900, env=env)
+            if code == 0:
+                _TRAINED.add(name)
     m = ROOT / "models" / name / "train_metrics.json"
     metrics = json.loads(m.read_text()) if m.exists() else {}
     s.say(f"calibration ambiguity={a}: dev F1 {metrics.get('dev_f1', float('nan')):.2f} "

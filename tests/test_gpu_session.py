@@ -59,3 +59,30 @@ def test_more_lanes_than_gpus_are_refused_and_a_failing_lane_is_logged(gs, tmp_p
     assert gs.main_run(["boom+a"], tmp_path / "2") == 0
     log = (tmp_path / "2" / "driver.log").read_text()
     assert "[gpu0] lane failed: RuntimeError: no such model" in log and "[gpu1] end a: exit 0" in log
+
+
+def test_lanes_that_need_one_model_train_it_once(gs, tmp_path, monkeypatch):
+    """Two lanes calling train() for the same model: one trains while the other waits, then the
+    waiting lane uses that model instead of training it again over the same folder."""
+    import threading
+    import time
+
+    running, overlaps, calls = [0], [], []
+    guard = threading.Lock()
+
+    def fake_run(self, name, args, **kw):
+        with guard:
+            running[0] += 1
+            overlaps.append(running[0])
+            calls.append(name)
+        time.sleep(0.2)
+        with guard:
+            running[0] -= 1
+        return 0
+
+    monkeypatch.setattr(gs.Session, "run", fake_run)
+    s = gs.Session(tmp_path)
+    gs.lanes(lambda: gs.train(s.on_gpu(0), 0.2), lambda: gs.train(s.on_gpu(1), 0.2), lambda: gs.train(s, 0.3))
+    assert sorted(calls) == ["train-bert-base-grown-hard-a20", "train-bert-base-grown-hard-a30"]
+    assert "trained by another lane of this session" in (tmp_path / "driver.log").read_text()
+    assert max(overlaps) == 2  # the two different models did train side by side
