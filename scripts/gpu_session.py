@@ -382,8 +382,9 @@ PLANS = {
     "loadgen-rest": [lambda s: train(s, MAIN), lambda s: loadgen(
         s, "Server", "ort-cuda-fp16-graph-sorted,torch-compile-fp8-packed-graph",
         extra=("--find-peak-qps", *LOADGEN_SERVER_LENGTH_AWARE), timeout=1500)],
-    # the Offline cross-check against bench on the GPU (needs the suite's model: trains it if missing)
-    "loadgen-offline": [lambda s: loadgen(s, "Offline", LOADGEN_OFFLINE, timeout=900)],
+    # the Offline cross-check against bench on the GPU, with the suite's model (trained here unless
+    # this session or another lane already did)
+    "loadgen-offline": [lambda s: train(s, MAIN), lambda s: loadgen(s, "Offline", LOADGEN_OFFLINE, timeout=900)],
     "perf": [step_perf],
     "train-speed": [step_train_speed],
     "predict-scaling": [lambda s: predict_scaling(s, ["--set", f"model.name={model_name(MAIN)}"])],
