@@ -293,6 +293,10 @@ def test_repeated_blocks_find_each_familys_layer_stack_and_only_that():
     distil = DistilBertForQuestionAnswering(DistilBertConfig(vocab_size=100, dim=32, n_layers=3, n_heads=2,
                                                              hidden_dim=64, max_position_embeddings=64))
     assert [n for n, _ in repeated_blocks(distil)] == [f"distilbert.transformer.layer.{i}" for i in range(3)]
+    # every block is compiled in place (Module.compile), not just named
+    assert compile_blocks(bert, dynamic=False) == [n for n, _ in repeated_blocks(bert)]
+    assert all(getattr(b, "_compiled_call_impl", None) is not None for _, b in repeated_blocks(bert))
+    assert getattr(bert.bert.embeddings, "_compiled_call_impl", None) is None  # the rest stays eager
     mixed = torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.ReLU()]), torch.nn.Linear(2, 2))
     assert repeated_blocks(mixed) == []
     with pytest.raises(ValueError, match="compile_scope=model"):
