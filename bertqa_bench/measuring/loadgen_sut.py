@@ -139,6 +139,8 @@ class Codec:
                        for n in output_names]
 
     def encode(self, out: dict, i: int, length: int) -> np.ndarray:
+        """Sample ``i``'s answer on its own: the plain definition, which encode_batch must equal
+        (the responder uses encode_batch; the tests hold the two together)."""
         parts = [out[n][i, :length] if kind == "token" else np.ravel(out[n][i]) for n, kind in self.layout]
         return np.ascontiguousarray(np.concatenate(parts), dtype=np.float32)
 
@@ -326,19 +328,24 @@ class SUT:
                 self.error = self.error or f"{type(e).__name__}: {e}"
 
     def _run(self, items: list) -> None:
+        rows = np.array([i for _, _, i in items], dtype=np.int64)
+        self._predict(items, rows, lambda: self._batch(rows))
+
+    def _predict(self, items: list, rows: np.ndarray, inputs: Callable[[], dict]) -> None:
+        """One batch (Server, SingleStream and Offline alike): its host arrays from ``inputs()``,
+        predict timed on its own, the answers handed on; after an error, answered empty."""
         if self.error:
             self._respond(items, None)
             return
         try:
-            rows = np.array([i for _, _, i in items], dtype=np.int64)
-            batch = self._batch(rows)
+            x = inputs()
             t0 = time.perf_counter()
-            out = self.backend.predict(batch)
+            out = self.backend.predict(x)
             dt = time.perf_counter() - t0
         except BaseException as e:  # noqa: BLE001
             self._fail(e, items)
             return
-        self._count(rows, batch["input_ids"].shape, dt)
+        self._count(rows, x["input_ids"].shape, dt)
         self._respond(items, out)
 
     def reset_counts(self) -> None:
@@ -370,24 +377,7 @@ class SUT:
             ahead = gather(0) if plan.batches else None
             for k, b in enumerate(plan.batches):
                 current, ahead = ahead, (gather(k + 1) if k + 1 < len(plan.batches) else None)
-                self._offline_batch(items, idx, b, current)
-
-    def _offline_batch(self, items: list, idx: np.ndarray, b, inputs) -> None:
-        """One batch of the Offline plan; ``inputs``: the future of its host arrays."""
-        part = [items[k] for k in b.rows]
-        if self.error:
-            self._respond(part, None)
-            return
-        try:
-            x = inputs.result()
-            t0 = time.perf_counter()
-            out = self.backend.predict(x)
-            dt = time.perf_counter() - t0
-        except BaseException as e:  # noqa: BLE001
-            self._fail(e, part)
-            return
-        self._count(idx[b.rows], b.shape, dt)
-        self._respond(part, out)
+                self._predict([items[r] for r in b.rows], idx[b.rows], current.result)
 
     def _fail(self, e: BaseException, items: list) -> None:
         """Keep the first error; answer these samples empty so LoadGen can finish its run."""
