@@ -191,6 +191,13 @@ class TrainConfig:
     # backward, around the compiled blocks (no DDPOptimizer graph splitting). "model": the whole
     # (DDP-wrapped) model as one compiled region, as before.
     compile_scope: str = "layers"
+    # Compiling is prepare time, not training time (the suite's timing rule): with `compile`,
+    # compile_scope=layers and seq_bucket > 0, every micro-batch shape this process will see is
+    # compiled before the clock starts, by one throwaway forward + backward per shape on a real
+    # batch of that shape (no optimizer step; gradients dropped, the RNG state put back, before
+    # DDP wraps the model), so the timed loop compiles nothing. train_metrics.json reports the
+    # cost as train_prepare_s beside train_samples_per_s; false: compiled inside the timed loop.
+    compile_warmup: bool = True
     # Length buckets (issue 23). 0: every micro-batch is trimmed to its longest feature rounded up
     # to 8, as before (many shapes; `compile` then traces them dynamically). N > 0: rounded up to a
     # multiple of N instead (capped at the features' seq_len), so training sees at most

@@ -5,7 +5,8 @@ import pytest
 
 from bertqa_bench.errors import BenchError
 from bertqa_bench.reporting.results import BackendResult, RunBundle, RunMeta
-from bertqa_bench.reporting.scaling import ScalingRow, commands_from_log, load_rows, train_row, with_efficiency
+from bertqa_bench.reporting.scaling import (ScalingRow, commands_from_log, load_rows, markdown, train_row,
+                                            with_efficiency)
 
 
 def _metrics(world, sps, *, name="m", accum=1, global_batch=64, lr=1e-4, **extra):
@@ -41,6 +42,16 @@ def test_the_last_epoch_has_its_own_rate_and_efficiency_and_compiled_runs_their_
     assert rows[1].last_epoch_efficiency == pytest.approx(500 / (4 * 500 / 3.0))
     assert rows[2].efficiency is None and rows[2].last_epoch_efficiency is None  # no 1-GPU row of its own
     assert train_row(_metrics(1, 100.0), host="h").last_epoch_samples_per_s is None  # one epoch: nothing apart
+
+
+def test_a_run_that_compiled_before_its_clock_shows_the_prepare_time_and_is_its_own_series():
+    cold = _metrics(1, 100.0, accum=4, train_epoch_s=[7.0, 3.0], compile=True, compile_scope="layers", seq_bucket=64)
+    warm = {**cold, "train_prepare_s": 41.5, "train_warmup_shapes": 5}
+    rc, rw = train_row(cold, host="h"), train_row(warm, host="h")
+    assert rc.series != rw.series and "compiled before the clock" in rw.series
+    assert rc.prepare_s is None and rw.prepare_s == 41.5
+    md = markdown([rc, rw], "t")
+    assert "| prepare (s) |" in md and "| 41.5 |" in md
 
 
 def test_efficiency_is_taken_against_the_one_gpu_row_of_the_same_host_and_series():

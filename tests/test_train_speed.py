@@ -340,3 +340,34 @@ def test_regionally_compiled_training_reaches_the_eager_model(tiny_suite, monkey
     worst = max(float((wa[k] - wb[k]).abs().max()) for k in wa if _compared(k))
     assert worst < 1e-3, worst
     assert abs(ma["final_loss"] - mb["final_loss"]) < 1e-3
+
+
+def test_compiling_before_the_clock_trains_the_same_model_and_leaves_nothing_to_compile_in_the_loop(
+        tiny_suite, monkeypatch):
+    """train.compile_warmup (the default under compile + layers + seq_bucket): every micro-batch
+    shape is compiled by a throwaway forward + backward before the clock, reported as prepare
+    time. The weights come out bit-identical to the run that compiled inside its loop (no step
+    taken, gradients dropped, the dropout RNG put back: dropout stays on here), and the timed loop
+    compiles no graph; without the warm-up it compiles them all."""
+    import torch._dynamo
+    from safetensors.torch import load_file
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    suite = tiny_suite(backends=["eager-fp32"], model={"config_overrides": {**TINY_BERT, "num_hidden_layers": 2}})
+    sets = ["train.seq_bucket=32", "train.compile=true"]
+    cold = load_suite(str(suite), sets + ["model.name=cold", "train.compile_warmup=false"])
+    warm = load_suite(str(suite), sets + ["model.name=warm"])
+    mc = train(cold, log=lambda m: None, evaluate=False)
+    torch._dynamo.reset()
+    logs: list = []
+    mw = train(warm, log=logs.append, evaluate=False)
+    assert mc["train_warmup_shapes"] == 0 and mc["train_prepare_s"] == 0 and mc["compiled_graphs_in_loop"] > 0
+    # a shape per (rows, bucket) seen, and another where a batch has no padding at all (no mask)
+    assert len(mw["train_lengths"]) * len(mw["train_rows"]) <= mw["train_warmup_shapes"] \
+        <= 2 * len(mw["train_lengths"]) * len(mw["train_rows"])
+    assert mw["train_prepare_s"] > 0 and mw["compiled_graphs_in_loop"] == 0
+    assert any("before the clock" in line for line in logs)
+    assert mw["train_samples_per_s_with_prepare"] < mw["train_samples_per_s"]
+    wc, ww = load_file(cold.model_dir / "model.safetensors"), load_file(warm.model_dir / "model.safetensors")
+    assert all(torch.equal(wc[k], ww[k]) for k in wc)
+    assert mc["final_loss"] == mw["final_loss"]

@@ -8,7 +8,9 @@ GPU computes per micro-step, and whether the step was compiled, on which length 
 prediction: backend, batching and batch size), so a ratio is never taken across recipes, machines
 or runs of another kind. Training rows also give the last epoch's rate and its efficiency: a
 compiled run pays its compilation (once per length bucket, on every rank at once) in the first
-epoch, so the whole run's rate mixes a fixed cost into what scales.
+epoch, so the whole run's rate mixes a fixed cost into what scales. A run that compiled every
+shape before its clock (``train.compile_warmup``) reports that cost apart, as prepare time, and is
+a series of its own.
 
     bertqa-bench scaling hostA:models/m-gpus1 hostA:models/m-gpus2 hostA:results/predict-run \\
         --out results/reference/h100-scaling --title "..."
@@ -50,6 +52,8 @@ class ScalingRow:
     train_features: Optional[int] = None
     train_steps: Optional[int] = None
     train_s: Optional[float] = None
+    # training: compiling before the clock (train.compile_warmup), outside train_s and samples_per_s
+    prepare_s: Optional[float] = None
     gpu_util_mean_pct: Optional[float] = None
     date: str = ""
     command: str = ""
@@ -75,7 +79,8 @@ def train_row(metrics: dict, *, host: str, source: str = "", card: str = "", dat
     recipe = {k: v for k, v in (metrics.get("recipe_fields") or {}).items() if k != "model.name"}
     card = metrics.get("device_name") or card
     how = (f", compiled ({metrics.get('compile_scope') or 'model'})" if metrics.get("compile") else "") \
-        + (f", {metrics['seq_bucket']}-token buckets" if metrics.get("seq_bucket") else "")
+        + (f", {metrics['seq_bucket']}-token buckets" if metrics.get("seq_bucket") else "") \
+        + (", compiled before the clock" if metrics.get("train_warmup_shapes") else "")
     epochs = metrics.get("train_epoch_s") or []
     sps = float(need("train_samples_per_s"))
     last = (sps * float(metrics["train_s"]) / len(epochs) / float(epochs[-1])
@@ -89,7 +94,9 @@ def train_row(metrics: dict, *, host: str, source: str = "", card: str = "", dat
         samples_per_s=sps, last_epoch_samples_per_s=last, dev_f1=metrics.get("dev_f1"),
         dev_em=metrics.get("dev_exact_match"), global_batch=gb, rows_per_gpu=rows, grad_accum=accum,
         train_features=metrics.get("train_features"), train_steps=metrics.get("train_steps"),
-        train_s=metrics.get("train_s"), gpu_util_mean_pct=metrics.get("gpu_utilization_mean_pct"),
+        train_s=metrics.get("train_s"),
+        prepare_s=metrics.get("train_prepare_s") if metrics.get("train_warmup_shapes") else None,
+        gpu_util_mean_pct=metrics.get("gpu_utilization_mean_pct"),
         date=metrics.get("date") or date, command=metrics.get("command") or command, source=source)
 
 
@@ -177,15 +184,16 @@ def markdown(rows: list[ScalingRow], title: str, notes: str = "") -> str:
                   f"| GPUs | {unit} | scaling efficiency |"
                   + (" last epoch samples/s | last epoch efficiency |" if job == "train" else "")
                   + " dev EM | dev F1 |"
-                  + (" time (s) | mean GPU util (rank 0) |" if job == "train" else " parity (same run) |"),
-                  "|---|---|---|---|---|" + ("---|---|---|---|" if job == "train" else "---|")]
+                  + (" time (s) | prepare (s) | mean GPU util (rank 0) |" if job == "train" else " parity (same run) |"),
+                  "|---|---|---|---|---|" + ("---|---|---|---|---|" if job == "train" else "---|")]
         for r in rs:
             lines.append(f"| {r.n_gpus} | {r.samples_per_s:,.0f} | {_pct(r.efficiency)} |"
                          + (f" {'—' if r.last_epoch_samples_per_s is None else f'{r.last_epoch_samples_per_s:,.0f}'} |"
                             f" {_pct(r.last_epoch_efficiency)} |"
                             if job == "train" else "")
                          + f" {_num(r.dev_em)} | {_num(r.dev_f1)} |"
-                         + (f" {_num(r.train_s, 1)} | {_num(r.gpu_util_mean_pct, 0)}% |" if job == "train"
+                         + (f" {_num(r.train_s, 1)} | {_num(r.prepare_s, 1)} | {_num(r.gpu_util_mean_pct, 0)}% |"
+                            if job == "train"
                             else f" {r.parity or '—'} |"))
         lines += ["", "Commands (" + ", ".join(sorted({r.date for r in rs if r.date})) + "):", ""]
         lines += [f"- {r.n_gpus} GPU{'s' if r.n_gpus > 1 else ''}: `{r.command or 'not recorded'}`"

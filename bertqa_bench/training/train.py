@@ -52,8 +52,8 @@ _EVAL_ONLY = {"dev_file", "max_eval_examples", "target_eval_features", "n_dev_co
 # loss (loss_mask_padding, which seq_bucket requires and which is in the recipe) the model is the
 # same up to numerics. DDP's options decide when gradients travel, not their sum; profile_steps
 # only watches.
-_HOW_FAST = {"num_threads", "compile", "compile_scope", "grad_accum", "seq_bucket", "ddp_bucket_cap_mb", "ddp_static_graph",
-             "ddp_gradient_as_bucket_view", "profile_steps"}
+_HOW_FAST = {"num_threads", "compile", "compile_scope", "compile_warmup", "grad_accum", "seq_bucket",
+             "ddp_bucket_cap_mb", "ddp_static_graph", "ddp_gradient_as_bucket_view", "profile_steps"}
 
 
 def recipe_fields(cfg: SuiteConfig) -> dict:
@@ -362,6 +362,49 @@ class Prefetcher:
             yield item
 
 
+def span_loss(step_fn, loss_fn, batch: dict, label_keys: tuple) -> torch.Tensor:
+    """One micro-batch's loss: the model's own (HF's, ``loss_fn`` None), or the padding-masked
+    ``loss_fn`` over the model's logits (the labels are not passed to the model then)."""
+    if loss_fn is None:
+        return step_fn(**batch).loss
+    out = step_fn(**{k: v for k, v in batch.items() if k not in label_keys})
+    return loss_fn(out.start_logits, out.end_logits, batch["attention_mask"], batch["start_positions"],
+                   batch["end_positions"], getattr(out, "answer_type_logits", None), batch.get("answer_types"))
+
+
+def _compiled_graphs() -> int:
+    """Graphs dynamo has compiled in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def compile_warmup(model: torch.nn.Module, loss_fn, label_keys: tuple, amp_dtype, device: torch.device,
+                   representatives, make) -> tuple[float, int]:
+    """Compile every micro-batch shape before the clock: one forward + backward of a real batch
+    per shape (``representatives``: one row set per shape; ``make`` builds its batch), then the
+    gradients are dropped and the RNG state put back, so the timed run draws the same dropout
+    masks and takes the same steps as without the warm-up. No optimizer step: the weights do not
+    move. Returns (seconds, shapes)."""
+    t0 = time.perf_counter()
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    n = 0
+    for rows in representatives:
+        _, _, batch = make(rows)
+        batch = {k: t.to(device, non_blocking=True) for k, t in batch.items()}
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+            loss = span_loss(model, loss_fn, batch, label_keys)
+        loss.backward()
+        n += 1
+    model.zero_grad(set_to_none=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.set_rng_state(cuda_rng, device)
+    torch.set_rng_state(cpu_rng)
+    return time.perf_counter() - t0, n
+
+
 def _train(cfg: SuiteConfig, *, log: Callable[[str], None], mlrun, evaluate: bool, command: str = "") -> dict:
     from transformers import get_linear_schedule_with_warmup
 
@@ -412,11 +455,8 @@ def _train(cfg: SuiteConfig, *, log: Callable[[str], None], mlrun, evaluate: boo
                                    grow_from=cfg.model.grow_from, grow_stack=cfg.model.grow_stack)
     model = model.to(device)
     model.train()
-    ddp_model = model
-    if world > 1:
-        ddp_model = torch.nn.parallel.DistributedDataParallel(model, **ddp_kwargs(tc, device, local_rank))
     n_buckets = -(-features.seq_len // tc.seq_bucket) if tc.seq_bucket else None
-    step_fn, compiled_blocks = ddp_model, []
+    compiled_blocks: list = []
     if tc.compile and n_buckets:
         # A bounded set of shapes: the rows per micro-batch are fixed (full global batches only,
         # divisible by processes x accumulation steps) and the length takes at most n_buckets
@@ -431,8 +471,6 @@ def _train(cfg: SuiteConfig, *, log: Callable[[str], None], mlrun, evaluate: boo
         if rank == 0:
             log(f"train: compiled the {len(compiled_blocks)} blocks of {compiled_blocks[0].rsplit('.', 1)[0]} "
                 f"({'static, one graph per length bucket' if n_buckets else 'dynamic shapes'})")
-    elif tc.compile:
-        step_fn = torch.compile(ddp_model, dynamic=not n_buckets)
     loss_fn = None
     if tc.loss_mask_padding:
         loss_fn = torch.compile(masked_span_loss, dynamic=not n_buckets) if tc.compile else masked_span_loss
@@ -445,16 +483,16 @@ def _train(cfg: SuiteConfig, *, log: Callable[[str], None], mlrun, evaluate: boo
     epochs = [length_grouped_batches(lengths, tc.batch_size, rng) for _ in range(max(1, math.ceil(tc.epochs)))]
     steps_per_epoch = max(1, n // tc.batch_size)
     total_steps = max(1, int(round(steps_per_epoch * tc.epochs)))
-    optimizer = _optimizer(model, tc.learning_rate, tc.weight_decay, fused=device.type == "cuda")
-    scheduler = get_linear_schedule_with_warmup(optimizer, int(tc.warmup_ratio * total_steps), total_steps)
     amp_dtype = _autocast_dtype(tc.mixed_precision, device)
-    scaler = torch.amp.GradScaler("cuda", enabled=amp_dtype == torch.float16)
 
     shapes: set = set()
 
-    def make(rows):
+    def shape(rows) -> tuple[int, int]:
         # Trim to the longest feature, rounded up to 8 (tensor-core friendly) or to train.seq_bucket.
-        trim = trim_length(int(lengths[rows].max()), features.seq_len, tc.seq_bucket)
+        return len(rows), trim_length(int(lengths[rows].max()), features.seq_len, tc.seq_bucket)
+
+    def make(rows):
+        trim = shape(rows)[1]
         shapes.add((len(rows), trim))
         batch = {k: torch.from_numpy(v) for k, v in features.inputs(rows, trim_to=trim).items()}
         batch.update({k: torch.from_numpy(np.ascontiguousarray(v[rows])) for k, v in labels.items()})
@@ -467,6 +505,29 @@ def _train(cfg: SuiteConfig, *, log: Callable[[str], None], mlrun, evaluate: boo
     global_batches = [gb for ep in epochs for gb in ep if len(gb) == tc.batch_size][:total_steps]
     total_steps = len(global_batches)
     micro = [rank_micro_batches(gb, lengths, rank, world, tc.grad_accum) for gb in global_batches]
+    label_keys = tuple(labels)
+
+    prepare_s, warmed = 0.0, 0
+    if tc.compile and tc.compile_warmup and compiled_blocks and n_buckets:
+        # Before DDP wraps the model: a throwaway backward then runs no all-reduce, so each
+        # process compiles its own shapes without waiting for the others'.
+        # One batch per shape, and per "no padding at all": HF's BERT then passes no attention
+        # mask, which is another graph (a bucket of full 384-token windows does this).
+        kinds = {(*shape(rows), bool((lengths[rows] == shape(rows)[1]).all())): rows for ms in micro for rows in ms}
+        prepare_s, warmed = compile_warmup(model, loss_fn, label_keys, amp_dtype, device, kinds.values(), make)
+        if rank == 0:
+            log(f"train: compiled {warmed} micro-batch shapes before the clock in {prepare_s:.1f} s (prepare time)")
+
+    ddp_model = model
+    if world > 1:
+        ddp_model = torch.nn.parallel.DistributedDataParallel(model, **ddp_kwargs(tc, device, local_rank))
+    step_fn = ddp_model
+    if tc.compile and tc.compile_scope != "layers":
+        step_fn = torch.compile(ddp_model, dynamic=not n_buckets)
+    optimizer = _optimizer(model, tc.learning_rate, tc.weight_decay, fused=device.type == "cuda")
+    scheduler = get_linear_schedule_with_warmup(optimizer, int(tc.warmup_ratio * total_steps), total_steps)
+    scaler = torch.amp.GradScaler("cuda", enabled=amp_dtype == torch.float16)
+
     log_every = max(1, total_steps // 200)
     step, seen, tokens, losses = 0, 0, 0, []
     if mlrun is not None:
@@ -475,7 +536,7 @@ def _train(cfg: SuiteConfig, *, log: Callable[[str], None], mlrun, evaluate: boo
     bar = Progress(total_steps, "train", enabled=rank == 0, unit="step")
     window = profile_window(total_steps, tc.profile_steps) if rank == 0 else None
     prof = StepProfiler(*window, cuda=device.type == "cuda") if window else None
-    label_keys = tuple(labels)
+    graphs_before = _compiled_graphs()
     t_train = time.perf_counter()
     epoch_ends = []
     batches = iter(Prefetcher(make, (rows for ms in micro for rows in ms)))
@@ -496,14 +557,7 @@ def _train(cfg: SuiteConfig, *, log: Callable[[str], None], mlrun, evaluate: boo
                 sync = contextlib.nullcontext() if world == 1 or i == len(ms) - 1 else ddp_model.no_sync()
                 with sync:
                     with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                        if loss_fn is None:
-                            loss = step_fn(**batch).loss
-                        else:
-                            out = step_fn(**{k: v for k, v in batch.items() if k not in label_keys})
-                            loss = loss_fn(out.start_logits, out.end_logits, batch["attention_mask"],
-                                           batch["start_positions"], batch["end_positions"],
-                                           getattr(out, "answer_type_logits", None), batch.get("answer_types"))
-                        loss = loss / len(ms)
+                        loss = span_loss(step_fn, loss_fn, batch, label_keys) / len(ms)
                     if scaler.is_enabled():
                         scaler.scale(loss).backward()
                     else:
@@ -535,6 +589,7 @@ def _train(cfg: SuiteConfig, *, log: Callable[[str], None], mlrun, evaluate: boo
         torch.cuda.synchronize()
     bar.close()
     train_s = time.perf_counter() - t_train
+    compiled_in_loop = _compiled_graphs() - graphs_before
     util = sampler.stop() if sampler is not None else {}
     profiled = {}
     if prof is not None and prof.prof is not None and not prof.active:
@@ -554,6 +609,10 @@ def _train(cfg: SuiteConfig, *, log: Callable[[str], None], mlrun, evaluate: boo
         "device_name": device_name(device.type), "command": command, "date": time.strftime("%Y-%m-%d"),
         "world_size": world, "global_batch": tc.batch_size, "grad_accum": tc.grad_accum, "compile": tc.compile,
         "compile_scope": tc.compile_scope if tc.compile else None, "compiled_blocks": len(compiled_blocks),
+        # compile before the clock (train.compile_warmup): its cost, the shapes it compiled, and
+        # the graphs dynamo still compiled inside the timed loop (0 when the warm-up covered all)
+        "train_prepare_s": round(prepare_s, 3), "train_warmup_shapes": warmed, "compiled_graphs_in_loop": compiled_in_loop,
+        "train_samples_per_s_with_prepare": seen * world / (train_s + prepare_s),
         "seq_bucket": tc.seq_bucket, "loss_mask_padding": tc.loss_mask_padding,
         # the distinct lengths (and rows) of this process's micro-batches: the shapes a compiled step saw
         "train_lengths": sorted({t for _, t in shapes}), "train_rows": sorted({r for r, _ in shapes}),
