@@ -166,6 +166,7 @@ class ModelConfig:
 
 
 COMPILE_SCOPES = ("layers", "model")
+DDP_COMM_HOOKS = ("none", "bf16", "fp16")
 
 
 @dataclass
@@ -221,6 +222,15 @@ class TrainConfig:
     # Gradients live in DDP's communication buckets (views), so no copy between the two after
     # the all-reduce and ~1 gradient's worth less memory (436 MB at BERT-base); same numbers.
     ddp_gradient_as_bucket_view: bool = True
+    # Gradients cross the GPUs in BF16 (DDP's bf16_compress_hook, NCCL only) or FP16 (fp16_compress_hook,
+    # also gloo): half the bytes of FP32, so a shorter all-reduce tail after the backward; the
+    # averaged gradient is rounded to 8 (BF16) or 11 (FP16) bits of mantissa before AdamW sees it.
+    # "none": FP32, DDP's default. World > 1 only.
+    ddp_comm_hook: str = "none"
+    # The optimizer phase (clip, fused AdamW, zero the gradients) captured as one CUDA graph from
+    # the third step on: one launch instead of ~4 ms of host work per step (training/optimizer_step.py
+    # says what capture needs). CUDA with BF16/FP32 only: FP16's GradScaler decides on the host.
+    graph_optimizer_step: bool = False
     # Record this many optimizer steps with torch.profiler on rank 0, half-way through training
     # (after the first epoch: every length bucket compiled, allocator and cuBLAS warm), and write
     # a top-kernels table, the step time and the GPU idle fraction under
@@ -240,6 +250,8 @@ class TrainConfig:
             raise ConfigError("train.seq_bucket and train.profile_steps must be >= 0")
         if self.compile_scope not in COMPILE_SCOPES:
             raise ConfigError(f"train.compile_scope {self.compile_scope!r} is unknown; valid: {', '.join(COMPILE_SCOPES)}")
+        if self.ddp_comm_hook not in DDP_COMM_HOOKS:
+            raise ConfigError(f"train.ddp_comm_hook {self.ddp_comm_hook!r} is unknown; valid: {', '.join(DDP_COMM_HOOKS)}")
         if self.ddp_bucket_cap_mb is not None and self.ddp_bucket_cap_mb <= 0:
             raise ConfigError("train.ddp_bucket_cap_mb must be positive (or null: DDP's default)")
         if self.loss_mask_padding is None:

@@ -15,7 +15,9 @@ sweep, the calibration points, the batching rows), ``tests`` (the GPU tests), ``
 then benchmarked as a user's checkpoint), ``loadgen``, ``loadgen-length-aware`` and ``loadgen-rest`` (issue 21:
 MLPerf LoadGen SingleStream, Server peak and Offline rows), ``perf`` (issue 22: the FP8, torchao,
 cuDNN and host-packed rows with profiles), ``train-speed`` (issue 23: one-GPU training, baseline
-and bucketed + compiled, with step profiles), ``predict-scaling`` and ``train-scaling``
+and bucketed + compiled, with step profiles), ``scale-out`` and ``scale-out-levers`` (issue 23 on a
+4-GPU host: compiled training on 1, 2 and 4 GPUs; the graphed optimizer step and BF16 all-reduce
+against the same host's control), ``predict-scaling`` and ``train-scaling``
 (data-parallel prediction and training on 1, 2 and 4 GPUs of the host). Plans that ran once are
 not kept: the reference tables in results/reference/ record the commands they ran.
 Poll with back-to-back device calls (``sleep N; --status``): a lent machine goes back after 30 s
@@ -342,29 +344,57 @@ def step_train_speed(s: Session) -> list:
     return []
 
 
-def step_scale_out(s: Session) -> list:
-    """Issue 23 on a 4-GPU host: SQuAD-sized training (global batch 512, 64-token buckets, each
-    encoder layer compiled once per bucket, before the clock: train.compile_warmup), side by side
-    on their own GPUs: one GPU at 256 and at 128 rows per micro-step, and 2 GPUs at 128 rows;
-    then 4 GPUs at 128 rows alone on the host. (Prediction on 1, 2 and 4 GPUs: ``predict-scaling``.)"""
-    recipe = [*SQUAD_SIZED, "--set", "train.batch_size=512", "--set", "train.seq_bucket=64",
-              "--set", "train.compile=true"]
+SCALE_OUT = [*SQUAD_SIZED, "--set", "train.batch_size=512", "--set", "train.seq_bucket=64", "--set", "train.compile=true"]
+# issue 23's levers for the per-step cost at 4 GPUs: the optimizer phase as one CUDA graph and the
+# gradients all-reduced in BF16 (configured at every GPU count, so 1 GPU is the same series)
+LEVERS = ["--set", "train.graph_optimizer_step=true", "--set", "train.ddp_comm_hook=bf16"]
 
-    def run(lane: Session, gpus: int, rows: int) -> None:
-        name = f"bb-squad-r{rows}-gpus{gpus}"
-        # Inductor's caches off: every run pays its own compile (reported as its prepare time),
-        # and no run reuses another's kernels
-        train_ddp(lane, f"squad-r{rows}-gpus{gpus}", gpus,
-                  [*recipe, "--set", f"train.grad_accum={512 // (gpus * rows)}", "--set", f"model.name={name}"],
-                  env={"TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"})
 
-    lanes(lambda: run(s.on_gpu(0), 1, 256), lambda: run(s.on_gpu(1), 1, 128), lambda: run(s.on_gpu("2,3"), 2, 128))
-    run(s, 4, 128)
+def scale_out_run(lane: Session, gpus: int, rows: int, sets: tuple = (), tag: str = "") -> None:
+    """One SQuAD-sized training (global batch 512, 64-token buckets, each encoder layer compiled
+    once per bucket before the clock) on ``gpus`` GPUs at ``rows`` rows per micro-step. Inductor's
+    caches off: every run pays its own compile (its prepare time), none reuses another's kernels."""
+    name = f"bb-squad-r{rows}-gpus{gpus}{tag}"
+    train_ddp(lane, f"squad-r{rows}-gpus{gpus}{tag}", gpus,
+              [*SCALE_OUT, *sets, "--set", f"train.grad_accum={512 // (gpus * rows)}", "--set", f"model.name={name}"],
+              env={"TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"})
+
+
+def say_training(s: Session) -> None:
     for f in sorted((ROOT / "models").glob("bb-squad-r*-gpus*/train_metrics.json")):
         d = json.loads(f.read_text())
         s.say(f"{f.parent.name}: {d.get('train_samples_per_s', 0):.0f} samples/s after {d.get('train_prepare_s')} s "
               f"prepare, epochs {d.get('train_epoch_s')}, graphs in loop {d.get('compiled_graphs_in_loop')}, "
-              f"dev F1 {d.get('dev_f1', float('nan')):.2f}")
+              f"optimizer step {d.get('optimizer_step')}, dev F1 {d.get('dev_f1', float('nan')):.2f}")
+
+
+def step_scale_out(s: Session) -> list:
+    """Issue 23 on a 4-GPU host, side by side on their own GPUs: one GPU at 256 and at 128 rows per
+    micro-step, and 2 GPUs at 128 rows; then 4 GPUs at 128 rows alone on the host. (Prediction on
+    1, 2 and 4 GPUs: ``predict-scaling``.)"""
+    lanes(lambda: scale_out_run(s.on_gpu(0), 1, 256), lambda: scale_out_run(s.on_gpu(1), 1, 128),
+          lambda: scale_out_run(s.on_gpu("2,3"), 2, 128))
+    scale_out_run(s, 4, 128)
+    say_training(s)
+    return []
+
+
+def step_scale_out_levers(s: Session) -> list:
+    """Issue 23's levers on a 4-GPU host: the graphed-optimizer-step GPU test, then side by side one
+    GPU at 128 rows with the levers (GPU 0) and without (GPU 1), 2 GPUs with them (GPUs 2-3); then,
+    alone, 4 GPUs with the levers, and 4 GPUs without (the same host's control)."""
+    def two_gpus() -> None:
+        ls = s.on_gpu("2,3")
+        ls.run("gpu-tests-optimizer-step", [sys.executable, "-m", "pytest", "-q", "-rs", "-m", "gpu", "-p",
+                                            "no:cacheprovider", "tests/test_train_speed.py", "-k", "graphed"], timeout=300)
+        scale_out_run(ls, 2, 128, LEVERS, "-go")
+
+    lanes(lambda: scale_out_run(s.on_gpu(0), 1, 128, LEVERS, "-go"), lambda: scale_out_run(s.on_gpu(1), 1, 128),
+          two_gpus)
+    scale_out_run(s, 4, 128, LEVERS, "-go")
+    say_training(s)
+    scale_out_run(s, 4, 128)
+    say_training(s)
     return []
 
 
@@ -392,6 +422,7 @@ PLANS = {
     "train-speed": [step_train_speed],
     "predict-scaling": [lambda s: predict_scaling(s, ["--set", f"model.name={model_name(MAIN)}"])],
     "scale-out": [step_scale_out],
+    "scale-out-levers": [step_scale_out_levers],
     "train-scaling": [lambda s: train_scaling(s, 512, 128, counts=(1, 2, 4), tag="squad-", sets=SQUAD_SIZED)],
 }
 

@@ -1,4 +1,5 @@
 """Issue 23, training: length buckets, the padding-masked loss, DDP's options and the step profile."""
+import copy
 import json
 import sys
 
@@ -210,12 +211,14 @@ def test_two_gloo_processes_train_with_the_ddp_options(tiny_suite):
                           "-m", "bertqa_bench.cli", "train", "--suite", str(suite), "--no-mlflow",
                           "--set", "model.name=ddp-opts", "--set", "train.epochs=0.5",
                           "--set", "train.ddp_bucket_cap_mb=1", "--set", "train.ddp_static_graph=true",
-                          "--set", "train.seq_bucket=32", "--set", "train.compile=true"],
+                          "--set", "train.seq_bucket=32", "--set", "train.compile=true",
+                          "--set", "train.ddp_comm_hook=fp16"],
                          env=child_env({"OMP_NUM_THREADS": "1"}), capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     m = json.loads((cfg.model_dir.parent / "ddp-opts" / "train_metrics.json").read_text())
     assert m["world_size"] == 2
-    assert m["ddp"] == {"bucket_cap_mb": 1.0, "static_graph": True, "gradient_as_bucket_view": True}
+    assert m["ddp"] == {"bucket_cap_mb": 1.0, "static_graph": True, "gradient_as_bucket_view": True,
+                        "comm_hook": "fp16"}  # gradients all-reduced in FP16 (DDP's fp16_compress_hook)
     assert m["seq_bucket"] == 32 and m["loss_mask_padding"] is True and set(m["train_lengths"]) <= {32, 64, 96}
     assert m["train_rows"] == [4]  # 8 rows of a global batch / 2 processes, every micro-step
     # DDP around the regionally compiled layers (DDP's own overlapped all-reduce, no DDPOptimizer)
@@ -371,3 +374,55 @@ def test_compiling_before_the_clock_trains_the_same_model_and_leaves_nothing_to_
     wc, ww = load_file(cold.model_dir / "model.safetensors"), load_file(warm.model_dir / "model.safetensors")
     assert all(torch.equal(wc[k], ww[k]) for k in wc)
     assert mc["final_loss"] == mw["final_loss"]
+
+
+def test_the_ddp_comm_hook_and_the_graphed_optimizer_step_are_checked_and_not_part_of_the_recipe(tiny_suite):
+    suite = tiny_suite(backends=["eager-fp32"])
+    with pytest.raises(ConfigError, match="bf16, fp16"):
+        TrainConfig(ddp_comm_hook="int8")
+    assert model_recipe(load_suite(str(suite), ["train.ddp_comm_hook=bf16", "train.graph_optimizer_step=true"])) == \
+        model_recipe(load_suite(str(suite)))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
+def test_the_graphed_optimizer_step_is_refused_without_a_gpu_with_the_reason(tiny_suite):
+    suite = tiny_suite(backends=["eager-fp32"])
+    with pytest.raises(ValueError, match="needs a CUDA device and BF16 or FP32"):
+        train(load_suite(str(suite), ["train.graph_optimizer_step=true", "model.name=g"]), log=lambda m: None,
+              evaluate=False)
+
+
+@pytest.mark.gpu
+def test_the_graphed_optimizer_step_updates_the_weights_as_the_eager_one():
+    """clip + fused AdamW + zeroing as one CUDA graph (captured at the third step, replayed after)
+    against the eager step on the same model, gradients and schedule, with accumulation over two
+    micro-steps: the same weights up to the learning rate's float32 rounding."""
+    from transformers import get_linear_schedule_with_warmup
+
+    from bertqa_bench.training.optimizer_step import make_adamw, optimizer_step
+
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    base = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.LayerNorm(128),
+                               torch.nn.Linear(128, 8)).to(dev)
+    data = [(torch.randn(16, 64, device=dev), torch.randn(16, 8, device=dev)) for _ in range(8 * 2)]
+    weights = []
+    for graphed in (False, True):
+        model = copy.deepcopy(base)
+        opt = make_adamw(model, 1e-2, 0.01, fused=True, capturable=graphed)
+        sched = get_linear_schedule_with_warmup(opt, 2, 8)
+        step = optimizer_step(model.parameters(), opt, 1.0, graphed=graphed)
+        for i in range(8):
+            for x, y in data[2 * i:2 * i + 2]:
+                (torch.nn.functional.mse_loss(model(x), y) / 2).backward()
+            step()
+            sched.step()
+            if graphed and step.graph is None:
+                step.check_schedule()
+        assert step.kind == ("cuda-graph" if graphed else "eager")
+        if graphed:
+            assert step.graph is not None and step.calls == 8
+        weights.append([p.detach().clone() for p in model.parameters()])
+    moved = max(float((w - b).abs().max()) for w, b in zip(weights[0], base.parameters()))
+    worst = max(float((a - b).abs().max()) for a, b in zip(*weights))
+    assert moved > 1e-3 and worst < 1e-5 * max(1.0, moved), (moved, worst)

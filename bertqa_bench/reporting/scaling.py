@@ -80,7 +80,9 @@ def train_row(metrics: dict, *, host: str, source: str = "", card: str = "", dat
     card = metrics.get("device_name") or card
     how = (f", compiled ({metrics.get('compile_scope') or 'model'})" if metrics.get("compile") else "") \
         + (f", {metrics['seq_bucket']}-token buckets" if metrics.get("seq_bucket") else "") \
-        + (", compiled before the clock" if metrics.get("train_warmup_shapes") else "")
+        + (", compiled before the clock" if metrics.get("train_warmup_shapes") else "") \
+        + (", graphed optimizer step" if metrics.get("optimizer_step") == "cuda-graph" else "") \
+        + (f", {metrics['ddp_comm_hook'].upper()} all-reduce" if metrics.get("ddp_comm_hook", "none") != "none" else "")
     epochs = metrics.get("train_epoch_s") or []
     sps = float(need("train_samples_per_s"))
     last = (sps * float(metrics["train_s"]) / len(epochs) / float(epochs[-1])

@@ -26,6 +26,7 @@ from ..envinfo import device_name
 from ..io import atomic_dir, atomic_write_json
 from ..model.modeling import build_model, count_parameters, load_tokenizer
 from ..tasks import Task, get_task
+from .optimizer_step import make_adamw, optimizer_step
 
 
 
@@ -53,7 +54,8 @@ _EVAL_ONLY = {"dev_file", "max_eval_examples", "target_eval_features", "n_dev_co
 # same up to numerics. DDP's options decide when gradients travel, not their sum; profile_steps
 # only watches.
 _HOW_FAST = {"num_threads", "compile", "compile_scope", "compile_warmup", "grad_accum", "seq_bucket",
-             "ddp_bucket_cap_mb", "ddp_static_graph", "ddp_gradient_as_bucket_view", "profile_steps"}
+             "ddp_bucket_cap_mb", "ddp_static_graph", "ddp_gradient_as_bucket_view", "ddp_comm_hook",
+             "graph_optimizer_step", "profile_steps"}
 
 
 def recipe_fields(cfg: SuiteConfig) -> dict:
@@ -118,18 +120,6 @@ def _autocast_dtype(mode: str, device: torch.device) -> Optional[torch.dtype]:
     return torch.float16 if device.type == "cuda" else None
 
 
-def _optimizer(model, lr: float, weight_decay: float, fused: bool = False):
-    # No decay on biases and LayerNorm weights, as in BERT's original recipe. fused: one kernel
-    # for the whole update on CUDA instead of several per parameter tensor.
-    decay, no_decay = [], []
-    for n, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        (no_decay if p.ndim < 2 or "LayerNorm" in n or n.endswith(".bias") else decay).append(p)
-    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}], lr=lr, fused=fused or None)
-
-
 def trim_length(longest: int, seq_len: int, bucket: int = 0) -> int:
     """The length a micro-batch is trimmed to: its longest feature rounded up to a multiple of
     ``bucket`` (0: of 8, tensor-core friendly), never past the features' ``seq_len``. With a
@@ -146,6 +136,17 @@ def ddp_kwargs(tc, device: torch.device, local_rank: int) -> dict:
     if tc.ddp_bucket_cap_mb is not None:
         kw["bucket_cap_mb"] = float(tc.ddp_bucket_cap_mb)
     return kw
+
+
+def register_comm_hook(ddp_model, name: str) -> None:
+    """train.ddp_comm_hook: DDP's own compression hooks (gradients cast for the all-reduce, then
+    back); "none" keeps DDP's FP32 all-reduce."""
+    if name == "none":
+        return
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    ddp_model.register_comm_hook(None, {"bf16": default_hooks.bf16_compress_hook,
+                                        "fp16": default_hooks.fp16_compress_hook}[name])
 
 
 def ddp_settings(ddp_model) -> dict:
@@ -521,12 +522,18 @@ def _train(cfg: SuiteConfig, *, log: Callable[[str], None], mlrun, evaluate: boo
     ddp_model = model
     if world > 1:
         ddp_model = torch.nn.parallel.DistributedDataParallel(model, **ddp_kwargs(tc, device, local_rank))
+        register_comm_hook(ddp_model, tc.ddp_comm_hook)
     step_fn = ddp_model
     if tc.compile and tc.compile_scope != "layers":
         step_fn = torch.compile(ddp_model, dynamic=not n_buckets)
-    optimizer = _optimizer(model, tc.learning_rate, tc.weight_decay, fused=device.type == "cuda")
+    if tc.graph_optimizer_step and (device.type != "cuda" or amp_dtype == torch.float16):
+        raise ValueError(f"train.graph_optimizer_step needs a CUDA device and BF16 or FP32 (this run: {device.type}, "
+                         f"{amp_dtype or 'fp32'}): FP16's GradScaler decides on the host whether to step")
+    optimizer = make_adamw(model, tc.learning_rate, tc.weight_decay, fused=device.type == "cuda",
+                           capturable=tc.graph_optimizer_step)
     scheduler = get_linear_schedule_with_warmup(optimizer, int(tc.warmup_ratio * total_steps), total_steps)
     scaler = torch.amp.GradScaler("cuda", enabled=amp_dtype == torch.float16)
+    opt_step = optimizer_step(model.parameters(), optimizer, 1.0, graphed=tc.graph_optimizer_step, scaler=scaler)
 
     log_every = max(1, total_steps // 200)
     step, seen, tokens, losses = 0, 0, 0, []
@@ -565,16 +572,10 @@ def _train(cfg: SuiteConfig, *, log: Callable[[str], None], mlrun, evaluate: boo
                 seen, tokens = seen + rows_n, tokens + n_tokens
                 loss_acc = loss.detach() if loss_acc is None else loss_acc + loss.detach()
         with prof.phase("optimizer") if prof is not None else contextlib.nullcontext():
-            if scaler.is_enabled():  # FP16: unscale (a device-side inf check), then step or skip
-                scaler.unscale_(optimizer)
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
-                optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            opt_step()
             scheduler.step()
+            if opt_step.kind == "cuda-graph" and opt_step.graph is None:
+                opt_step.check_schedule()
         step += 1
         if prof is not None:
             prof.end(step)
@@ -616,7 +617,8 @@ def _train(cfg: SuiteConfig, *, log: Callable[[str], None], mlrun, evaluate: boo
         "seq_bucket": tc.seq_bucket, "loss_mask_padding": tc.loss_mask_padding,
         # the distinct lengths (and rows) of this process's micro-batches: the shapes a compiled step saw
         "train_lengths": sorted({t for _, t in shapes}), "train_rows": sorted({r for r, _ in shapes}),
-        "ddp": ddp_settings(ddp_model) if world > 1 else None,
+        "ddp": {**ddp_settings(ddp_model), "comm_hook": tc.ddp_comm_hook} if world > 1 else None,
+        "optimizer_step": opt_step.kind, "ddp_comm_hook": tc.ddp_comm_hook,  # as configured (applies at world > 1)
         **({"profile": profiled} if profiled else {}),
         "seed": tc.seed, "base": cfg.model.base, "random_init": cfg.model.random_init, **util, **init_info,
         "recipe": model_recipe(cfg, fields), "recipe_fields": fields,
