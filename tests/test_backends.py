@@ -16,7 +16,7 @@ import torch
 from bertqa_bench.backends import BackendContext, default_table
 from bertqa_bench.backends.onnx_export import (OnnxExportError, check_against_reference, in_row_chunks,
                                                model_fingerprint, torch_reference, validation_batches)
-from bertqa_bench.errors import UnknownBackendError
+from bertqa_bench.errors import ConfigError, UnknownBackendError
 
 OUTPUTS = ("start_logits", "end_logits")
 LAYERS = 2
@@ -39,6 +39,9 @@ EXPECTED = {
     "onnxruntime-int8": ("cpu", "int8", "reduced"),
     "onnxruntime-int8-static": ("cpu", "int8", "reduced"),
     "onnxruntime-int8-static-sorted": ("cpu", "int8", "reduced"),
+    "openvino": ("cpu", "fp32", "fp32"),
+    "openvino-bf16": ("cpu", "bf16", "reduced"),
+    "openvino-int8": ("cpu", "int8", "reduced"),
     "ort-cuda-fp32": ("cuda", "fp32", "fp32"),
     "ort-cuda-fp16": ("cuda", "fp16", "reduced"),
     "ort-cuda-fp16-graph": ("cuda", "fp16", "reduced"),
@@ -636,3 +639,63 @@ def test_onnxruntime_int8_static_options_validate_and_change_the_cache_key(tiny_
     assert len(set(files.values())) == 4, files
     again, _ = run(_static_variant("base"), _calibration_ctx(tiny_model, tmp_path / "c", calib), [])
     assert again.prepare_info["optimized_cache_hit"] and again.prepare_info["model_file"] == files["base"]
+
+
+# --------------------------------------------------------------------------- OpenVINO (CPU)
+
+def test_openvino_fp32_reproduces_pytorch_and_reports_what_it_compiled(tiny_model, tmp_path, reference):
+    batches, ref = reference
+    backend, outs = run("openvino", _calibration_ctx(tiny_model, tmp_path / "a", [make_batch(MAX_BATCH, 48)]), batches)
+    info = backend.prepare_info
+    assert info["inference_precision"] == "f32" and info["validation_max_abs_diff"] < 1e-3
+    assert info["num_threads"] == torch.get_num_threads() and "cpu_flags" in info
+    for (b, s), out, r in zip(SHAPES, outs, ref):
+        check_outputs(out, b, s)
+        assert max_diff(out, r) < 1e-3
+
+
+def test_openvino_int8_is_calibrated_keeps_the_head_fp32_stays_close_and_is_cached(tiny_model, tmp_path, reference):
+    """NNCF's static INT8: FakeQuantize ops on the encoder, the QA head's GEMM named as kept fp32,
+    the logits within the bound the ONNX Runtime static INT8 test uses (5% of the logit range on
+    real tokens) and the same argmax answers on most rows; a second prepare reuses the IR."""
+    batches, ref = reference
+    calib = [make_batch(MAX_BATCH, 48, seed=10 + i) for i in range(3)]
+    ctx = _calibration_ctx(tiny_model, tmp_path / "a", calib)
+    backend, outs = run("openvino-int8", ctx, batches)
+    info = backend.prepare_info
+    assert info["inference_precision"] == "f32"  # the ops left in floating point
+    assert info["calibration_batches"] == 3 and info["calibration_rows"] == 3 * MAX_BATCH
+    assert info["fake_quantize_ops"] >= 4 * LAYERS and info["ir_cache_hit"] is False
+    assert "qa_outputs" in info["kept_fp32"] or "MatMul" in info["kept_fp32"], info["kept_fp32"]
+    scale = max(float(np.abs(r[n]).max()) for r in ref for n in OUTPUTS)
+    err = _real_logit_error(outs, ref, batches)
+    assert err < 0.05 * scale, (err, scale)
+    for b, out, r in zip(batches, outs, ref):
+        real = b["attention_mask"].astype(bool)
+        for n in OUTPUTS:
+            got = np.where(real, out[n], -np.inf).argmax(1)
+            want = np.where(real, r[n], -np.inf).argmax(1)
+            assert (got == want).mean() >= 0.75, (n, got, want)
+    again, outs2 = run("openvino-int8", ctx, batches)
+    assert again.prepare_info["ir_cache_hit"] is True
+    assert all(max_diff(a, b) == 0 for a, b in zip(outs, outs2))
+
+
+def test_openvino_options_are_checked_and_a_missing_package_names_what_to_install(monkeypatch):
+    import sys
+
+    from bertqa_bench.backends.openvino_backend import OvOptions
+    from bertqa_bench.backends.variants import make_variant
+
+    with pytest.raises(ConfigError, match="fp32, bf16, int8"):
+        OvOptions(precision="int4")
+    with pytest.raises(ConfigError, match="needs precision: int8"):
+        OvOptions(precision="fp32", int8={"calibration_batches": 2})
+    with pytest.raises(ConfigError, match="calibration_batches"):
+        make_variant("x", "openvino", "cpu", {"precision": "int8", "int8": {"calibration_batches": 0}})
+    assert "CPU only" in make_variant("x", "openvino", "cuda", {}).unavailable_reason()
+    monkeypatch.setitem(sys.modules, "nncf", None)
+    assert "pip install nncf" in TABLE.get("openvino-int8").unavailable_reason()
+    assert TABLE.get("openvino").unavailable_reason() is None  # fp32 needs no nncf
+    monkeypatch.setitem(sys.modules, "openvino", None)
+    assert "pip install openvino" in TABLE.get("openvino").unavailable_reason()

@@ -38,6 +38,7 @@ IMPLEMENTATIONS = {
     "torch": "bertqa_bench.backends.torch_backend:TorchBackend",
     "onnxruntime": "bertqa_bench.backends.onnxruntime:OnnxRuntimeBackend",
     "tensorrt": "bertqa_bench.backends.tensorrt:TensorRTBackend",
+    "openvino": "bertqa_bench.backends.openvino_backend:OpenVinoBackend",
 }
 
 
@@ -170,6 +171,13 @@ BUILTIN = (
        graph="int8-static"),
     {**_v("onnxruntime-int8-static-sorted", "onnxruntime", "cpu",
           "as onnxruntime-int8-static, with length-sorted batches", graph="int8-static"), "batching": "sorted"},
+    # OpenVINO's CPU plugin (openvino_backend.py): fp32, bf16 where the CPU has it natively, and
+    # NNCF's static INT8 (calibrated on the run's batches, SmoothQuant, the QA head fp32).
+    _v("openvino", "openvino", "cpu", "OpenVINO CPU, fp32 (inference precision f32), from the ONNX export"),
+    _v("openvino-bf16", "openvino", "cpu", "OpenVINO CPU, bf16 inference precision (native BF16 CPUs only)",
+       precision="bf16"),
+    _v("openvino-int8", "openvino", "cpu",
+       "OpenVINO CPU, NNCF static INT8 (calibrated on the run's batches, SmoothQuant, head fp32)", precision="int8"),
     _v("eager-fp32-cuda", "torch", "cuda", "PyTorch eager fp32 on CUDA, TF32 off (the GPU reference)"),
     _v("eager-tf32", "torch", "cuda", "PyTorch eager fp32 weights on CUDA with TF32 matmuls", tf32=True),
     _v("eager-amp-fp16", "torch", "cuda", "PyTorch eager, fp32 weights, torch.autocast fp16", autocast="fp16"),
