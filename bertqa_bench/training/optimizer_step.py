@@ -64,7 +64,7 @@ class EagerOptimizerStep:
 
 
 class GraphedOptimizerStep:
-    """clip, step, zero in place, as one CUDA graph from the second call on (see the module doc)."""
+    """clip, step, zero in place, as one CUDA graph from the third call on (see the module doc)."""
 
     kind = "cuda-graph"
 
@@ -76,7 +76,7 @@ class GraphedOptimizerStep:
 
     def check_schedule(self) -> None:
         """The scheduler must fill the learning-rate tensors in place: a replaced tensor would
-        leave the graph reading a stale rate. Called after each scheduler step until capture."""
+        leave the graph reading a stale rate. Checked at every call (the scheduler steps between)."""
         if any(g["lr"] is not t for g, t in zip(self.optimizer.param_groups, self._lrs)):
             raise RuntimeError("train.graph_optimizer_step: the LR scheduler replaced the learning-rate tensor "
                                "instead of filling it in place (this torch's schedulers do not support tensor "
@@ -93,6 +93,7 @@ class GraphedOptimizerStep:
 
     def __call__(self) -> None:
         self.calls += 1
+        self.check_schedule()
         if self.graph is not None:
             if self._grad_ptrs() != self._captured:
                 raise RuntimeError("train.graph_optimizer_step: a gradient was replaced after capture (the graph "

@@ -493,8 +493,8 @@ def _train(cfg: SuiteConfig, *, log: Callable[[str], None], mlrun, evaluate: boo
         return len(rows), trim_length(int(lengths[rows].max()), features.seq_len, tc.seq_bucket)
 
     def make(rows):
-        trim = shape(rows)[1]
-        shapes.add((len(rows), trim))
+        rows_n, trim = shape(rows)
+        shapes.add((rows_n, trim))
         batch = {k: torch.from_numpy(v) for k, v in features.inputs(rows, trim_to=trim).items()}
         batch.update({k: torch.from_numpy(np.ascontiguousarray(v[rows])) for k, v in labels.items()})
         if device.type == "cuda":
@@ -514,7 +514,11 @@ def _train(cfg: SuiteConfig, *, log: Callable[[str], None], mlrun, evaluate: boo
         # process compiles its own shapes without waiting for the others'.
         # One batch per shape, and per "no padding at all": HF's BERT then passes no attention
         # mask, which is another graph (a bucket of full 384-token windows does this).
-        kinds = {(*shape(rows), bool((lengths[rows] == shape(rows)[1]).all())): rows for ms in micro for rows in ms}
+        def graph_key(rows) -> tuple[int, int, bool]:
+            rows_n, trim = shape(rows)
+            return rows_n, trim, bool((lengths[rows] == trim).all())
+
+        kinds = {graph_key(rows): rows for ms in micro for rows in ms}
         prepare_s, warmed = compile_warmup(model, loss_fn, label_keys, amp_dtype, device, kinds.values(), make)
         if rank == 0:
             log(f"train: compiled {warmed} micro-batch shapes before the clock in {prepare_s:.1f} s (prepare time)")
@@ -574,8 +578,6 @@ def _train(cfg: SuiteConfig, *, log: Callable[[str], None], mlrun, evaluate: boo
         with prof.phase("optimizer") if prof is not None else contextlib.nullcontext():
             opt_step()
             scheduler.step()
-            if opt_step.kind == "cuda-graph" and opt_step.graph is None:
-                opt_step.check_schedule()
         step += 1
         if prof is not None:
             prof.end(step)
