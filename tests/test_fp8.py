@@ -637,3 +637,48 @@ def test_issue22_variants_track_fp32_on_gpu(tmp_path, name):
         for n in OUTPUTS:
             err = np.linalg.norm((out[n] - ref[n])[valid]) / np.linalg.norm(ref[n][valid])
             assert err < 0.08, (name, n, err)
+
+
+PIPELINED = ("torch-compile-fp8-packed-pipelined", "torch-compile-fp8-cudnn-pipelined",
+             "torch-compile-fp16-graph-pipelined", "torch-compile-fp8-packed-autotune")
+
+
+def test_pipelined_variants_keep_two_batches_in_flight_on_cuda_only():
+    for name in PIPELINED:
+        v = TABLE.get(name)
+        assert v.device == "cuda" and v.options.pipeline
+        sync = make_variant("x", "torch", "cuda", {**dataclasses.asdict(v.options), "pipeline": False})
+        assert v.create().in_flight() == 2 and sync.create().in_flight() == 1
+    cpu = make_variant("x", "torch", "cpu", {"pipeline": True})
+    assert "pipeline" in cpu.unavailable_reason()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", PIPELINED)
+def test_pipelined_variants_give_the_synchronous_outputs_on_gpu(tmp_path, name):
+    """Two batches in flight, through the runner's own loop, over more batches than slots (each
+    slot's pinned inputs, packing and outputs reused): bit for bit what the same model gives one
+    batch at a time. A third batch submitted before the first is collected is refused."""
+    from bertqa_bench.measuring.runner import stream
+
+    reason = TABLE.get(name).unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    ctx, batches = _gpu_ctx(tmp_path)
+    batches = (batches * 3)[:5]
+    _, sync = _run(name, ctx, batches, pipeline=False)
+    base = TABLE.get(name)
+    backend = make_variant(name, base.implementation, base.device, dataclasses.asdict(base.options)).create()
+    backend.prepare(ctx)
+    try:
+        got = list(stream(backend, batches))
+        backend.submit(batches[0])
+        backend.submit(batches[1])
+        with pytest.raises(RuntimeError, match="in flight"):
+            backend.submit(batches[0])
+    finally:
+        backend.close()
+    assert [i for i, _, _ in got] == list(range(len(batches)))
+    for (_, out, _), ref in zip(got, sync):
+        for n in OUTPUTS:
+            np.testing.assert_array_equal(out[n], ref[n], err_msg=f"{name} {n}")

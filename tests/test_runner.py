@@ -304,3 +304,72 @@ def test_token_efficiency_is_real_over_computed_tokens():
     assert srt.token_efficiency(lengths) == pytest.approx(528 / 2016)
     assert make_plan(lengths, batching="packed", batch_size=4, max_seq_len=128,
                      tokens_per_batch=256).token_efficiency(lengths) == 1.0
+
+
+class SimulatedDevice(Echo):
+    """A backend with an accelerator of its own, on the simulated clock: ``submit`` costs the host
+    ``host_s`` and queues the batch; the device computes batches one after another, ``device_s``
+    each, starting each when both it is free and the batch was submitted; a waiter moves the clock
+    to its batch's finish. It refuses what a real pipelined backend's buffers could not survive:
+    more than ``depth`` batches outstanding, or waiters called out of submission order."""
+
+    def __init__(self, clock, host_s, device_s, depth):
+        super().__init__()
+        self.clock, self.host_s, self.device_s, self.depth = clock, host_s, device_s, depth
+        self.free_at, self.outstanding, self.events = clock.now, [], []
+
+    def in_flight(self):
+        return self.depth
+
+    def submit(self, batch):
+        if len(self.outstanding) >= self.depth:
+            raise AssertionError(f"{len(self.outstanding) + 1} batches in flight, the backend keeps {self.depth}")
+        self.clock.now += self.host_s
+        self.free_at = finish = max(self.free_at, self.clock.now) + self.device_s
+        out, k = Echo.predict(self, batch), self.calls
+        self.outstanding.append(k)
+        self.events.append(f"submit {k}")
+
+        def wait():
+            assert self.outstanding[0] == k, "collected out of submission order"
+            self.outstanding.pop(0)
+            self.clock.now = max(self.clock.now, finish)
+            self.events.append(f"collect {k}")
+            return out
+
+        return wait
+
+    def predict(self, batch):
+        return self.submit(batch)()
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_a_backend_that_keeps_batches_in_flight_gets_them_and_its_host_work_overlaps_the_device(depth):
+    """The runner hands a pipelined backend batch i+1 before collecting batch i, so a pass takes
+    host + n x device instead of n x (host + device); outputs land where the synchronous loop puts
+    them, and each batch's latency runs from its submission to its collection."""
+    lengths = np.arange(1, 17)
+    plan = make_plan(lengths, batching="padded", batch_size=4, max_seq_len=16)  # 4 batches
+    batches = materialize(_inputs(lengths, 16), plan)
+    host, dev = STEP / 2, STEP  # the host's work per batch is half the device's
+    clock = SimulatedClock()
+    backend = SimulatedDevice(clock, host, dev, depth)
+    out, t = timed_passes(backend, plan, batches, TOKEN, TOKEN, 16, min_passes=2, clock=clock)
+    want_pass = 4 * (host + dev) if depth == 1 else host + 4 * dev
+    assert t.pass_s == [want_pass, want_pass]
+    if depth == 2:
+        assert backend.events[:6] == ["submit 1", "submit 2", "collect 1", "submit 3", "collect 2", "submit 4"]
+        # batch 1: its host work, then the device; batch 2 queues behind it (submitted at host,
+        # computed from host + dev to host + 2 dev)
+        assert t.batch_ms[:2].tolist() == [(host + dev) * 1e3, 2 * dev * 1e3]
+    sync_out, _ = timed_passes(Echo(), plan, batches, TOKEN, TOKEN, 16)
+    for k in TOKEN:
+        np.testing.assert_array_equal(out[k], sync_out[k])
+
+
+def test_warm_up_goes_through_the_in_flight_path_too():
+    lengths = np.array([10] * 40 + [60] * 10 + [120] * 5)
+    plan = make_plan(lengths, batching="sorted", batch_size=4, max_seq_len=128, seq_multiple=32)
+    backend = SimulatedDevice(SimulatedClock(), STEP, STEP, 2)
+    n = warm_up(backend, plan, materialize(_inputs(lengths, 128), plan), 6, TOKEN, TOKEN)
+    assert n == 6 and backend.events[:3] == ["submit 1", "submit 2", "collect 1"]

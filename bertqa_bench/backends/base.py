@@ -15,6 +15,12 @@ To add a backend, subclass ``Backend``:
   (CUDA graphs, compiled shapes, engine profiles) happens here, not during timing;
 * ``predict(batch)``: one batch of host int64 arrays -> host float32 arrays, synchronously
   (when it returns, the device is done and the logits are on the host);
+* optionally ``submit(batch)`` and ``in_flight()``: an accelerator backend that can queue the next
+  batch while the current one computes returns a *waiter* from ``submit`` (call it for the
+  outputs) and says how many batches may be submitted before the oldest is collected. The
+  runner then keeps that many in flight, so the host's per-batch work (inputs, packing, the
+  scatter of the previous outputs) overlaps the device's compute instead of leaving it idle.
+  The default is synchronous: ``submit`` runs ``predict`` and ``in_flight()`` is 1;
 * ``close()``: free sessions and device memory.
 
 Then declare variants of it in a suite's ``variants:`` section (``implementation:
@@ -25,7 +31,7 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Mapping, Optional
+from typing import Any, Callable, ClassVar, Mapping, Optional
 
 import numpy as np
 
@@ -123,6 +129,18 @@ class Backend(abc.ABC):
     def predict(self, batch: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run one batch; return outputs as host float32 numpy arrays once they are ready. They are
         the caller's: a later predict must not write into them (copy out of reused buffers)."""
+
+    def in_flight(self) -> int:
+        """How many submitted batches may be outstanding (not yet collected) at once: 1 means
+        synchronous; 2 lets the caller hand over batch i+1 before collecting batch i."""
+        return 1
+
+    def submit(self, batch: Mapping[str, np.ndarray]) -> Callable[[], dict[str, np.ndarray]]:
+        """Start one batch; returns a waiter that blocks until its outputs are on the host and
+        returns them (as ``predict`` would). At most ``in_flight()`` waiters may be outstanding,
+        and they are called in submission order."""
+        out = self.predict(batch)
+        return lambda: out
 
     def close(self) -> None:
         """Free device memory and sessions."""

@@ -7,7 +7,7 @@ pointers for free.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -59,8 +59,9 @@ class CudaStaging:
             raise ValueError(f"batch {b}x{s} (padded {pb}x{ps}) exceeds the prepared max shape")
         out = {}
         for n in self.names:
-            # The previous batch's copy out of this pinned buffer is finished: predict() is
-            # synchronous, so overwriting it here cannot race.
+            # The previous copy out of this pinned buffer is finished: a backend that keeps
+            # batches in flight gives each its own CudaStaging, and collects a batch before its
+            # staging is used again.
             host = self.host[n][: pb * ps].view(pb, ps)
             h = host.numpy()
             if (pb, ps) != (b, s):
@@ -86,30 +87,59 @@ def pinned_empty(shape, dtype):
 
 
 class HostOutputs:
-    """Pinned host buffers the outputs of a batch are copied into, all under one synchronize.
+    """Pinned host buffers the outputs of a batch are copied into, all under one wait.
 
-    ``fetch(names, tensors, b)`` copies device outputs (the first ``b`` rows) to pinned memory
-    asynchronously on the current stream, waits once, and returns numpy copies (the pinned
-    buffers are reused by the next batch).
+    ``stage(names, tensors, b, slot)`` enqueues the device outputs' copies (their first ``b`` rows)
+    into pinned memory on the current stream and records an event; the waiter it returns blocks
+    on that event and returns numpy copies. ``fetch`` is stage-and-wait. A backend that keeps
+    two batches in flight uses two slots, so batch i+1's copies never land in the buffers batch
+    i is still being read from; a slot whose waiter has not run yet refuses a new batch (it
+    would overwrite outputs nobody has read). Each slot's buffer per output name is one flat
+    pinned allocation, grown when a larger batch comes (pinning is slow: not once per shape).
     """
 
     def __init__(self):
         self._bufs: dict[tuple, Any] = {}
+        self._busy: set = set()
 
-    def fetch(self, names: Sequence[str], tensors: Sequence[Any], b: int) -> dict[str, np.ndarray]:
+    def _buffer(self, slot: int, name: str, shape: tuple):
         import torch
 
+        n = int(np.prod(shape))
+        buf = self._bufs.get((slot, name))
+        if buf is None or buf.numel() < n:
+            buf = self._bufs[(slot, name)] = pinned_empty(n, torch.float32)
+        return buf[:n].view(shape)
+
+    def check_free(self, slot: int) -> None:
+        """Called before a batch touches any of its slot's buffers (inputs and packing too)."""
+        if slot in self._busy:
+            raise RuntimeError(f"slot {slot} still holds a batch nobody collected: more batches were submitted "
+                               "than the backend keeps in flight")
+
+    def stage(self, names: Sequence[str], tensors: Sequence[Any], b: int, slot: int = 0) -> Callable[[], dict]:
+        import torch
+
+        self.check_free(slot)
         staged = []
         for n, t in zip(names, tensors):
             t = t[:b]
-            key = (n, tuple(t.shape))
-            if key not in self._bufs:
-                self._bufs[key] = pinned_empty(tuple(t.shape), torch.float32)
-            h = self._bufs[key]
+            h = self._buffer(slot, n, tuple(t.shape))
             h.copy_(t, non_blocking=True)  # converts to fp32 on the way
             staged.append((n, h))
-        torch.cuda.current_stream().synchronize()
-        return {n: h.numpy().copy() for n, h in staged}
+        done = torch.cuda.Event()
+        done.record()
+        self._busy.add(slot)
+
+        def wait() -> dict[str, np.ndarray]:
+            done.synchronize()
+            self._busy.discard(slot)
+            return {n: h.numpy().copy() for n, h in staged}
+
+        return wait
+
+    def fetch(self, names: Sequence[str], tensors: Sequence[Any], b: int) -> dict[str, np.ndarray]:
+        return self.stage(names, tensors, b)()
 
 
 def gpu_info() -> dict[str, Any]:

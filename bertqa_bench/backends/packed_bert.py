@@ -293,35 +293,40 @@ class HostPacker:
     static inputs of its token bucket's CUDA graph; the encoder's next forward replays that graph
     (``PackedEncoder.prepacked``) instead of packing on the device.
 
-    The pinned buffers are reused batch after batch: safe because every batch ends with the
-    host waiting for its outputs (``HostOutputs.fetch``), after these copies."""
+    The pinned buffers are reused, one set per ``slot``: a backend that keeps two batches in
+    flight packs batch i+1 into the other slot while batch i's copies may still be queued, and
+    collects batch i (``HostOutputs``: a wait after these copies) before its slot comes round
+    again. The graph's static inputs themselves need no second copy: the copies into them are
+    queued on the stream after the previous replay."""
 
-    def __init__(self, encoder: PackedEncoder, device):
+    def __init__(self, encoder: PackedEncoder, device, slots: int = 1):
         if encoder.buckets is None or not encoder.buckets.graphs:
             raise ValueError("host packing feeds captured token-bucket graphs: capture them first")
         self.enc, self.device = encoder, device
         n = encoder.buckets.sizes[-1]
-        self.pinned = {k: torch.zeros(n, dtype=torch.long).pin_memory() for k in ("ids", "pos", "types", "flat")}
-        self.pinned_cu = torch.zeros(encoder.buckets.cu_len, dtype=torch.int32).pin_memory()
+        self.pinned = [{k: torch.zeros(n, dtype=torch.long).pin_memory() for k in ("ids", "pos", "types", "flat")}
+                       for _ in range(slots)]
+        self.pinned_cu = [torch.zeros(encoder.buckets.cu_len, dtype=torch.int32).pin_memory() for _ in range(slots)]
 
-    def __call__(self, batch) -> None:
+    def __call__(self, batch, slot: int = 0) -> None:
         ids, pos, types, cu, flat, _ = host_pack(batch["input_ids"], batch["attention_mask"],
                                                  batch.get("token_type_ids"), self.enc.position_offset)
         bk = self.enc.buckets
         t = int(ids.size)
         size = bk.size_for(t, cu.size - 1)
+        pinned, pinned_cu = self.pinned[slot], self.pinned_cu[slot]
         for key, v in (("ids", ids), ("pos", pos), ("types", types)):
-            buf = self.pinned[key].numpy()
+            buf = pinned[key].numpy()
             buf[:t] = v
             buf[t:size] = 0  # dummy tokens: id, position and type 0, in sequences of their own
-        self.pinned["flat"].numpy()[:t] = flat
-        self.pinned_cu.numpy()[:] = bk.host_cu(cu, t, size)
+        pinned["flat"].numpy()[:t] = flat
+        pinned_cu.numpy()[:] = bk.host_cu(cu, t, size)
         _, s_ids, s_pos, s_types, s_cu, _ = bk.graphs[size]
-        s_ids.copy_(self.pinned["ids"][:size], non_blocking=True)
-        s_pos.copy_(self.pinned["pos"][:size], non_blocking=True)
-        s_types.copy_(self.pinned["types"][:size], non_blocking=True)
-        s_cu.copy_(self.pinned_cu, non_blocking=True)
-        self.enc.prepacked = (size, t, self.pinned["flat"][:t].to(self.device, non_blocking=True))
+        s_ids.copy_(pinned["ids"][:size], non_blocking=True)
+        s_pos.copy_(pinned["pos"][:size], non_blocking=True)
+        s_types.copy_(pinned["types"][:size], non_blocking=True)
+        s_cu.copy_(pinned_cu, non_blocking=True)
+        self.enc.prepacked = (size, t, pinned["flat"][:t].to(self.device, non_blocking=True))
 
 
 def encoder_of(model: nn.Module) -> nn.Module:

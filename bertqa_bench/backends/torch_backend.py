@@ -159,6 +159,10 @@ class TorchOptions:
     # token_bucket on CUDA only: pack each batch on the host into the bucket graph's inputs
     # (packed_bert.HostPacker) instead of on the device (two host syncs and ~15 kernels a batch)
     host_pack: bool = False
+    # CUDA only: keep two batches in flight (Backend.submit), so the host prepares batch i+1 and
+    # scatters batch i's outputs while the GPU computes; every buffer the host writes or reads
+    # (pinned inputs, packing, outputs) has one copy per batch in flight
+    pipeline: bool = False
 
     def __post_init__(self):
         for name, value, valid in (("weights", self.weights, DTYPES), ("autocast", self.autocast, ("none",) + DTYPES[1:]),
@@ -269,6 +273,9 @@ class TorchBackend(Backend):
         if variant.device != "cuda":
             if o.cuda_graph != "none" or o.fp8 is not None or o.torchao is not None:
                 return "CUDA graphs and FP8 GEMMs need device: cuda"
+            if o.pipeline:
+                return ("pipeline overlaps the host's work with an accelerator's; on device: cpu the host is the "
+                        "device (pipeline: false)")
             return None
         if o.int8 is not None and not hasattr(__import__("torch"), "_int_mm"):
             return "this torch has no torch._int_mm (int8 GEMMs)"
@@ -299,7 +306,8 @@ class TorchBackend(Backend):
         self.module = None
         self._fn = None
         self._graphs: Optional[_GraphReplay] = None
-        self._staging: Optional[CudaStaging] = None
+        self._staging: list[CudaStaging] = []  # one per batch in flight
+        self._slot = 0
         self._host = HostOutputs()
         self._packer = None  # packed_bert.HostPacker (host_pack)
         self._tf32_before: Optional[tuple[bool, bool]] = None
@@ -317,7 +325,8 @@ class TorchBackend(Backend):
         if cuda:
             self._tf32_before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = bool(o.tf32)
-            self._staging = CudaStaging(ctx.max_batch_size, ctx.max_seq_len, device="cuda")
+            self._staging = [CudaStaging(ctx.max_batch_size, ctx.max_seq_len, device="cuda")
+                             for _ in range(self.in_flight())]
         elif o.num_threads:
             torch.set_num_threads(int(o.num_threads))
 
@@ -381,7 +390,7 @@ class TorchBackend(Backend):
             if o.host_pack:
                 from .packed_bert import HostPacker
 
-                self._packer = HostPacker(enc, torch.device("cuda"))
+                self._packer = HostPacker(enc, torch.device("cuda"), slots=self.in_flight())
         return {"token_bucket": o.token_bucket, "token_buckets": len(buckets.sizes),
                 "token_bucket_graphs": captured, "packing": "host" if self._packer is not None else "device"}
 
@@ -515,31 +524,50 @@ class TorchBackend(Backend):
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device, dtype=_torch_dtype(self.options.autocast))
 
+    def in_flight(self) -> int:
+        return 2 if self.options.pipeline and self.device == "cuda" else 1
+
     def predict(self, batch: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return self.submit(batch)()
+
+    def submit(self, batch: Mapping[str, np.ndarray]):
+        """Queue one batch on the current stream: inputs in (pinned -> device), compute, outputs
+        out (device -> pinned); the waiter blocks until they are on the host. Everything after the
+        host's writes into pinned memory is ordered by the stream, so batch i+1's copies into a
+        graph's static inputs run after batch i's replay, and its replay after batch i's outputs
+        were copied out. On CPU the batch runs here and now."""
         import torch
 
         b, _ = batch_shape(batch)
+        if self.device != "cuda":
+            with torch.inference_mode(), self._autocast():
+                args = (torch.from_numpy(np.ascontiguousarray(batch[n], dtype=np.int64)) for n in INPUT_NAMES)
+                outs = self._fn(*args)
+                out = {n: o.float().numpy().copy() for n, o in zip(self.output_names, outs)}
+            return lambda: out
+        slot = (self._slot + 1) % len(self._staging)
+        self._host.check_free(slot)  # before its pinned buffers are written
+        self._slot = slot
+        staging = self._staging[slot]
         if self._graphs is not None:
-            return self._host.fetch(self.output_names, self._graphs(batch, self._staging), b)
+            return self._host.stage(self.output_names, self._graphs(batch, staging), b, slot)
         with torch.inference_mode(), self._autocast():
-            if self.device == "cuda":
-                if self._packer is not None:
-                    self._packer(batch)  # before the staging copy: both go out on the same stream
-                dev = self._staging.to_device(batch)
-                if self.options.cuda_graph == "trees":
-                    # Tells cudagraph trees the previous outputs are dead, so replay may reuse them.
-                    torch.compiler.cudagraph_mark_step_begin()
-                outs = self._fn(*(dev[n] for n in INPUT_NAMES))
-                # Copied out before the next call: a graph replay overwrites its outputs.
-                return self._host.fetch(self.output_names, outs, b)
-            args = (torch.from_numpy(np.ascontiguousarray(batch[n], dtype=np.int64)) for n in INPUT_NAMES)
-            outs = self._fn(*args)
-            return {n: o.float().numpy().copy() for n, o in zip(self.output_names, outs)}
+            if self._packer is not None:
+                self._packer(batch, slot)  # before the staging copy: both go out on the same stream
+            dev = staging.to_device(batch)
+            if self.options.cuda_graph == "trees":
+                # Tells cudagraph trees the previous outputs are dead, so replay may reuse them
+                # (their copy out is already queued before this replay).
+                torch.compiler.cudagraph_mark_step_begin()
+            outs = self._fn(*(dev[n] for n in INPUT_NAMES))
+            # Copied out before the next call's work: a graph replay overwrites its outputs.
+            return self._host.stage(self.output_names, outs, b, slot)
 
     def close(self) -> None:
         import torch
 
-        self.module = self._fn = self._graphs = self._staging = self._packer = None
+        self.module = self._fn = self._graphs = self._packer = None
+        self._staging = []
         if self.options.compile != "none":
             torch._dynamo.reset()
         if self._tf32_before is not None:

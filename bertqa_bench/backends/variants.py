@@ -251,6 +251,26 @@ BUILTIN = (
        weights="fp16", compile="default", cuda_graph="manual", sdpa_backend="cudnn"),
     _v("torch-compile-fp8-cudnn", "torch", "cuda", "as torch-compile-fp8, SDPA on cuDNN attention", weights="fp16",
        compile="default", cuda_graph="manual", fp8=_FP8, sdpa_backend="cudnn"),
+    # The packed FP8 row's GPU idled 14.8% with host packing too (h100-perf.md): each predict
+    # waited for its logits before the host built the next batch. Pipelined, the host prepares
+    # batch i+1 and scatters batch i while the GPU computes (Backend.submit, two in flight).
+    {**_v("torch-compile-fp8-packed-pipelined", "torch", "cuda",
+          "as torch-compile-fp8-packed-host, two batches in flight (the host's work overlaps the GPU's)",
+          weights="fp16", compile="default", packed=True, token_bucket=1024, host_pack=True, fp8=_FP8,
+          pipeline=True), "batching": "packed"},
+    _v("torch-compile-fp8-cudnn-pipelined", "torch", "cuda", "as torch-compile-fp8-cudnn, two batches in flight",
+       weights="fp16", compile="default", cuda_graph="manual", fp8=_FP8, sdpa_backend="cudnn", pipeline=True),
+    _v("torch-compile-fp16-graph-pipelined", "torch", "cuda", "as torch-compile-fp16-graph, two batches in flight",
+       weights="fp16", compile="default", cuda_graph="manual", pipeline=True),
+    # GELU + FP8 quantize after the FFN-up GEMM is 17.6% of the packed FP8 row's GPU time as its
+    # own pass (h100-perf.md). Inductor fuses such epilogues only into its own GEMM templates: here
+    # it may pick, per GEMM, cuBLAS or its persistent TMA Triton template with the epilogue fused.
+    {**_v("torch-compile-fp8-packed-autotune", "torch", "cuda",
+          "as torch-compile-fp8-packed-pipelined, GEMMs autotuned between cuBLAS and Inductor's persistent TMA "
+          "Triton templates (epilogues fused into the template)", weights="fp16", compile="max-autotune",
+          packed=True, token_bucket=1024, host_pack=True, fp8=_FP8, pipeline=True,
+          inductor_config={"max_autotune_gemm_backends": "ATEN,TRITON", "triton.enable_persistent_tma_matmul": True}),
+     "batching": "packed", "timeout_s": 900},  # autotuning is prepare time, and it can be long
     _v("torch-compile-int8", "torch", "cuda",
        "INT8 W8A8 GEMMs (torch._int_mm; per-channel weights, dynamic per-token activations), fp16 elsewhere, "
        "torch.compile, one CUDA graph per shape", weights="fp16", compile="default", cuda_graph="manual", int8={}),

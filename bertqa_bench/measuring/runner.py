@@ -5,9 +5,14 @@
   ``warmup_batches`` — untimed, never on zeros;
 * the timed prediction is whole passes over the plan, repeated until both ``min_passes`` and
   ``min_duration_s`` are reached. A pass's time runs from the first batch handed to the
-  backend until the last logits are in the dataset-order arrays on the host (backends are
-  synchronous, so a host clock around them is honest); its batches' latencies are recorded too.
-  The median pass is the prediction time; min/max/stdev show the spread.
+  backend until the last logits are in the dataset-order arrays on the host (a host clock
+  around it is honest: the last batch's outputs are on the host when it stops); its batches'
+  latencies are recorded too. The median pass is the prediction time; min/max/stdev show the
+  spread.
+* a backend that keeps batches in flight (``Backend.in_flight() > 1``, e.g. a torch variant with
+  ``pipeline: true``) is handed batch i+1 before batch i is collected (``stream``): the host's
+  work for one batch overlaps the device's compute of the other. A batch's latency then runs
+  from its submission to its collection, queueing behind the batch before it included.
 
 Batch inputs are cut from the evaluation set before timing (the sample library's job, done
 once), outputs are scattered back to dataset order inside the timed region.
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional
 
@@ -133,8 +139,9 @@ def warm_up(backend: Backend, plan: Plan, batches: list, n: int, output_names: t
     chosen = set(order)
     order += [i for i in range(len(batches)) if i not in chosen][: max(0, n - len(order))]
     earlier: list = []
-    for i in order:
-        out = backend.predict(batches[i])
+    # through the timed loop's own path (batches in flight too), so its first pass starts warm
+    for k, out, _ in stream(backend, [batches[i] for i in order]):
+        i = order[k]
         if output_names:
             check_contract(backend.name, out, batches[i], output_names, token_outputs)
             for prev in earlier:  # every earlier batch: a backend may reuse one buffer per shape
@@ -150,6 +157,24 @@ def check_owned(name: str, earlier: dict, later: dict) -> None:
         if k in earlier and np.shares_memory(earlier[k], v):
             raise ContractError(f"backend {name} returned {k} in the same memory as the previous batch's {k}; "
                                 f"return arrays the caller owns (copy out of reused buffers)")
+
+
+def stream(backend: Backend, batches: list, clock: Callable[[], float] = time.perf_counter):
+    """Every batch through the backend, keeping ``backend.in_flight()`` submitted at once; yields
+    (index, outputs, milliseconds from submission to collection) in submission order."""
+    depth = max(1, int(backend.in_flight()))
+    pending: deque = deque()
+    for i, x in enumerate(batches):
+        t0 = clock()
+        pending.append((i, t0, backend.submit(x)))
+        if len(pending) >= depth:
+            j, tj, wait = pending.popleft()
+            out = wait()
+            yield j, out, (clock() - tj) * 1e3
+    while pending:
+        j, tj, wait = pending.popleft()
+        out = wait()
+        yield j, out, (clock() - tj) * 1e3
 
 
 def timed_passes(backend: Backend, plan: Plan, batches: list, output_names: tuple, token_outputs: tuple,
@@ -170,14 +195,12 @@ def timed_passes(backend: Backend, plan: Plan, batches: list, output_names: tupl
         outputs = {}
         ms = np.empty(len(batches))
         t_pass = clock()
-        for i, (b, x) in enumerate(zip(plan.batches, batches)):
-            t0 = clock()
-            out = backend.predict(x)  # synchronous: results are on the host
-            ms[i] = (clock() - t0) * 1e3
+        for i, out, dt_ms in stream(backend, batches, clock):
+            ms[i] = dt_ms
             out = {n: out[n] for n in output_names}
             if not outputs:
                 outputs = empty_outputs(out, plan.n_features, max_seq_len, token_outputs)
-            scatter(outputs, b, out)
+            scatter(outputs, plan.batches[i], out)
         pass_s.append(clock() - t_pass)
         lat.append(ms)
         bar.update(len(batches))
