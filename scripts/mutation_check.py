@@ -226,6 +226,15 @@ MUTANTS = [
       "        head = _head_nodes(model) if s.exclude_head else []",
       "        head = []",
       ("tests/test_backends.py", "-k", "openvino_int8"), "the QA head's GEMM is quantized though exclude_head says fp32"),
+    # --- batches in flight: the runner overlaps, and collects in order
+    M("stream-collects-at-once", "bertqa_bench/measuring/runner.py",
+      "    depth = max(1, int(backend.in_flight()))", "    depth = 1",
+      ("tests/test_runner.py", "-k", "in_flight"),
+      "a pipelined backend is collected right after each submit: no overlap, measured as if it had some"),
+    M("stream-collects-newest-first", "bertqa_bench/measuring/runner.py",
+      "            j, tj, wait = pending.popleft()\n            out = wait()\n            yield",
+      "            j, tj, wait = pending.pop()\n            out = wait()\n            yield",
+      ("tests/test_runner.py", "-k", "in_flight"), "batches collected out of submission order"),
     # --- a data-parallel run is judged against the reference's own outputs (end to end, ~1.5 min)
     M("data-parallel-judged-against-itself", "bertqa_bench/measuring/bench.py",
       "agreement=task.agreement(predictions, ref.predictions), ref_outputs=ref.outputs,",
