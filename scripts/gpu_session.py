@@ -310,11 +310,10 @@ def step_loadgen_length_aware(s: Session) -> list:
 
 
 # Issue 22: the host's work per batch overlapped with the GPU's (two batches in flight) for the
-# padded FP16 and FP8 graph rows and the packed FP8 row, each beside its synchronous self; the
+# padded FP8 graph row and the packed FP8 row, each beside its synchronous self; the
 # packed FP8 row with its GEMMs autotuned against Inductor's persistent TMA templates (GELU + FP8
 # quantize fused into the FFN-up GEMM's epilogue where that wins); eager FP32 in the same run.
-PERF_BACKENDS = ("eager-fp32-cuda,torch-compile-fp16-graph,torch-compile-fp16-graph-pipelined,torch-compile-fp8-cudnn,"
-                 "torch-compile-fp8-cudnn-pipelined,torch-compile-fp8-packed-host,torch-compile-fp8-packed-pipelined,"
+PERF_BACKENDS = ("eager-fp32-cuda,torch-compile-fp8-cudnn,torch-compile-fp8-cudnn-pipelined,torch-compile-fp8-packed-host,torch-compile-fp8-packed-pipelined,"
                  "torch-compile-fp8-packed-autotune")
 
 

@@ -270,7 +270,7 @@ BUILTIN = (
           "Triton templates (epilogues fused into the template)", weights="fp16", compile="max-autotune",
           packed=True, token_bucket=1024, host_pack=True, fp8=_FP8, pipeline=True,
           inductor_config={"max_autotune_gemm_backends": "ATEN,TRITON", "triton.enable_persistent_tma_matmul": True}),
-     "batching": "packed", "timeout_s": 900},  # autotuning is prepare time, and it can be long
+     "batching": "packed", "timeout_s": 420},  # autotuning is prepare time, and it can be long
     _v("torch-compile-int8", "torch", "cuda",
        "INT8 W8A8 GEMMs (torch._int_mm; per-channel weights, dynamic per-token activations), fp16 elsewhere, "
        "torch.compile, one CUDA graph per shape", weights="fp16", compile="default", cuda_graph="manual", int8={}),
