@@ -54,6 +54,20 @@ def test_a_run_that_compiled_before_its_clock_shows_the_prepare_time_and_is_its_
     assert "| prepare (s) |" in md and "| 41.5 |" in md
 
 
+def test_a_ddp_setting_off_its_default_makes_its_own_series():
+    """DDP's static graph (or other buckets) read back from the run: such a 4-GPU run is not a point
+    of the default series (host H's static-graph run once landed in the control's table)."""
+    ddp = {"bucket_cap_mb": 25.0, "static_graph": False, "gradient_as_bucket_view": True}
+    control = train_row(_metrics(4, 300.0, ddp=ddp), host="h")
+    static = train_row(_metrics(4, 290.0, ddp={**ddp, "static_graph": True}), host="h")
+    big = train_row(_metrics(4, 290.0, ddp={**ddp, "bucket_cap_mb": 100.0}), host="h")
+    copied = train_row(_metrics(4, 290.0, ddp={**ddp, "gradient_as_bucket_view": False}), host="h")
+    one = train_row(_metrics(1, 80.0, accum=4), host="h")
+    assert one.series == control.series
+    assert len({control.series, static.series, big.series, copied.series}) == 4
+    assert "DDP static graph" in static.series and "100 MB buckets" in big.series
+
+
 def test_efficiency_is_taken_against_the_one_gpu_row_of_the_same_host_and_series():
     rows = [ScalingRow("train", 1, "X", "A", "s", 100.0), ScalingRow("train", 2, "X", "A", "s", 180.0),
             ScalingRow("train", 1, "X", "B", "s", 50.0), ScalingRow("train", 4, "X", "B", "s", 150.0),

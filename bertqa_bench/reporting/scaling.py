@@ -64,6 +64,14 @@ def _series_id(fields: dict) -> str:
     return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:8]
 
 
+def _ddp_how(ddp: dict) -> str:
+    """DDP settings (as the run read them back) that differ from DDP's defaults: a run with one of
+    them is its own series, never a point of the default one's."""
+    return ((", DDP static graph" if ddp.get("static_graph") else "")
+            + (f", {ddp['bucket_cap_mb']:g} MB buckets" if ddp.get("bucket_cap_mb") not in (None, 25.0) else "")
+            + (", gradients copied into buckets" if ddp.get("gradient_as_bucket_view") is False else ""))
+
+
 def train_row(metrics: dict, *, host: str, source: str = "", card: str = "", date: str = "",
               command: str = "") -> ScalingRow:
     """One training run (all its ranks) as a row. ``card``, ``date`` and ``command`` fill in what
@@ -82,7 +90,8 @@ def train_row(metrics: dict, *, host: str, source: str = "", card: str = "", dat
         + (f", {metrics['seq_bucket']}-token buckets" if metrics.get("seq_bucket") else "") \
         + (", compiled before the clock" if metrics.get("train_warmup_shapes") else "") \
         + (", graphed optimizer step" if metrics.get("optimizer_step") == "cuda-graph" else "") \
-        + (f", {metrics['ddp_comm_hook'].upper()} all-reduce" if metrics.get("ddp_comm_hook", "none") != "none" else "")
+        + (f", {metrics['ddp_comm_hook'].upper()} all-reduce" if metrics.get("ddp_comm_hook", "none") != "none" else "") \
+        + _ddp_how(metrics.get("ddp") or {})
     epochs = metrics.get("train_epoch_s") or []
     sps = float(need("train_samples_per_s"))
     last = (sps * float(metrics["train_s"]) / len(epochs) / float(epochs[-1])
