@@ -231,6 +231,13 @@ class TrainConfig:
     # the third step on: one launch instead of ~4 ms of host work per step (training/optimizer_step.py
     # says what capture needs). CUDA with BF16/FP32 only: FP16's GradScaler decides on the host.
     graph_optimizer_step: bool = False
+    # Python's cyclic garbage collector off inside the timed loop (objects alive before it frozen
+    # out of its reach), and one collection at every epoch's end instead, on every rank at the same
+    # step. Under DDP a collection on one rank stalls the others at the next all-reduce, so
+    # threshold-triggered collections at different moments on N ranks cost up to N pauses a
+    # step; aligned, they cost one (Megatron-LM's --manual-gc does this). The pauses the loop
+    # did see are reported either way (train_metrics.json: gc_collections_in_loop, gc_pause_s).
+    manual_gc: bool = False
     # Record this many optimizer steps with torch.profiler on rank 0, half-way through training
     # (after the first epoch: every length bucket compiled, allocator and cuBLAS warm), and write
     # a top-kernels table, the step time and the GPU idle fraction under

@@ -15,9 +15,9 @@ sweep, the calibration points, the batching rows), ``tests`` (the GPU tests), ``
 then benchmarked as a user's checkpoint), ``loadgen``, ``loadgen-length-aware`` and ``loadgen-rest`` (issue 21:
 MLPerf LoadGen SingleStream, Server peak and Offline rows), ``perf`` (issue 22: the FP8, torchao,
 cuDNN and host-packed rows with profiles), ``train-speed`` (issue 23: one-GPU training, baseline
-and bucketed + compiled, with step profiles), ``scale-out`` and ``scale-out-levers`` (issue 23 on a
-4-GPU host: compiled training on 1, 2 and 4 GPUs; the graphed optimizer step and the BF16
-all-reduce, one at a time, against the same host's control), ``predict-scaling`` and ``train-scaling``
+and bucketed + compiled, with step profiles), ``scale-out`` and ``scale-out-gc`` (issue 23 on a
+4-GPU host: compiled training on 1, 2 and 4 GPUs; manual GC alternating with the same host's
+control), ``predict-scaling`` and ``train-scaling``
 (data-parallel prediction and training on 1, 2 and 4 GPUs of the host). Plans that ran once are
 not kept: the reference tables in results/reference/ record the commands they ran.
 Poll with back-to-back device calls (``sleep N; --status``): a lent machine goes back after 30 s
@@ -346,13 +346,10 @@ def step_train_speed(s: Session) -> list:
 
 
 SCALE_OUT = [*SQUAD_SIZED, "--set", "train.batch_size=512", "--set", "train.seq_bucket=64", "--set", "train.compile=true"]
-# issue 23's levers for the per-step cost at 4 GPUs, each set at every GPU count (so 1 GPU is the
-# same series): the optimizer phase as one CUDA graph, the gradients all-reduced in BF16. Together
-# they made the 4-GPU step 2.6 ms slower on host G (h100-scaling.md); ``scale-out-levers`` runs them
-# one at a time against the same host's control.
-GRAPH_STEP = ["--set", "train.graph_optimizer_step=true"]
-BF16_ALLREDUCE = ["--set", "train.ddp_comm_hook=bf16"]
-STATIC_GRAPH = ["--set", "train.ddp_static_graph=true"]  # DDP's static-graph mode (no per-step unused-parameter bookkeeping)
+# issue 23's next lever: Python's collector off inside the timed loop and one collection per
+# epoch end on every rank (train.manual_gc). Host H measured the graphed optimizer step, the BF16
+# all-reduce and DDP's static graph one at a time: none helped (h100-scaling.md).
+MANUAL_GC = ["--set", "train.manual_gc=true"]
 
 
 def scale_out_run(lane: Session, gpus: int, rows: int, sets: tuple = (), tag: str = "") -> None:
@@ -384,23 +381,16 @@ def step_scale_out(s: Session) -> list:
     return []
 
 
-def step_scale_out_levers(s: Session) -> list:
-    """Issue 23's levers one at a time on a 4-GPU host: the graphed-step GPU test, then side by side
-    one GPU without (GPU 0) and with the graphed step (GPU 1), 2 GPUs without (GPUs 2-3); then,
-    alone on the host, 4 GPUs without, with the graphed step, with the BF16 all-reduce and with DDP's
-    static graph (~13 minutes). The BF16 hook does nothing on one GPU, so its 4-GPU row is read against the control's
-    1-GPU row (the series names differ: the table shows the ratio by hand in the notes)."""
-    def two_gpus() -> None:
-        ls = s.on_gpu("2,3")
-        ls.run("gpu-tests-optimizer-step", [sys.executable, "-m", "pytest", "-q", "-rs", "-m", "gpu", "-p",
-                                            "no:cacheprovider", "tests/test_train_speed.py", "-k", "graphed"], timeout=300)
-        scale_out_run(ls, 2, 128)
-
-    lanes(lambda: scale_out_run(s.on_gpu(0), 1, 128), lambda: scale_out_run(s.on_gpu(1), 1, 128, GRAPH_STEP, "-g"),
-          two_gpus)
-    for sets, tag in (((), ""), (GRAPH_STEP, "-g"), (BF16_ALLREDUCE, "-bf16"), (STATIC_GRAPH, "-sg")):
+def step_scale_out_gc(s: Session) -> list:
+    """Issue 23's manual GC on a 4-GPU host: side by side one GPU without (GPU 0) and with it (GPU
+    1), 2 GPUs without (GPUs 2-3); then alone on the host, 4 GPUs without, with, without, with
+    (~11 minutes). Host H ran its 4-GPU levers once each in a row, so drift could not be told from
+    a lever's cost; here the control and the lever alternate, twice each."""
+    lanes(lambda: scale_out_run(s.on_gpu(0), 1, 128), lambda: scale_out_run(s.on_gpu(1), 1, 128, MANUAL_GC, "-mgc"),
+          lambda: scale_out_run(s.on_gpu("2,3"), 2, 128))
+    for sets, tag in (((), ""), (MANUAL_GC, "-mgc"), ((), "-b"), (MANUAL_GC, "-mgc-b")):
         scale_out_run(s, 4, 128, sets, tag)
-        say_training(s)
+    say_training(s)
     return []
 
 
@@ -428,7 +418,7 @@ PLANS = {
     "train-speed": [step_train_speed],
     "predict-scaling": [lambda s: predict_scaling(s, ["--set", f"model.name={model_name(MAIN)}"])],
     "scale-out": [step_scale_out],
-    "scale-out-levers": [step_scale_out_levers],
+    "scale-out-gc": [step_scale_out_gc],
     "train-scaling": [lambda s: train_scaling(s, 512, 128, counts=(1, 2, 4), tag="squad-", sets=SQUAD_SIZED)],
 }
 

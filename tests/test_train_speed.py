@@ -212,7 +212,7 @@ def test_two_gloo_processes_train_with_the_ddp_options(tiny_suite):
                           "--set", "model.name=ddp-opts", "--set", "train.epochs=0.5",
                           "--set", "train.ddp_bucket_cap_mb=1", "--set", "train.ddp_static_graph=true",
                           "--set", "train.seq_bucket=32", "--set", "train.compile=true",
-                          "--set", "train.ddp_comm_hook=fp16"],
+                          "--set", "train.ddp_comm_hook=fp16", "--set", "train.manual_gc=true"],
                          env=child_env({"OMP_NUM_THREADS": "1"}), capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     m = json.loads((cfg.model_dir.parent / "ddp-opts" / "train_metrics.json").read_text())
@@ -223,6 +223,8 @@ def test_two_gloo_processes_train_with_the_ddp_options(tiny_suite):
     assert m["train_rows"] == [4]  # 8 rows of a global batch / 2 processes, every micro-step
     # DDP around the regionally compiled layers (DDP's own overlapped all-reduce, no DDPOptimizer)
     assert m["compile_scope"] == "layers" and m["compiled_blocks"] == 2
+    # half an epoch under manual GC: no epoch end, so no collection at all inside the loop
+    assert m["manual_gc"] is True and m["gc_collections_in_loop"] == 0
 
 
 def test_profile_window_starts_half_way_and_fits():
@@ -424,3 +426,44 @@ def test_the_graphed_optimizer_step_updates_the_weights_as_the_eager_one():
     moved = max(float((w - b).abs().max()) for w, b in zip(weights[0], base.parameters()))
     worst = max(float((a - b).abs().max()) for a, b in zip(*weights))
     assert moved > 1e-3 and worst < 1e-5 * max(1.0, moved), (moved, worst)
+
+
+def test_gc_watch_counts_the_loops_collections_and_manual_gc_keeps_them_to_epoch_ends():
+    """Off: the collector runs as Python decides, and every collection is counted and timed.
+    Manual: nothing collects inside the loop but the epoch ends, what lived before is frozen,
+    and the collector is put back as it was afterwards."""
+    import gc
+
+    from bertqa_bench.training.train import GcWatch
+
+    assert gc.isenabled()
+    w = GcWatch(manual=False)
+    gc.collect()
+    gc.collect(0)
+    seen = w.stop()
+    assert seen["manual_gc"] is False and seen["gc_collections_in_loop"] >= 2 and seen["gc_pause_s"] > 0
+    w = GcWatch(manual=True)
+    assert not gc.isenabled() and gc.get_freeze_count() > 0
+    junk = []
+    for _ in range(50_000):  # far past the collector's thresholds: it would have run, were it on
+        a, b = [], []
+        a.append(b)
+        b.append(a)
+        junk.append(a)
+    del junk
+    w.epoch_end()
+    w.epoch_end()
+    seen = w.stop()
+    assert seen == {"manual_gc": True, "gc_collections_in_loop": 2, "gc_pause_s": seen["gc_pause_s"]}
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+
+
+def test_manual_gc_through_the_trainer_collects_once_per_epoch_and_leaves_the_recipe_alone(tiny_suite):
+    import gc
+
+    suite = tiny_suite(backends=["eager-fp32"])
+    cfg = load_suite(str(suite), ["train.manual_gc=true", "model.name=mgc", "train.epochs=2"])
+    assert model_recipe(cfg) == model_recipe(load_suite(str(suite), ["model.name=mgc", "train.epochs=2"]))
+    m = train(cfg, log=lambda m: None, evaluate=False)
+    assert m["manual_gc"] is True and m["gc_collections_in_loop"] == 2  # one per epoch end, no other
+    assert gc.isenabled() and gc.get_freeze_count() == 0

@@ -91,7 +91,8 @@ def train_row(metrics: dict, *, host: str, source: str = "", card: str = "", dat
         + (", compiled before the clock" if metrics.get("train_warmup_shapes") else "") \
         + (", graphed optimizer step" if metrics.get("optimizer_step") == "cuda-graph" else "") \
         + (f", {metrics['ddp_comm_hook'].upper()} all-reduce" if metrics.get("ddp_comm_hook", "none") != "none" else "") \
-        + _ddp_how(metrics.get("ddp") or {})
+        + _ddp_how(metrics.get("ddp") or {}) \
+        + (", manual GC" if metrics.get("manual_gc") else "")
     epochs = metrics.get("train_epoch_s") or []
     sps = float(need("train_samples_per_s"))
     last = (sps * float(metrics["train_s"]) / len(epochs) / float(epochs[-1])

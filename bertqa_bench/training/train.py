@@ -9,6 +9,7 @@ plan, postprocessing and scorer. ``ensure_model`` trains only when models/ lacks
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import math
 import os
@@ -55,7 +56,7 @@ _EVAL_ONLY = {"dev_file", "max_eval_examples", "target_eval_features", "n_dev_co
 # only watches.
 _HOW_FAST = {"num_threads", "compile", "compile_scope", "compile_warmup", "grad_accum", "seq_bucket",
              "ddp_bucket_cap_mb", "ddp_static_graph", "ddp_gradient_as_bucket_view", "ddp_comm_hook",
-             "graph_optimizer_step", "profile_steps"}
+             "graph_optimizer_step", "manual_gc", "profile_steps"}
 
 
 def recipe_fields(cfg: SuiteConfig) -> dict:
@@ -380,6 +381,42 @@ def _compiled_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+class GcWatch:
+    """Python's garbage collections inside the timed loop: counted and timed (``gc.callbacks``)
+    always; with ``manual``, the collector is off in the loop (everything alive before it frozen:
+    ``gc.freeze``) and collects once per epoch end, at the same step on every rank."""
+
+    def __init__(self, manual: bool):
+        self.manual, self.n, self.pause_s, self._t0 = manual, 0, 0.0, None
+        self._was_enabled = gc.isenabled()
+        if manual:
+            gc.collect()  # before the loop: not one of its pauses
+            gc.freeze()
+            gc.disable()
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            self.n += 1
+            self.pause_s += time.perf_counter() - self._t0
+            self._t0 = None
+
+    def epoch_end(self) -> None:
+        if self.manual:
+            gc.collect()
+
+    def stop(self) -> dict:
+        """Puts the collector back as it was; returns what the loop saw."""
+        gc.callbacks.remove(self._callback)
+        if self.manual:
+            gc.unfreeze()
+            if self._was_enabled:
+                gc.enable()
+        return {"manual_gc": self.manual, "gc_collections_in_loop": self.n, "gc_pause_s": round(self.pause_s, 4)}
+
+
 def compile_warmup(model: torch.nn.Module, loss_fn, label_keys: tuple, amp_dtype, device: torch.device,
                    representatives, make) -> tuple[float, int]:
     """Compile every micro-batch shape before the clock: one forward + backward of a real batch
@@ -548,6 +585,7 @@ def _train(cfg: SuiteConfig, *, log: Callable[[str], None], mlrun, evaluate: boo
     window = profile_window(total_steps, tc.profile_steps) if rank == 0 else None
     prof = StepProfiler(*window, cuda=device.type == "cuda") if window else None
     graphs_before = _compiled_graphs()
+    gc_watch = GcWatch(manual=tc.manual_gc)
     t_train = time.perf_counter()
     epoch_ends = []
     batches = iter(Prefetcher(make, (rows for ms in micro for rows in ms)))
@@ -556,42 +594,48 @@ def _train(cfg: SuiteConfig, *, log: Callable[[str], None], mlrun, evaluate: boo
     # is skipped, fused AdamW and the scheduler take Python-float learning rates, and the loss is
     # read back only every log_every steps. (Eager HF BERT still checks `attention_mask.all()`
     # once per forward to pick its SDPA path; under train.compile that check is traced away.)
-    for ms in micro:
-        if prof is not None:
-            prof.begin(step)
-        loss_acc = None
-        with prof.phase("forward_backward") if prof is not None else contextlib.nullcontext():
-            for i, _ in enumerate(ms):
-                rows_n, n_tokens, batch = next(batches)
-                batch = {key: t.to(device, non_blocking=True) for key, t in batch.items()}
-                # DDP: all-reduce the gradients once, after the last micro-batch of the global batch.
-                sync = contextlib.nullcontext() if world == 1 or i == len(ms) - 1 else ddp_model.no_sync()
-                with sync:
-                    with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                        loss = span_loss(step_fn, loss_fn, batch, label_keys) / len(ms)
-                    if scaler.is_enabled():
-                        scaler.scale(loss).backward()
-                    else:
-                        loss.backward()
-                seen, tokens = seen + rows_n, tokens + n_tokens
-                loss_acc = loss.detach() if loss_acc is None else loss_acc + loss.detach()
-        with prof.phase("optimizer") if prof is not None else contextlib.nullcontext():
-            opt_step()
-            scheduler.step()
-        step += 1
-        if prof is not None:
-            prof.end(step)
-        if step % steps_per_epoch == 0:
-            epoch_ends.append(time.perf_counter() - t_train)
-        if step % log_every == 0 or step == total_steps:
-            losses.append(float(loss_acc))  # one host sync every few steps, not every step
-            bar.update(step - bar.n, postfix=f"loss={losses[-1]:.3f}")
-            if mlrun is not None:
-                mlrun.step(step, losses[-1], seen * world, total_steps, lr=scheduler.get_last_lr()[0])
+    try:
+        for ms in micro:
+            if prof is not None:
+                prof.begin(step)
+            loss_acc = None
+            with prof.phase("forward_backward") if prof is not None else contextlib.nullcontext():
+                for i, _ in enumerate(ms):
+                    rows_n, n_tokens, batch = next(batches)
+                    batch = {key: t.to(device, non_blocking=True) for key, t in batch.items()}
+                    # DDP: all-reduce the gradients once, after the last micro-batch of the global batch.
+                    sync = contextlib.nullcontext() if world == 1 or i == len(ms) - 1 else ddp_model.no_sync()
+                    with sync:
+                        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                            loss = span_loss(step_fn, loss_fn, batch, label_keys) / len(ms)
+                        if scaler.is_enabled():
+                            scaler.scale(loss).backward()
+                        else:
+                            loss.backward()
+                    seen, tokens = seen + rows_n, tokens + n_tokens
+                    loss_acc = loss.detach() if loss_acc is None else loss_acc + loss.detach()
+            with prof.phase("optimizer") if prof is not None else contextlib.nullcontext():
+                opt_step()
+                scheduler.step()
+            step += 1
+            if prof is not None:
+                prof.end(step)
+            if step % steps_per_epoch == 0:
+                epoch_ends.append(time.perf_counter() - t_train)
+                gc_watch.epoch_end()
+            if step % log_every == 0 or step == total_steps:
+                losses.append(float(loss_acc))  # one host sync every few steps, not every step
+                bar.update(step - bar.n, postfix=f"loss={losses[-1]:.3f}")
+                if mlrun is not None:
+                    mlrun.step(step, losses[-1], seen * world, total_steps, lr=scheduler.get_last_lr()[0])
+    except BaseException:
+        gc_watch.stop()  # the collector as it was, whatever stopped the loop
+        raise
     if device.type == "cuda":
         torch.cuda.synchronize()
     bar.close()
     train_s = time.perf_counter() - t_train
+    gc_stats = gc_watch.stop()
     compiled_in_loop = _compiled_graphs() - graphs_before
     util = sampler.stop() if sampler is not None else {}
     profiled = {}
@@ -621,6 +665,7 @@ def _train(cfg: SuiteConfig, *, log: Callable[[str], None], mlrun, evaluate: boo
         "train_lengths": sorted({t for _, t in shapes}), "train_rows": sorted({r for r, _ in shapes}),
         "ddp": {**ddp_settings(ddp_model), "comm_hook": tc.ddp_comm_hook} if world > 1 else None,
         "optimizer_step": opt_step.kind, "ddp_comm_hook": tc.ddp_comm_hook,  # as configured (applies at world > 1)
+        **gc_stats,
         **({"profile": profiled} if profiled else {}),
         "seed": tc.seed, "base": cfg.model.base, "random_init": cfg.model.random_init, **util, **init_info,
         "recipe": model_recipe(cfg, fields), "recipe_fields": fields,
