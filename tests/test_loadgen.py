@@ -435,3 +435,73 @@ def test_offline_gathers_each_batch_ahead_and_answers_every_sample_when_one_fail
     assert {rid for rid, _, size in lg.answered if size == 0} == empty
     assert all(size == 2 * int(lengths[rid - 1000]) * 4 for rid, _, size in lg.answered if rid not in empty)
     assert sut.error == "RuntimeError: batch 4 fell over"
+
+
+def test_offline_keeps_a_pipelined_backends_batches_in_flight_and_answers_every_sample_when_one_fails():
+    """A backend that keeps two batches in flight gets Offline's batches as the bench's runner
+    hands them over (batch k+1 submitted before batch k is collected, collected in order), each
+    answered with its own outputs; when a batch's outputs fail, the batches before it and the one
+    already in flight keep their answers, it and every later one are answered empty, and the error
+    is kept."""
+    from bertqa_bench.measuring.loadgen_sut import SUT
+    from bertqa_bench.measuring.schedule import make_plan
+
+    rng = np.random.default_rng(5)
+    n, seq = 40, 32
+    lengths = rng.integers(4, seq + 1, n)
+    inputs = {"input_ids": rng.integers(5, 100, (n, seq)), "attention_mask": (np.arange(seq) < lengths[:, None]) * 1,
+              "token_type_ids": np.zeros((n, seq), np.int64)}
+
+    def plan_of(lens):
+        return make_plan(lens, batching="sorted", batch_size=8, max_seq_len=seq, seq_multiple=8,
+                         tokens_per_batch=64, max_batch_rows=8)
+
+    class Pipelined:
+        def __init__(self, fail_at=None):
+            self.events, self.outstanding, self.fail_at, self.k = [], 0, fail_at, 0
+
+        def in_flight(self):
+            return 2
+
+        def predict(self, x):
+            raise AssertionError("a pipelined backend's Offline batches go through submit")
+
+        def submit(self, x):
+            assert self.outstanding < 2, "more batches in flight than the backend keeps"
+            self.k += 1
+            k, self.outstanding = self.k, self.outstanding + 1
+            self.events.append(f"submit {k}")
+            ids = x["input_ids"].astype(np.float32)  # each row's own tokens: answers say whose they are
+
+            def wait():
+                self.outstanding -= 1
+                self.events.append(f"collect {k}")
+                if k == self.fail_at:
+                    raise RuntimeError(f"batch {k} fell over")
+                return {"start_logits": ids, "end_logits": -ids}
+
+            return wait
+
+    example = {"start_logits": np.zeros((1, seq), np.float32), "end_logits": np.zeros((1, seq), np.float32)}
+    codec = Codec(["start_logits", "end_logits"], ("start_logits", "end_logits"), example)
+    order = rng.permutation(n)
+    items = [(0.0, 1000 + int(i), int(i)) for i in order]
+    plan = plan_of(lengths[order])
+    assert len(plan.batches) >= 5
+    for fail_at in (None, 3):
+        lg, backend = _RecordingLoadGen(), Pipelined(fail_at)
+        sut = SUT(lg, backend, inputs, lengths, codec, Shapes("sorted", seq, 8, 8, token_budget=64),
+                  scenario="Offline", max_batch=8, max_wait_us=2000, offline_plan=plan_of)
+        sut._offline(items)
+        sut.close()
+        assert backend.events[:4] == ["submit 1", "submit 2", "collect 1", "submit 3"]
+        assert sorted(rid for rid, _, _ in lg.answered) == sorted(1000 + i for i in range(n))
+        # the failed batch and those submitted after the failure are empty; the one already in
+        # flight when it failed (fail_at + 1) ran, and keeps its answers
+        failed = [] if fail_at is None else [plan.batches[fail_at - 1]] + plan.batches[fail_at + 1:]
+        empty = {1000 + int(order[r]) for b in failed for r in b.rows}
+        assert {rid for rid, _, size in lg.answered if size == 0} == empty
+        assert all(size == 2 * int(lengths[rid - 1000]) * 4 for rid, _, size in lg.answered if rid not in empty)
+        assert sut.error == (None if fail_at is None else "RuntimeError: batch 3 fell over")
+        if fail_at is None:
+            assert sut.batches == len(plan.batches) and sut.batch_rows == n

@@ -18,7 +18,8 @@ A response is the feature's outputs as float32 bytes: each token output cut at t
 length (the rest is padding, blanked before postprocessing anyway), then every per-feature
 output; ``layout`` records the order so the parent decodes LoadGen's accuracy log (loadgen.py).
 
-How each scenario reaches the backend (``predict`` is synchronous, one batch at a time):
+How each scenario reaches the backend (``predict``, synchronous, one batch at a time, except in
+Offline for a backend that keeps batches in flight):
 
 * SingleStream — in LoadGen's own issue thread (as MLPerf's reference harness): a batch of one
   at the feature's own length, padded up to the variant's shape set (``seq_multiple`` buckets when
@@ -37,6 +38,9 @@ How each scenario reaches the backend (``predict`` is synchronous, one batch at 
   (schedule.make_plan with the variant's batching), batches answered as they finish; each
   batch's host arrays are gathered one batch ahead on a helper thread (the bench builds them
   before its clock), which the CPU model of this SUT puts at about +3 points for the packed FP8 row.
+  A backend that keeps batches in flight (``Backend.in_flight() > 1``, torch's ``pipeline: true``)
+  gets them as the bench's runner hands them over: batch k+1 submitted before batch k is
+  collected, so Offline measures what bench measures.
 
 In Server and Offline, a responder thread encodes each batch's answers and hands them to LoadGen
 (``QuerySamplesComplete``) while the next batch runs. ``scripts/
@@ -53,6 +57,7 @@ import queue
 import threading
 import time
 import traceback
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Optional
@@ -363,9 +368,13 @@ class SUT:
         self.tokens_computed += real if self.shapes.packed else int(shape[0]) * int(shape[1])
 
     def _offline(self, items: list) -> None:
-        """LoadGen's one Offline query, planned as ``bench`` plans the evaluation set."""
+        """LoadGen's one Offline query, planned as ``bench`` plans the evaluation set. A backend
+        that keeps batches in flight (``Backend.in_flight() > 1``) gets them as the bench's
+        runner hands them over: batch k+1 submitted before batch k is collected."""
         idx = np.array([i for _, _, i in items], dtype=np.int64)
         plan = self.offline_plan(self.lengths[idx])
+        depth = max(1, int(getattr(self.backend, "in_flight", lambda: 1)()))
+        pending: deque = deque()
         # Each batch's host arrays are built on a helper thread while the batch before it runs
         # (predict waits on the device without the GIL): the bench builds them all before its
         # clock starts, so gathering them in turn here was time the device stood idle.
@@ -377,7 +386,43 @@ class SUT:
             ahead = gather(0) if plan.batches else None
             for k, b in enumerate(plan.batches):
                 current, ahead = ahead, (gather(k + 1) if k + 1 < len(plan.batches) else None)
-                self._predict([items[r] for r in b.rows], idx[b.rows], current.result)
+                its, rows = [items[r] for r in b.rows], idx[b.rows]
+                if depth == 1:
+                    self._predict(its, rows, current.result)
+                    continue
+                self._submit(pending, its, rows, current.result)
+                if len(pending) >= depth:
+                    self._collect(*pending.popleft())
+            while pending:
+                self._collect(*pending.popleft())
+
+    def _submit(self, pending: deque, items: list, rows: np.ndarray, inputs: Callable[[], dict]) -> None:
+        """Hand one batch to a backend that keeps batches in flight; its answers come with
+        ``_collect``. After an error, answered empty at once."""
+        if self.error:
+            self._respond(items, None)
+            return
+        try:
+            x = inputs()
+            t0 = time.perf_counter()
+            wait = self.backend.submit(x)
+            pending.append((items, rows, x["input_ids"].shape, wait, time.perf_counter() - t0))
+        except BaseException as e:  # noqa: BLE001
+            self._fail(e, items)
+
+    def _collect(self, items: list, rows: np.ndarray, shape, wait: Callable[[], dict], submit_s: float) -> None:
+        """A submitted batch's outputs, answered; its predict time is the time this thread spent
+        in the backend for it (its submit and its wait), so overlapped batches are not counted
+        twice."""
+        try:
+            t0 = time.perf_counter()
+            out = wait()
+            dt = submit_s + time.perf_counter() - t0
+        except BaseException as e:  # noqa: BLE001
+            self._fail(e, items)
+            return
+        self._count(rows, shape, dt)
+        self._respond(items, out)
 
     def _fail(self, e: BaseException, items: list) -> None:
         """Keep the first error; answer these samples empty so LoadGen can finish its run."""
