@@ -235,6 +235,15 @@ MUTANTS = [
       "            j, tj, wait = pending.popleft()\n            out = wait()\n            yield",
       "            j, tj, wait = pending.pop()\n            out = wait()\n            yield",
       ("tests/test_runner.py", "-k", "in_flight"), "batches collected out of submission order"),
+    M("offline-ignores-batches-in-flight", "bertqa_bench/measuring/loadgen_sut.py",
+      '        depth = max(1, int(getattr(self.backend, "in_flight", lambda: 1)()))', "        depth = 1",
+      ("tests/test_loadgen.py", "-k", "pipelined"),
+      "LoadGen Offline runs a pipelined backend one batch at a time, measuring less than bench does"),
+    # --- manual GC: the collector really is off in the loop
+    M("manual-gc-leaves-the-collector-on", "bertqa_bench/training/train.py",
+      "            gc.freeze()\n            gc.disable()\n", "            gc.freeze()\n",
+      ("tests/test_train_speed.py", "-k", "gc_watch"),
+      "train.manual_gc reports itself on while Python's collector still runs inside the timed loop"),
     # --- a data-parallel run is judged against the reference's own outputs (end to end, ~1.5 min)
     M("data-parallel-judged-against-itself", "bertqa_bench/measuring/bench.py",
       "agreement=task.agreement(predictions, ref.predictions), ref_outputs=ref.outputs,",
