@@ -217,8 +217,8 @@ def test_two_gloo_processes_train_with_the_ddp_options(tiny_suite):
     assert run.returncode == 0, run.stderr[-3000:]
     m = json.loads((cfg.model_dir.parent / "ddp-opts" / "train_metrics.json").read_text())
     assert m["world_size"] == 2
-    assert m["ddp"] == {"bucket_cap_mb": 1.0, "static_graph": True, "gradient_as_bucket_view": True,
-                        "comm_hook": "fp16"}  # gradients all-reduced in FP16 (DDP's fp16_compress_hook)
+    assert m["ddp"] == {"bucket_cap_mb": 1.0, "static_graph": True, "gradient_as_bucket_view": True}
+    assert m["ddp_comm_hook"] == "fp16"  # gradients all-reduced in FP16 (DDP's fp16_compress_hook)
     assert m["seq_bucket"] == 32 and m["loss_mask_padding"] is True and set(m["train_lengths"]) <= {32, 64, 96}
     assert m["train_rows"] == [4]  # 8 rows of a global batch / 2 processes, every micro-step
     # DDP around the regionally compiled layers (DDP's own overlapped all-reduce, no DDPOptimizer)

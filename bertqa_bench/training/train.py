@@ -663,8 +663,9 @@ def _train(cfg: SuiteConfig, *, log: Callable[[str], None], mlrun, evaluate: boo
         "seq_bucket": tc.seq_bucket, "loss_mask_padding": tc.loss_mask_padding,
         # the distinct lengths (and rows) of this process's micro-batches: the shapes a compiled step saw
         "train_lengths": sorted({t for _, t in shapes}), "train_rows": sorted({r for r, _ in shapes}),
-        "ddp": {**ddp_settings(ddp_model), "comm_hook": tc.ddp_comm_hook} if world > 1 else None,
-        "optimizer_step": opt_step.kind, "ddp_comm_hook": tc.ddp_comm_hook,  # as configured (applies at world > 1)
+        "ddp": ddp_settings(ddp_model) if world > 1 else None,  # as DDP runs them, read back
+        # as configured, at every world size (the 1-GPU row of a series names it too); applies at world > 1
+        "optimizer_step": opt_step.kind, "ddp_comm_hook": tc.ddp_comm_hook,
         **gc_stats,
         **({"profile": profiled} if profiled else {}),
         "seed": tc.seed, "base": cfg.model.base, "random_init": cfg.model.random_init, **util, **init_info,
