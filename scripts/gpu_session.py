@@ -309,21 +309,24 @@ def step_loadgen_length_aware(s: Session) -> list:
     return []
 
 
-# Issue 22: the host's work per batch overlapped with the GPU's (two batches in flight) for the
-# padded FP8 graph row and the packed FP8 row, each beside its synchronous self; the
-# packed FP8 row with its GEMMs autotuned against Inductor's persistent TMA templates (GELU + FP8
-# quantize fused into the FFN-up GEMM's epilogue where that wins); eager FP32 in the same run.
-PERF_BACKENDS = ("eager-fp32-cuda,torch-compile-fp8-cudnn,torch-compile-fp8-cudnn-pipelined,torch-compile-fp8-packed-host,torch-compile-fp8-packed-pipelined,"
-                 "torch-compile-fp8-packed-autotune")
+# Issue 22, what the 2026-11-27 session left (h100-perf.md): the pipelined packed FP8 row's profile
+# (its GPU idle with two batches in flight), then the same row beside its GEMMs autotuned against
+# Inductor's persistent TMA templates (GELU + FP8 quantize fused into the FFN-up GEMM's epilogue
+# where that wins), eager FP32 in the same run.
+PERF_BACKENDS = "eager-fp32-cuda,torch-compile-fp8-packed-pipelined,torch-compile-fp8-packed-autotune"
 
 
 def step_perf(s: Session) -> list:
-    """Issue 22 on one GPU: the suite's model beside the new variants' GPU tests, then one bench
-    of PERF_BACKENDS and the profile of the pipelined packed row (its GPU idle)."""
-    lanes(lambda: train(s, MAIN), lambda: s.run("gpu-tests-issue22", [
-        sys.executable, "-m", "pytest", "-q", "-rs", "-m", "gpu", "-p", "no:cacheprovider", "tests/test_fp8.py",
-        "-k", "pipelined or issue22"], timeout=600))
-    bench_and_profile(s, "perf", PERF_BACKENDS, ("torch-compile-fp8-packed-pipelined",), timeout=2400)
+    """Issue 22 on one GPU: the suite's model, the profile of the pipelined packed row, one bench
+    of PERF_BACKENDS; the new variants' GPU tests last (the autotuned one compiles for minutes:
+    before the bench, they kept the GPU from it for 8 of the last session's minutes)."""
+    train(s, MAIN)
+    s.run("profile-torch-compile-fp8-packed-pipelined", ["cli", "profile", "--suite", SUITE, "--backend",
+                                                         "torch-compile-fp8-packed-pipelined", "--batches", "20",
+                                                         "--set", f"model.name={model_name(MAIN)}", *A], timeout=400)
+    bench_and_profile(s, "perf", PERF_BACKENDS, (), timeout=1500)
+    s.run("gpu-tests-issue22", [sys.executable, "-m", "pytest", "-q", "-rs", "-m", "gpu", "-p", "no:cacheprovider",
+                                "tests/test_fp8.py", "-k", "pipelined or issue22"], timeout=900)
     return []
 
 
