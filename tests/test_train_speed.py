@@ -467,3 +467,20 @@ def test_manual_gc_through_the_trainer_collects_once_per_epoch_and_leaves_the_re
     m = train(cfg, log=lambda m: None, evaluate=False)
     assert m["manual_gc"] is True and m["gc_collections_in_loop"] == 2  # one per epoch end, no other
     assert gc.isenabled() and gc.get_freeze_count() == 0
+
+
+def test_gc_watch_puts_the_collector_back_once_and_leaves_an_earlier_freeze_alone():
+    import gc
+
+    from bertqa_bench.training.train import GcWatch
+
+    gc.freeze()  # somebody else's freeze, before the loop
+    before = gc.get_freeze_count()
+    try:
+        w = GcWatch(manual=True)
+        w.stop()
+        assert gc.isenabled() and gc.get_freeze_count() >= before > 0  # not thawed by us
+        w.stop()  # a second stop (the finally after an error) changes nothing
+        assert gc.isenabled() and gc.callbacks.count(w._callback) == 0
+    finally:
+        gc.unfreeze()

@@ -100,7 +100,15 @@ class HostOutputs:
 
     def __init__(self):
         self._bufs: dict[tuple, Any] = {}
-        self._busy: set = set()
+        self._busy: dict[int, Any] = {}  # slot -> the event of the batch that holds it
+
+    def reserve(self, names: Sequence[str], slots: int, rows: int, seq: int) -> None:
+        """Pin each slot's output buffers at the run's largest batch in prepare, so no batch of
+        the timed passes pins memory (pinning is slow; with two slots each sees half the shapes
+        during warm-up)."""
+        for slot in range(slots):
+            for n in names:
+                self._buffer(slot, n, (rows, seq))
 
     def _buffer(self, slot: int, name: str, shape: tuple):
         import torch
@@ -129,12 +137,17 @@ class HostOutputs:
             staged.append((n, h))
         done = torch.cuda.Event()
         done.record()
-        self._busy.add(slot)
+        self._busy[slot] = done
 
         def wait() -> dict[str, np.ndarray]:
-            done.synchronize()
-            self._busy.discard(slot)
-            return {n: h.numpy().copy() for n, h in staged}
+            try:
+                done.synchronize()
+                return {n: h.numpy().copy() for n, h in staged}
+            finally:
+                # released even when the device failed (else every later batch of this slot would
+                # be refused as "too many in flight"), and only by its own batch's waiter
+                if self._busy.get(slot) is done:
+                    del self._busy[slot]
 
         return wait
 

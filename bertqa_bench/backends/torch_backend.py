@@ -327,13 +327,15 @@ class TorchBackend(Backend):
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = bool(o.tf32)
             self._staging = [CudaStaging(ctx.max_batch_size, ctx.max_seq_len, device="cuda")
                              for _ in range(self.in_flight())]
+            self._host.reserve(ctx.output_names, self.in_flight(), ctx.max_batch_size, ctx.max_seq_len)
         elif o.num_threads:
             torch.set_num_threads(int(o.num_threads))
 
         self.module, built = self._build_model(ctx)
         # the attention the model really runs: a family without SDPA (DeBERTa-v2) loads its own
         loaded_attn = getattr(self.module.model.config, "_attn_implementation", o.attn_implementation)
-        self.prepare_info = {"device": self.device, "weights_dtype": o.weights, "autocast": o.autocast,
+        self.prepare_info = {"device": self.device, "batches_in_flight": self.in_flight(),
+                             "weights_dtype": o.weights, "autocast": o.autocast,
                              "attn_implementation": loaded_attn, "torch": torch.__version__, **built}
         if cuda:
             self.prepare_info.update(tf32=bool(o.tf32), **gpu_info())

@@ -12,7 +12,11 @@
 * a backend that keeps batches in flight (``Backend.in_flight() > 1``, e.g. a torch variant with
   ``pipeline: true``) is handed batch i+1 before batch i is collected (``stream``): the host's
   work for one batch overlaps the device's compute of the other. A batch's latency then runs
-  from its submission to its collection, queueing behind the batch before it included.
+  from its submission to its collection: it includes the next batch's submission and the
+  previous batch's scatter, which the host does meanwhile, and the wait behind the batch before
+  it on the device, so a pipelined row's per-batch latencies run about twice its per-batch time
+  and are not comparable with a synchronous row's (its throughput is; LoadGen measures latency
+  under load). Such a row records ``batches_in_flight`` among its prepare facts.
 
 Batch inputs are cut from the evaluation set before timing (the sample library's job, done
 once), outputs are scattered back to dataset order inside the timed region.

@@ -389,6 +389,9 @@ class GcWatch:
     def __init__(self, manual: bool):
         self.manual, self.n, self.pause_s, self._t0 = manual, 0, 0.0, None
         self._was_enabled = gc.isenabled()
+        self._stopped = False
+        # gc.unfreeze() thaws everything frozen, so only thaw when nothing was frozen before us
+        self._frozen_before = gc.get_freeze_count()
         if manual:
             gc.collect()  # before the loop: not one of its pauses
             gc.freeze()
@@ -408,12 +411,16 @@ class GcWatch:
             gc.collect()
 
     def stop(self) -> dict:
-        """Puts the collector back as it was; returns what the loop saw."""
-        gc.callbacks.remove(self._callback)
-        if self.manual:
-            gc.unfreeze()
-            if self._was_enabled:
-                gc.enable()
+        """Puts the collector back as it was (once; later calls only report); returns what the
+        loop saw."""
+        if not self._stopped:
+            self._stopped = True
+            gc.callbacks.remove(self._callback)
+            if self.manual:
+                if self._frozen_before == 0:
+                    gc.unfreeze()
+                if self._was_enabled:
+                    gc.enable()
         return {"manual_gc": self.manual, "gc_collections_in_loop": self.n, "gc_pause_s": round(self.pause_s, 4)}
 
 
@@ -585,10 +592,10 @@ def _train(cfg: SuiteConfig, *, log: Callable[[str], None], mlrun, evaluate: boo
     window = profile_window(total_steps, tc.profile_steps) if rank == 0 else None
     prof = StepProfiler(*window, cuda=device.type == "cuda") if window else None
     graphs_before = _compiled_graphs()
-    gc_watch = GcWatch(manual=tc.manual_gc)
     t_train = time.perf_counter()
     epoch_ends = []
     batches = iter(Prefetcher(make, (rows for ms in micro for rows in ms)))
+    gc_watch = GcWatch(manual=tc.manual_gc)  # right before the try that puts the collector back
     # No host sync inside a step: copies from pinned memory are non-blocking, clipping runs on the
     # device (foreach, no .item(), no error_if_nonfinite), the disabled GradScaler (BF16/FP32)
     # is skipped, fused AdamW and the scheduler take Python-float learning rates, and the loss is
@@ -628,14 +635,12 @@ def _train(cfg: SuiteConfig, *, log: Callable[[str], None], mlrun, evaluate: boo
                 bar.update(step - bar.n, postfix=f"loss={losses[-1]:.3f}")
                 if mlrun is not None:
                     mlrun.step(step, losses[-1], seen * world, total_steps, lr=scheduler.get_last_lr()[0])
-    except BaseException:
-        gc_watch.stop()  # the collector as it was, whatever stopped the loop
-        raise
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+        if device.type == "cuda":
+            torch.cuda.synchronize()  # a CUDA or NCCL error often surfaces here: still inside the try
+    finally:
+        gc_stats = gc_watch.stop()  # the collector as it was, whatever ended the loop
     bar.close()
     train_s = time.perf_counter() - t_train
-    gc_stats = gc_watch.stop()
     compiled_in_loop = _compiled_graphs() - graphs_before
     util = sampler.stop() if sampler is not None else {}
     profiled = {}
