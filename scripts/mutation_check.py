@@ -236,7 +236,7 @@ MUTANTS = [
       "            j, tj, wait = pending.pop()\n            out = wait()\n            yield",
       ("tests/test_runner.py", "-k", "in_flight"), "batches collected out of submission order"),
     M("offline-ignores-batches-in-flight", "bertqa_bench/measuring/loadgen_sut.py",
-      '        depth = max(1, int(getattr(self.backend, "in_flight", lambda: 1)()))', "        depth = 1",
+      "        depth = max(1, int(self.backend.in_flight()))", "        depth = 1",
       ("tests/test_loadgen.py", "-k", "pipelined"),
       "LoadGen Offline runs a pipelined backend one batch at a time, measuring less than bench does"),
     # --- manual GC: the collector really is off in the loop

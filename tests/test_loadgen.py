@@ -386,16 +386,16 @@ def test_an_answer_that_cannot_be_encoded_is_still_sent_and_the_error_kept():
     assert sut.error == "ValueError: row 1 has no logits"
 
 
-def test_offline_gathers_each_batch_ahead_and_answers_every_sample_when_one_fails():
-    """Offline builds batch k+1's host arrays on a helper thread while batch k runs: the backend
-    gets exactly the bench plan's batches, in order. When a batch's predict raises, the error is
-    kept and that batch and every later one are answered empty (the row fails; LoadGen must still
-    hear of every sample), while the batches before it keep their answers."""
-    from bertqa_bench.measuring.loadgen_sut import SUT
-    from bertqa_bench.measuring.schedule import Batch, batch_inputs, make_plan
+OFFLINE_SEQ = 32
 
-    rng = np.random.default_rng(3)
-    n, seq = 40, 32
+
+def _offline_case(seed: int):
+    """40 features of 4-32 tokens, the sorted plan Offline makes of them (8 rows, 64 tokens a
+    batch) and LoadGen's one query over them, shuffled."""
+    from bertqa_bench.measuring.schedule import make_plan
+
+    rng = np.random.default_rng(seed)
+    n, seq = 40, OFFLINE_SEQ
     lengths = rng.integers(4, seq + 1, n)
     inputs = {"input_ids": rng.integers(5, 100, (n, seq)), "attention_mask": (np.arange(seq) < lengths[:, None]) * 1,
               "token_type_ids": np.zeros((n, seq), np.int64)}
@@ -404,9 +404,37 @@ def test_offline_gathers_each_batch_ahead_and_answers_every_sample_when_one_fail
         return make_plan(lens, batching="sorted", batch_size=8, max_seq_len=seq, seq_multiple=8,
                          tokens_per_batch=64, max_batch_rows=8)
 
-    class Backend:
-        seen: list = []
+    order = rng.permutation(n)
+    return n, lengths, inputs, plan_of, order, [(0.0, 1000 + int(i), int(i)) for i in order]
+
+
+def _offline_sut(lg, backend, lengths, inputs, plan_of):
+    from bertqa_bench.measuring.loadgen_sut import SUT
+
+    example = {n: np.zeros((1, OFFLINE_SEQ), np.float32) for n in ("start_logits", "end_logits")}
+    codec = Codec(["start_logits", "end_logits"], ("start_logits", "end_logits"), example)
+    return SUT(lg, backend, inputs, lengths, codec, Shapes("sorted", OFFLINE_SEQ, 8, 8, token_budget=64),
+               scenario="Offline", max_batch=8, max_wait_us=2000, offline_plan=plan_of)
+
+
+def test_offline_gathers_each_batch_ahead_and_answers_every_sample_when_one_fails():
+    """Offline builds batch k+1's host arrays on a helper thread while batch k runs: the backend
+    gets exactly the bench plan's batches, in order. When a batch's predict raises, the error is
+    kept and that batch and every later one are answered empty (the row fails; LoadGen must still
+    hear of every sample), while the batches before it keep their answers."""
+    from bertqa_bench.backends.base import Backend
+    from bertqa_bench.measuring.schedule import Batch, batch_inputs
+
+    n, lengths, inputs, plan_of, order, items = _offline_case(3)
+
+    class Failing(Backend):
         fail_at = 4
+
+        def __init__(self):
+            self.seen = []
+
+        def prepare(self, ctx):
+            pass
 
         def predict(self, x):
             self.seen.append({k: v.copy() for k, v in x.items()})
@@ -415,23 +443,17 @@ def test_offline_gathers_each_batch_ahead_and_answers_every_sample_when_one_fail
             b, s = x["input_ids"].shape
             return {"start_logits": np.ones((b, s), np.float32), "end_logits": np.ones((b, s), np.float32)}
 
-    lg = _RecordingLoadGen()
-    example = {"start_logits": np.zeros((1, seq), np.float32), "end_logits": np.zeros((1, seq), np.float32)}
-    codec = Codec(["start_logits", "end_logits"], ("start_logits", "end_logits"), example)
-    backend = Backend()
-    sut = SUT(lg, backend, inputs, lengths, codec, Shapes("sorted", seq, 8, 8, token_budget=64), scenario="Offline",
-              max_batch=8, max_wait_us=2000, offline_plan=plan_of)
-    order = rng.permutation(n)
-    items = [(0.0, 1000 + int(i), int(i)) for i in order]
+    lg, backend = _RecordingLoadGen(), Failing()
+    sut = _offline_sut(lg, backend, lengths, inputs, plan_of)
     sut._offline(items)
     sut.close()
     plan = plan_of(lengths[order])
     expected = [batch_inputs(inputs, Batch(order[b.rows], b.shape)) for b in plan.batches]
-    assert len(expected) > Backend.fail_at and len(backend.seen) == Backend.fail_at  # nothing runs after it
+    assert len(expected) > Failing.fail_at and len(backend.seen) == Failing.fail_at  # nothing runs after it
     for got, want in zip(backend.seen, expected):
         assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in want)
     assert sorted(rid for rid, _, _ in lg.answered) == sorted(1000 + i for i in range(n))
-    empty = {1000 + int(order[r]) for b in plan.batches[Backend.fail_at - 1:] for r in b.rows}
+    empty = {1000 + int(order[r]) for b in plan.batches[Failing.fail_at - 1:] for r in b.rows}
     assert {rid for rid, _, size in lg.answered if size == 0} == empty
     assert all(size == 2 * int(lengths[rid - 1000]) * 4 for rid, _, size in lg.answered if rid not in empty)
     assert sut.error == "RuntimeError: batch 4 fell over"
@@ -443,22 +465,16 @@ def test_offline_keeps_a_pipelined_backends_batches_in_flight_and_answers_every_
     answered with its own outputs; when a batch's outputs fail, the batches before it and the one
     already in flight keep their answers, it and every later one are answered empty, and the error
     is kept."""
-    from bertqa_bench.measuring.loadgen_sut import SUT
-    from bertqa_bench.measuring.schedule import make_plan
+    from bertqa_bench.backends.base import Backend
 
-    rng = np.random.default_rng(5)
-    n, seq = 40, 32
-    lengths = rng.integers(4, seq + 1, n)
-    inputs = {"input_ids": rng.integers(5, 100, (n, seq)), "attention_mask": (np.arange(seq) < lengths[:, None]) * 1,
-              "token_type_ids": np.zeros((n, seq), np.int64)}
+    n, lengths, inputs, plan_of, order, items = _offline_case(5)
 
-    def plan_of(lens):
-        return make_plan(lens, batching="sorted", batch_size=8, max_seq_len=seq, seq_multiple=8,
-                         tokens_per_batch=64, max_batch_rows=8)
-
-    class Pipelined:
+    class Pipelined(Backend):
         def __init__(self, fail_at=None):
             self.events, self.outstanding, self.fail_at, self.k = [], 0, fail_at, 0
+
+        def prepare(self, ctx):
+            pass
 
         def in_flight(self):
             return 2
@@ -482,16 +498,11 @@ def test_offline_keeps_a_pipelined_backends_batches_in_flight_and_answers_every_
 
             return wait
 
-    example = {"start_logits": np.zeros((1, seq), np.float32), "end_logits": np.zeros((1, seq), np.float32)}
-    codec = Codec(["start_logits", "end_logits"], ("start_logits", "end_logits"), example)
-    order = rng.permutation(n)
-    items = [(0.0, 1000 + int(i), int(i)) for i in order]
     plan = plan_of(lengths[order])
     assert len(plan.batches) >= 5
     for fail_at in (None, 3):
         lg, backend = _RecordingLoadGen(), Pipelined(fail_at)
-        sut = SUT(lg, backend, inputs, lengths, codec, Shapes("sorted", seq, 8, 8, token_budget=64),
-                  scenario="Offline", max_batch=8, max_wait_us=2000, offline_plan=plan_of)
+        sut = _offline_sut(lg, backend, lengths, inputs, plan_of)
         sut._offline(items)
         sut.close()
         assert backend.events[:4] == ["submit 1", "submit 2", "collect 1", "submit 3"]

@@ -337,21 +337,11 @@ class SUT:
         self._predict(items, rows, lambda: self._batch(rows))
 
     def _predict(self, items: list, rows: np.ndarray, inputs: Callable[[], dict]) -> None:
-        """One batch (Server, SingleStream and Offline alike): its host arrays from ``inputs()``,
-        predict timed on its own, the answers handed on; after an error, answered empty."""
-        if self.error:
-            self._respond(items, None)
-            return
-        try:
-            x = inputs()
-            t0 = time.perf_counter()
-            out = self.backend.predict(x)
-            dt = time.perf_counter() - t0
-        except BaseException as e:  # noqa: BLE001
-            self._fail(e, items)
-            return
-        self._count(rows, x["input_ids"].shape, dt)
-        self._respond(items, out)
+        """One batch (Server, SingleStream), submitted and collected at once."""
+        pending: deque = deque()
+        self._submit(pending, items, rows, inputs)
+        while pending:
+            self._collect(*pending.popleft())
 
     def reset_counts(self) -> None:
         """Batches, rows, real and computed tokens (padding included) and the seconds spent in
@@ -373,7 +363,7 @@ class SUT:
         runner hands them over: batch k+1 submitted before batch k is collected."""
         idx = np.array([i for _, _, i in items], dtype=np.int64)
         plan = self.offline_plan(self.lengths[idx])
-        depth = max(1, int(getattr(self.backend, "in_flight", lambda: 1)()))
+        depth = max(1, int(self.backend.in_flight()))
         pending: deque = deque()
         # Each batch's host arrays are built on a helper thread while the batch before it runs
         # (predict waits on the device without the GIL): the bench builds them all before its
@@ -386,19 +376,16 @@ class SUT:
             ahead = gather(0) if plan.batches else None
             for k, b in enumerate(plan.batches):
                 current, ahead = ahead, (gather(k + 1) if k + 1 < len(plan.batches) else None)
-                its, rows = [items[r] for r in b.rows], idx[b.rows]
-                if depth == 1:
-                    self._predict(its, rows, current.result)
-                    continue
-                self._submit(pending, its, rows, current.result)
+                self._submit(pending, [items[r] for r in b.rows], idx[b.rows], current.result)
                 if len(pending) >= depth:
                     self._collect(*pending.popleft())
             while pending:
                 self._collect(*pending.popleft())
 
     def _submit(self, pending: deque, items: list, rows: np.ndarray, inputs: Callable[[], dict]) -> None:
-        """Hand one batch to a backend that keeps batches in flight; its answers come with
-        ``_collect``. After an error, answered empty at once."""
+        """Hand one batch to the backend (its host arrays from ``inputs()``; a synchronous backend
+        computes it here); its answers come with ``_collect``. After an error, answered empty at
+        once."""
         if self.error:
             self._respond(items, None)
             return
