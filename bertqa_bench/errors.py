@@ -1,4 +1,5 @@
 """Errors a user can act on. Each message names what to fix."""
+from __future__ import annotations
 
 
 class BenchError(Exception):
@@ -26,6 +27,16 @@ class MissingDependencyError(BenchError):
         self.package = package
         hint = install or f"pip install {package}"
         super().__init__(f"{purpose} needs the package '{package}', which is not installed: {hint}")
+
+
+def import_optional(module: str, purpose: str, install: str | None = None):
+    """``import module``, or a MissingDependencyError saying what needs it and what to install."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise MissingDependencyError(module, purpose, install=install) from None
 
 
 class BackendUnavailableError(BenchError):

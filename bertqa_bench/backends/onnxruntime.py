@@ -46,7 +46,7 @@ from typing import Any, Mapping, Optional
 
 import numpy as np
 
-from ..errors import BackendUnavailableError, ConfigError, MissingDependencyError
+from ..errors import BackendUnavailableError, ConfigError, MissingDependencyError, import_optional
 from ..io import atomic_path, atomic_write_json
 from .base import Backend, BackendContext, batch_at_shape
 from .device_io import HostOutputs, batch_shape, cuda_unavailable_reason, gpu_info, pinned_empty
@@ -61,12 +61,8 @@ FP16_ATOL = 0.25
 
 
 def _import_ort():
-    try:
-        import onnxruntime
-    except ImportError:
-        raise MissingDependencyError("onnxruntime", "the onnxruntime backends",
-                                     install="pip install onnxruntime (or onnxruntime-gpu for CUDA)") from None
-    return onnxruntime
+    return import_optional("onnxruntime", "the onnxruntime backends",
+                           install="pip install onnxruntime (or onnxruntime-gpu for CUDA)")
 
 
 _DLLS_PRELOADED = False

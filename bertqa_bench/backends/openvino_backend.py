@@ -36,7 +36,7 @@ from typing import Any, Mapping, Optional
 
 import numpy as np
 
-from ..errors import BackendUnavailableError, ConfigError, MissingDependencyError
+from ..errors import BackendUnavailableError, ConfigError, MissingDependencyError, import_optional
 from ..io import atomic_path, atomic_write_json
 from .base import Backend, BackendContext, batch_at_shape
 from .onnx_export import FP32_ATOL, cache_key, check_against_reference, export_onnx
@@ -49,20 +49,11 @@ PRESETS = ("performance", "mixed")  # nncf.QuantizationPreset: symmetric / asymm
 
 
 def _import_openvino():
-    try:
-        import openvino
-    except ImportError:
-        raise MissingDependencyError("openvino", "the openvino backends", install="pip install openvino") from None
-    return openvino
+    return import_optional("openvino", "the openvino backends")
 
 
 def _import_nncf():
-    try:
-        import nncf
-    except ImportError:
-        raise MissingDependencyError("nncf", "the openvino int8 backend (post-training quantization)",
-                                     install="pip install nncf") from None
-    return nncf
+    return import_optional("nncf", "the openvino int8 backend (post-training quantization)")
 
 
 @dataclass
