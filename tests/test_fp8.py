@@ -208,6 +208,88 @@ def test_fp8_linear_rejects_bad_shapes_and_missing_scale():
         cls.from_linear(nn.Linear(32, 32), scaling="blockwise", act_scale=1.0)
 
 
+@needs_cpu_scaled_mm
+def test_fp8_linear_with_an_output_scale_writes_e4m3_and_saturates():
+    """out_scale: the GEMM's own output is e4m3 (y / out_scale, bias included), and a value past
+    the calibrated range saturates at +-448 instead of becoming NaN."""
+    torch.manual_seed(4)
+    lin = nn.Linear(64, 48)
+    x = torch.randn(5, 7, 64)
+    ref = lin(x).detach()
+    act = fp8.static_act_scale(float(x.abs().amax()), 1.0)
+    out_scale = fp8.static_act_scale(float(ref.abs().amax()), 2.0)
+    f = fp8.fp8_classes()[0].from_linear(lin, scaling="tensor", act_scale=act, out_scale=out_scale)
+    # a tenth of the output's range: most outputs overflow e4m3
+    tight = fp8.fp8_classes()[0].from_linear(lin, scaling="tensor", act_scale=act,
+                                             out_scale=fp8.static_act_scale(float(ref.abs().amax()), 0.1))
+    with torch.no_grad():
+        y = f(x)
+        big = tight(x)
+    assert y.dtype == torch.float8_e4m3fn and y.shape == ref.shape
+    assert rel_l2(y.float() * out_scale, ref) < 0.08
+    assert torch.isfinite(big.float()).all() and float(big.float().abs().max()) == fp8.E4M3_MAX
+    with pytest.raises(ValueError, match="static per-tensor"):
+        fp8.fp8_classes()[0].from_linear(lin, scaling="static-rowwise", act_scale=act, out_scale=out_scale)
+
+
+def _ffn8_model(hidden: int = 64):
+    """A tiny BERT with FP8 GEMMs, the FFN hidden activations in e4m3; and the same model with
+    them in 16 bits, on the same calibration."""
+    model = qa(tiny_bert(hidden=hidden))
+    x = inputs()
+    targets = fp8.target_linears(model, fp8.DEFAULT_GEMMS)
+    amax = fp8.calibrate_amax(model, [x], targets, fp8.ffn_up_names(targets))
+    plain = copy.deepcopy(model)
+    fp8.swap_to_fp8(plain, amax)
+    done = fp8.swap_to_fp8(model, amax, ffn_hidden_fp8=True)
+    return model, plain, done, amax, x
+
+
+@needs_cpu_scaled_mm
+def test_ffn_hidden_fp8_is_the_16bit_hidden_path_with_one_more_rounding():
+    model, plain, done, amax, x = _ffn8_model()
+    Fp8Linear, _, Fp8Intermediate = fp8.fp8_classes()
+    assert done["ffn_hidden_fp8"] == [f"model.bert.encoder.layer.{i}.intermediate" for i in range(2)]
+    layer, ref_layer = model.model.bert.encoder.layer[0], plain.model.bert.encoder.layer[0]
+    assert isinstance(layer.intermediate, Fp8Intermediate) and isinstance(layer.output.dense, Fp8Linear)
+    # the fused module against the unfused computation it replaces, on this layer's real input
+    h = torch.randn(3, 40, 64)
+    with torch.no_grad():
+        got = layer.intermediate(h)
+        up = layer.intermediate.dense
+        hidden = ref_layer.intermediate.intermediate_act_fn(up(h).float() * up.out_scale_value)
+        want = fp8.quantize_fp8(hidden, layer.output.dense.act_scale_value)
+        assert got.dtype == torch.float8_e4m3fn
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+        # the down-projection takes the e4m3 input as it is: what it gives for its dequantized self
+        np.testing.assert_allclose(layer.output.dense(got).numpy(),
+                                   layer.output.dense(got.float() * layer.output.dense.act_scale_value).numpy(),
+                                   rtol=1e-5, atol=1e-5)
+        out, ref = model(*x), plain(*x)
+    for o, r in zip(out, ref):
+        assert torch.isfinite(o).all() and rel_l2(o, r) < 0.05, rel_l2(o, r)
+
+
+def test_ffn_hidden_fp8_needs_per_tensor_scales_both_ffn_gemms_and_the_output_range():
+    model = qa(tiny_bert())
+    targets = fp8.target_linears(model, fp8.DEFAULT_GEMMS)
+    amax = fp8.calibrate_amax(model, [inputs()], targets)  # inputs only
+    with pytest.raises(ValueError, match="output amax of model.bert.encoder.layer.0.intermediate.dense"):
+        fp8.swap_to_fp8(copy.deepcopy(model), amax, ffn_hidden_fp8=True)
+    with pytest.raises(ValueError, match="both FFN GEMMs"):
+        fp8.swap_to_fp8(copy.deepcopy(model), amax, gemms="qkv,ffn_in", ffn_hidden_fp8=True)
+    with pytest.raises(ValueError, match="scaling 'tensor'"):
+        fp8.swap_to_fp8(copy.deepcopy(model), amax, scaling="static-rowwise", ffn_hidden_fp8=True)
+    for bad in ({"ffn_hidden_fp8": True, "scaling": "rowwise"}, {"ffn_hidden_fp8": True, "gemms": "qkv,ffn_out"}):
+        with pytest.raises(torch_backend.ConfigError, match="ffn_hidden_fp8"):
+            torch_backend.Fp8Options(**bad)
+    # a kept layer keeps its 16-bit FFN; the others get e4m3 hidden activations
+    amax = fp8.calibrate_amax(model, [inputs()], targets, fp8.ffn_up_names(targets))
+    done = fp8.swap_to_fp8(model, amax, ffn_hidden_fp8=True, keep_layers=[0])
+    assert done["ffn_hidden_fp8"] == ["model.bert.encoder.layer.1.intermediate"]
+    assert type(model.model.bert.encoder.layer[0].intermediate.dense) is nn.Linear
+
+
 # --------------------------------------------------------------------------- module surgery
 
 def test_gemm_kinds_and_targets_of_a_tiny_bert():
@@ -235,10 +317,10 @@ def _linears(model):
 def test_swap_default_replaces_exactly_qkv_and_ffn_and_leaves_the_rest():
     model = qa(tiny_bert())
     before = _linears(model)
-    amax = fp8.calibrate_input_amax(model, [inputs()], fp8.target_linears(model))
+    amax = fp8.calibrate_amax(model, [inputs()], fp8.target_linears(model))
     assert all(v > 0 for v in amax.values())
     done = fp8.swap_to_fp8(model, amax)  # defaults: tensor scaling, fused QKV, qkv + ffn GEMMs
-    Fp8Linear, Fp8SelfAttention = fp8.fp8_classes()
+    Fp8Linear, Fp8SelfAttention, _ = fp8.fp8_classes()
     after = _linears(model)
     assert after == {"model.qa_outputs"} | {f"model.bert.encoder.layer.{i}.attention.output.dense" for i in range(2)}
     assert set(done["swapped"]) == before - after
@@ -258,7 +340,7 @@ def test_swap_default_replaces_exactly_qkv_and_ffn_and_leaves_the_rest():
 def test_swap_all_unfused_replaces_every_encoder_linear_and_no_other():
     model = qa(tiny_bert())
     targets = fp8.target_linears(model)
-    amax = fp8.calibrate_input_amax(model, [inputs()], targets)
+    amax = fp8.calibrate_amax(model, [inputs()], targets)
     done = fp8.swap_to_fp8(model, amax, gemms="all", fuse_qkv=False)
     Fp8Linear = fp8.fp8_classes()[0]
     assert sorted(done["swapped"]) == sorted(targets) and done["gemms"] == 12 and not done["fused_qkv"]
@@ -283,7 +365,7 @@ def test_swapped_tiny_bert_tracks_fp32_on_cpu(scaling, fuse_qkv, gemms):
     with torch.no_grad():
         ref = ref_model(*x)
     model = copy.deepcopy(ref_model)
-    amax = fp8.calibrate_input_amax(model, [x], fp8.target_linears(model))
+    amax = fp8.calibrate_amax(model, [x], fp8.target_linears(model))
     fp8.swap_to_fp8(model, amax, scaling=scaling, fuse_qkv=fuse_qkv, gemms=gemms)
     with torch.no_grad():
         out = model(*x)
@@ -293,11 +375,11 @@ def test_swapped_tiny_bert_tracks_fp32_on_cpu(scaling, fuse_qkv, gemms):
 
 
 @needs_cpu_scaled_mm
-@pytest.mark.parametrize("fuse_qkv", [True, False])
-def test_fp8_swapped_model_packed_padding_free_matches_its_padded_self(fuse_qkv):
+@pytest.mark.parametrize("fuse_qkv,ffn8", [(True, False), (False, False), (True, True)])
+def test_fp8_swapped_model_packed_padding_free_matches_its_padded_self(fuse_qkv, ffn8):
     """FP8 on the padding-free path: quantize on the padded model, then pack; the packed encoder
-    calls the same FP8 GEMMs (the fused QKV one included), so on every real token it computes what
-    the padded FP8 model does."""
+    calls the same FP8 GEMMs (the fused QKV one and the e4m3 FFN hidden path included), so on
+    every real token it computes what the padded FP8 model does."""
     from bertqa_bench.backends.packed_bert import pack_model
 
     model = qa(tiny_bert(hidden=64))
@@ -305,9 +387,10 @@ def test_fp8_swapped_model_packed_padding_free_matches_its_padded_self(fuse_qkv)
     mask = mask.clone()
     mask[-1, mask.shape[1] // 2:] = 0  # a padded row: packing must drop its tail
     x = (ids, mask, types)
-    amax = fp8.calibrate_input_amax(model, [x], fp8.target_linears(model))
-    done = fp8.swap_to_fp8(model, amax, scaling="tensor", fuse_qkv=fuse_qkv)
-    assert bool(done["fused_qkv"]) == fuse_qkv
+    targets = fp8.target_linears(model)
+    amax = fp8.calibrate_amax(model, [x], targets, fp8.ffn_up_names(targets))
+    done = fp8.swap_to_fp8(model, amax, scaling="tensor", fuse_qkv=fuse_qkv, ffn_hidden_fp8=ffn8)
+    assert bool(done["fused_qkv"]) == fuse_qkv and len(done["ffn_hidden_fp8"]) == (2 if ffn8 else 0)
     packed_model = copy.deepcopy(model)
     pack_model(packed_model.model)  # the QA wrapper's BertForQuestionAnswering, as the backend does
     layers = packed_model.model.bert.bert.encoder.layer  # PackedEncoder -> the BertModel it wraps
@@ -395,6 +478,29 @@ def test_fp8_linear_on_gpu_matches_fp32():
             y = f(x.half())
         assert y.dtype == torch.float16
         assert rel_l2(y, ref) < 0.05, scaling
+
+
+@pytest.mark.gpu
+def test_fp8_output_gemm_on_gpu_matches_fp32_and_saturates():
+    """cuBLASLt's FP8-output GEMM (Fp8Linear with out_scale): y / out_scale in e4m3 with the bias,
+    as on CPU, and saturated at +-448 (not NaN) past the calibrated range."""
+    if TABLE.get("torch-compile-fp8").unavailable_reason():
+        pytest.skip(TABLE.get("torch-compile-fp8").unavailable_reason())
+    torch.manual_seed(5)
+    lin = nn.Linear(768, 3072).cuda()
+    x = torch.randn(512, 768, device="cuda")
+    ref = lin(x).detach()
+    act = fp8.static_act_scale(float(x.abs().amax()), 1.0)
+    out_scale = fp8.static_act_scale(float(ref.abs().amax()), 2.0)
+    f, tight = (fp8.fp8_classes()[0].from_linear(copy.deepcopy(lin).half(), scaling="tensor", act_scale=act,
+                                                 out_scale=o, fast_accum=True)
+                for o in (out_scale, fp8.static_act_scale(float(ref.abs().amax()), 0.1)))
+    with torch.no_grad():
+        y = f(x.half())
+        big = tight(x.half())  # a tenth of the output's range: most outputs overflow e4m3
+    assert y.dtype == torch.float8_e4m3fn
+    assert rel_l2(y.float() * out_scale, ref) < 0.08
+    assert torch.isfinite(big.float()).all() and float(big.float().abs().max()) == fp8.E4M3_MAX
 
 
 # --------------------------------------------------------------------------- INT8 and the sensitivity sweep
@@ -511,7 +617,7 @@ def test_a_variants_kept_layers_stay_unquantized_in_the_model_it_builds(tmp_path
     assert isinstance(backend, TorchBackend)
     module, info = backend._build_model(ctx)
     assert info["fp8_keep_layers"] == "1"
-    Fp8Linear, Fp8SelfAttention = fp8.fp8_classes()
+    Fp8Linear, Fp8SelfAttention, _ = fp8.fp8_classes()
     layers = _encoder(module).layer
     for i, layer in enumerate(layers):
         linears = [layer.attention.self.query, layer.attention.self.key, layer.attention.self.value,
@@ -614,7 +720,8 @@ def test_host_bucket_lengths_equal_the_devices():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", TORCHAO_NAMES + ("torch-compile-fp8-cudnn", "torch-compile-fp16-graph-cudnn",
-                                                  "torch-compile-fp8-packed-host", "eager-fp16-packed-host"))
+                                                  "torch-compile-fp8-packed-host", "eager-fp16-packed-host",
+                                                  "torch-compile-fp8-packed-ffn8", "torch-compile-fp8-cudnn-ffn8"))
 def test_issue22_variants_track_fp32_on_gpu(tmp_path, name):
     reason = TABLE.get(name).unavailable_reason()
     if reason:
@@ -632,6 +739,8 @@ def test_issue22_variants_track_fp32_on_gpu(tmp_path, name):
                 assert np.abs(o[n] - d[n])[valid].max() < 1e-3, (name, n)
     if name.startswith("torchao"):
         assert info["fp8_linears"] == 2 * 5
+    if name.endswith("-ffn8"):
+        assert info["fp8_ffn_hidden"] == "e4m3 in 2 layers"
     for out, ref, b in zip(outs, refs, batches):
         valid = b["attention_mask"].astype(bool)
         for n in OUTPUTS:
@@ -640,7 +749,8 @@ def test_issue22_variants_track_fp32_on_gpu(tmp_path, name):
 
 
 PIPELINED = ("torch-compile-fp8-packed-pipelined", "torch-compile-fp8-cudnn-pipelined",
-             "torch-compile-fp16-graph-pipelined", "torch-compile-fp8-packed-autotune")
+             "torch-compile-fp16-graph-pipelined", "torch-compile-fp8-packed-autotune",
+             "torch-compile-fp8-packed-ffn8", "torch-compile-fp8-cudnn-ffn8")
 
 
 def test_pipelined_variants_keep_two_batches_in_flight_on_cuda_only():

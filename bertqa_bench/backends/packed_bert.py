@@ -133,7 +133,7 @@ class PackedEncoder(nn.Module):
             # (the fused FP8 GEMM may write bf16 under rowwise scaling: back to the model's dtype)
             ctx = self._attention(q, k, v, cu, max_len).reshape(t, -1).to(x.dtype)
             x = att.output.LayerNorm(att.output.dense(ctx) + x)
-            h = layer.intermediate.intermediate_act_fn(layer.intermediate.dense(x))
+            h = layer.intermediate(x)  # dense + activation (e4m3 out of FP8's Fp8Intermediate)
             x = layer.output.LayerNorm(layer.output.dense(h) + x)
         return x
 

@@ -65,14 +65,20 @@ class Fp8Options:
     # keep this many more layers in 16 bits: the most sensitive ones by a per-layer sweep in
     # prepare (quantize one layer at a time, measure max |Δ logit| on the calibration batches)
     sensitivity_keep: int = 0
+    # the FFN's hidden activations in e4m3: the up-projection GEMM writes FP8 and GELU reads it
+    # (torch_fp8.Fp8Intermediate); needs scaling: tensor and both FFN GEMMs in FP8
+    ffn_hidden_fp8: bool = False
 
     def __post_init__(self):
         if self.scaling not in SCALINGS:
             raise ConfigError(f"fp8.scaling '{self.scaling}' is not one of {', '.join(SCALINGS)}")
         try:
-            parse_gemms(self.gemms)
+            gemms = parse_gemms(self.gemms)
         except ValueError as e:
             raise ConfigError(f"fp8.gemms: {e}") from None
+        if self.ffn_hidden_fp8 and (self.scaling != "tensor" or not {"ffn_in", "ffn_out"} <= set(gemms)):
+            raise ConfigError(f"fp8.ffn_hidden_fp8 needs scaling: tensor and gemms naming ffn_in and ffn_out "
+                              f"(got scaling: {self.scaling}, gemms: {self.gemms})")
         if self.act_margin <= 0 or self.calibration_batches < 1:
             raise ConfigError("fp8: act_margin must be > 0 and calibration_batches >= 1")
         try:
@@ -467,18 +473,19 @@ class TorchBackend(Backend):
 
     def _fp8(self, module, f: Fp8Options, batches) -> dict:
         from .quantize import n_encoder_layers
-        from .torch_fp8 import calibrate_input_amax, swap_to_fp8, target_linears
+        from .torch_fp8 import calibrate_amax, ffn_up_names, swap_to_fp8, target_linears
 
         gemms = parse_gemms(f.gemms)
+        targets = target_linears(module, gemms)
         amax, t0 = None, time.perf_counter()
         if f.scaling != "rowwise":
-            amax = calibrate_input_amax(module, batches, target_linears(module, gemms))
+            amax = calibrate_amax(module, batches, targets, ffn_up_names(targets) if f.ffn_hidden_fp8 else ())
         calib_s = time.perf_counter() - t0
         n = n_encoder_layers(module)
 
         def swap(m, keep):
             return swap_to_fp8(m, amax, scaling=f.scaling, gemms=gemms, fuse_qkv=f.fuse_qkv, fast_accum=f.fast_accum,
-                               act_margin=f.act_margin, keep_layers=keep)
+                               act_margin=f.act_margin, keep_layers=keep, ffn_hidden_fp8=f.ffn_hidden_fp8)
 
         kept, info = self._sweep(module, batches, lambda m, layer: swap(m, [i for i in range(n) if i != layer]),
                                  f.sensitivity_keep)
@@ -491,11 +498,12 @@ class TorchBackend(Backend):
             "fp8_linears": len(done["swapped"]), "fp8_gemms_per_forward": done["gemms"],
             "fp8_fused_qkv": bool(done["fused_qkv"]), "fp8_fast_accum": f.fast_accum,
             "fp8_keep_layers": ",".join(map(str, keep)) or "none", "fp8_kept_linears": len(done["kept"]),
+            "fp8_ffn_hidden": f"e4m3 in {len(done['ffn_hidden_fp8'])} layers" if f.ffn_hidden_fp8 else "16-bit",
             "fp8_not_fp8": "embeddings, layernorms, attention softmax/PV (SDPA), qa head"
                            + ("" if "attn_out" in gemms else ", attention output projection"),
         })
         if amax is not None:
-            vals = list(amax.values())
+            vals = [v for k, v in amax.items() if k in targets]  # the GEMM inputs' ranges
             info.update(calibration_batches=len(batches), calibration_rows=int(sum(int(b[0].shape[0]) for b in batches)),
                         act_margin=f.act_margin, calibration_s=round(calib_s, 3),
                         act_amax_min=round(min(vals), 4), act_amax_max=round(max(vals), 4))

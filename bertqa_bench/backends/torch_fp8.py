@@ -84,12 +84,14 @@ def _define_modules():
         """y = x @ W^T + b with W and x in float8_e4m3fn, fp32 accumulation, 16-bit output."""
 
         def __init__(self, weight, bias, *, scaling: str = "tensor", act_scale: Optional[float] = None,
-                     fast_accum: bool = False, cast_output: bool = True):
+                     fast_accum: bool = False, cast_output: bool = True, out_scale: Optional[float] = None):
             super().__init__()
             if scaling not in SCALINGS:
                 raise ValueError(f"scaling must be one of {SCALINGS}, not '{scaling}'")
             if scaling != "rowwise" and act_scale is None:
                 raise ValueError(f"scaling '{scaling}' needs a calibrated static act_scale")
+            if out_scale is not None and scaling != "tensor":
+                raise ValueError(f"an FP8 output (out_scale) needs static per-tensor scales, not scaling '{scaling}'")
             n, k = weight.shape
             if n % 16 or k % 16:
                 raise ValueError(f"FP8 GEMMs need in/out features that are multiples of 16, got {k} -> {n}")
@@ -104,7 +106,11 @@ def _define_modules():
             self.register_buffer("weight_fp8", quantize_fp8(weight.detach(), ws).contiguous())
             self.register_buffer("weight_scale", ws.reshape(1, n).contiguous() if per_channel else ws.reshape(()))
             # The rowwise kernels write bf16 only; tensorwise writes the model's 16-bit dtype.
-            if scaling == "tensor" and self.act_dtype in (torch.float16, torch.bfloat16):
+            # out_scale: the GEMM writes e4m3 itself (y / out_scale, saturated), so its consumer
+            # reads one byte per element instead of two and no separate quantize pass runs.
+            if out_scale is not None:
+                self.out_dtype = torch.float8_e4m3fn
+            elif scaling == "tensor" and self.act_dtype in (torch.float16, torch.bfloat16):
                 self.out_dtype = self.act_dtype
             elif self.act_dtype == torch.float32 and scaling == "tensor":
                 self.out_dtype = torch.float32  # CPU/fp32 tests; _scaled_mm takes no bias with fp32 output
@@ -112,12 +118,23 @@ def _define_modules():
                 self.out_dtype = torch.bfloat16
             b = None if bias is None else bias.detach()
             self._bias_in_gemm = b is not None and self.out_dtype != torch.float32
-            self.register_buffer("bias", None if b is None else b.to(self.out_dtype if self._bias_in_gemm
-                                                                      else torch.float32))
+            self.out_scale_value = None if out_scale is None else float(out_scale)
+            if out_scale is not None:
+                # The output scale is folded into scale_a and the bias rather than passed as
+                # scale_result, whose direction differs between torch's CPU and cuBLASLt paths
+                # (CPU divides by it, cuBLASLt's D scale multiplies); a bf16 bias is what
+                # cuBLASLt's FP8-output GEMMs take.
+                b = None if b is None else b.float() / float(out_scale)
+                bias_dtype = torch.bfloat16
+            else:
+                bias_dtype = self.out_dtype if self._bias_in_gemm else torch.float32
+            self.register_buffer("bias", None if b is None else b.to(bias_dtype))
             self.act_scale_value = None if act_scale is None else float(act_scale)
             self.register_buffer("act_scale", None if act_scale is None
                                  else torch.tensor(float(act_scale), dtype=torch.float32, device=weight.device))
             self._inv_act_scale = None if act_scale is None else 1.0 / float(act_scale)
+            self.register_buffer("gemm_scale_a", None if out_scale is None else torch.tensor(
+                float(act_scale) / float(out_scale), dtype=torch.float32, device=weight.device))
 
         @classmethod
         def from_linear(cls, linear, **kw):
@@ -125,10 +142,16 @@ def _define_modules():
 
         def extra_repr(self) -> str:
             return (f"in_features={self.in_features}, out_features={self.out_features}, scaling={self.scaling}, "
-                    f"act_scale={self.act_scale_value}, fast_accum={self.fast_accum}, out_dtype={self.out_dtype}")
+                    f"act_scale={self.act_scale_value}, fast_accum={self.fast_accum}, out_dtype={self.out_dtype}"
+                    + ("" if self.out_scale_value is None else f", out_scale={self.out_scale_value}"))
 
         def quantize_input(self, x2):
-            """(fp8 [M, K], scale_a) for a [M, K] activation."""
+            """(fp8 [M, K], scale_a) for a [M, K] activation. An input already in e4m3 is taken as
+            quantized with this layer's static act_scale (its producer did it: Fp8Intermediate)."""
+            if x2.dtype == torch.float8_e4m3fn:
+                if self.scaling != "tensor":
+                    raise ValueError(f"an e4m3 input needs a static per-tensor act_scale, not scaling '{self.scaling}'")
+                return x2, self.act_scale
             if self.scaling == "rowwise":
                 amax = x2.abs().amax(dim=1, keepdim=True).float()
                 s = amax.clamp(min=_EPS) / E4M3_MAX
@@ -141,13 +164,45 @@ def _define_modules():
         def forward(self, x):
             lead = x.shape[:-1]
             xq, sa = self.quantize_input(x.reshape(-1, self.in_features))
+            if self.gemm_scale_a is not None:
+                sa = self.gemm_scale_a
             y = torch._scaled_mm(xq, self.weight_fp8.t(), scale_a=sa, scale_b=self.weight_scale,
                                  bias=self.bias if self._bias_in_gemm else None, out_dtype=self.out_dtype,
                                  use_fast_accum=self.fast_accum)
             if self.bias is not None and not self._bias_in_gemm:
                 y = y + self.bias
             y = y.reshape(*lead, self.out_features)
+            if self.out_scale_value is not None:
+                return y  # e4m3, y / out_scale: its consumer dequantizes
             return y.to(self.act_dtype) if self.cast_output else y
+
+    class _Fp8Intermediate(nn.Module):
+        """A BERT layer's FFN up-projection and activation with the hidden activations in e4m3.
+
+        Drop-in for transformers' BertIntermediate (``dense`` then ``intermediate_act_fn``): the
+        FP8 up-projection writes e4m3 (``out_scale``), the activation reads it, and its result is
+        quantized with the FFN down-projection's static input scale, so the down-projection takes
+        it as it is. The [tokens, intermediate] tensor crosses memory as one byte per element
+        twice instead of two bytes out of the GEMM, two in and one out of GELU + quantize; under
+        torch.compile dequantize, GELU and quantize are one elementwise kernel. The cost is one
+        more e4m3 rounding, of the GELU's input.
+        """
+
+        def __init__(self, dense, act_fn, down_act_scale: float):
+            super().__init__()
+            if dense.out_scale_value is None:
+                raise ValueError("Fp8Intermediate needs an up-projection that writes FP8 (out_scale)")
+            self.dense = dense
+            self.intermediate_act_fn = act_fn
+            self.out_scale_value = float(dense.out_scale_value)
+            self._inv_down_scale = 1.0 / float(down_act_scale)
+
+        def extra_repr(self) -> str:
+            return f"hidden=e4m3, down_act_scale={1.0 / self._inv_down_scale}"
+
+        def forward(self, hidden_states):
+            h = self.intermediate_act_fn(self.dense(hidden_states).float() * self.out_scale_value)
+            return (h * self._inv_down_scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
     class _Fp8SelfAttention(nn.Module):
         """BERT self-attention with query/key/value as one FP8 GEMM, then SDPA in 16 bits.
@@ -179,14 +234,15 @@ def _define_modules():
             out = out.transpose(1, 2).reshape(bsz, seq, self.num_heads * self.head_dim)
             return out.to(self.qkv.act_dtype), None  # back to the model dtype (free when fused downstream)
 
-    return _Fp8Linear, _Fp8SelfAttention
+    return _Fp8Linear, _Fp8SelfAttention, _Fp8Intermediate
 
 
 _CLASSES: Optional[tuple] = None
+_CLASS_NAMES = ("Fp8Linear", "Fp8SelfAttention", "Fp8Intermediate")
 
 
 def fp8_classes():
-    """(Fp8Linear, Fp8SelfAttention), created on first use."""
+    """(Fp8Linear, Fp8SelfAttention, Fp8Intermediate), created on first use."""
     global _CLASSES
     if _CLASSES is None:
         _CLASSES = _define_modules()
@@ -196,8 +252,8 @@ def fp8_classes():
 def __getattr__(name: str):
     # ``from bertqa_bench.backends.torch_fp8 import Fp8Linear`` works, without importing torch
     # when only the registry is loaded.
-    if name in ("Fp8Linear", "Fp8SelfAttention"):
-        return fp8_classes()[0 if name == "Fp8Linear" else 1]
+    if name in _CLASS_NAMES:
+        return fp8_classes()[_CLASS_NAMES.index(name)]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -271,20 +327,24 @@ def parse_gemms(value) -> tuple[str, ...]:
     return tuple(v for v in GEMM_KINDS if v in items)
 
 
-def calibrate_input_amax(model, batches, names: list[str]) -> dict[str, float]:
-    """Max |input| seen by each named Linear over ``batches`` (eager forward passes)."""
+OUT = ":out"  # calibrate_amax's key suffix for a module's output (module names never hold ':')
+
+
+def calibrate_amax(model, batches, inputs: list[str], outputs: Iterable[str] = ()) -> dict[str, float]:
+    """Max |input| seen by each module named in ``inputs``, and max |output| (key ``name + OUT``)
+    by each named in ``outputs``, over ``batches`` (eager forward passes)."""
     import torch
 
-    amax: dict[str, float] = {n: 0.0 for n in names}
+    amax: dict[str, float] = {**{n: 0.0 for n in inputs}, **{n + OUT: 0.0 for n in outputs}}
     hooks = []
 
-    def make_hook(n):
-        def hook(_mod, args):
-            amax[n] = max(amax[n], float(args[0].detach().abs().amax().float()))
-        return hook
+    def seen(key, t):
+        amax[key] = max(amax[key], float(t.detach().abs().amax().float()))
 
-    for n in names:
-        hooks.append(model.get_submodule(n).register_forward_pre_hook(make_hook(n)))
+    for n in inputs:
+        hooks.append(model.get_submodule(n).register_forward_pre_hook(lambda _m, args, k=n: seen(k, args[0])))
+    for n in outputs:
+        hooks.append(model.get_submodule(n).register_forward_hook(lambda _m, _a, out, k=n + OUT: seen(k, out)))
     try:
         with torch.inference_mode():
             for b in batches:
@@ -295,12 +355,22 @@ def calibrate_input_amax(model, batches, names: list[str]) -> dict[str, float]:
     return amax
 
 
+def ffn_up_names(names: Iterable[str]) -> list[str]:
+    """The FFN up-projections (``...intermediate.dense``) among ``names``: the Linears whose
+    outputs ``swap_to_fp8(ffn_hidden_fp8=True)`` needs calibrated."""
+    return [n for n in names if gemm_kind(n) == "ffn_in"]
+
+
 def swap_to_fp8(model, act_amax: Optional[Mapping[str, float]] = None, *, scaling: str = "tensor",
                 gemms=DEFAULT_GEMMS, fuse_qkv: bool = True, fast_accum: bool = False,
-                act_margin: float = 2.0, keep_layers: Iterable[int] = ()) -> dict[str, Any]:
+                act_margin: float = 2.0, keep_layers: Iterable[int] = (),
+                ffn_hidden_fp8: bool = False) -> dict[str, Any]:
     """Replace encoder Linears of ``model`` (those of the kinds in ``gemms``) in place by FP8 modules.
 
-    ``act_amax`` (name -> calibrated input amax) is needed for the static scalings.
+    ``act_amax`` (name -> calibrated input amax, ``calibrate_amax``) is needed for the static
+    scalings. ``ffn_hidden_fp8``: in every layer whose two FFN GEMMs are both FP8, the hidden
+    activations between them stay e4m3 (``Fp8Intermediate``; needs per-tensor scaling and the
+    up-projections' calibrated output amax, ``name + OUT``).
     ``keep_layers``: encoder layer indices left entirely in 16 bits. Returns what was done:
     ``swapped`` (original Linear names now computed in FP8), ``fused_qkv`` (self-attention
     modules replaced by a fused-QKV FP8 attention), ``gemms`` (FP8 GEMMs per forward), ``kept``
@@ -309,10 +379,18 @@ def swap_to_fp8(model, act_amax: Optional[Mapping[str, float]] = None, *, scalin
     if scaling not in SCALINGS:
         raise ValueError(f"scaling must be one of {SCALINGS}, not '{scaling}'")
     gemms = parse_gemms(gemms)
-    Fp8Linear_, Fp8SelfAttention_ = fp8_classes()
+    Fp8Linear_, Fp8SelfAttention_, Fp8Intermediate_ = fp8_classes()
     static = scaling != "rowwise"
     if static and not act_amax:
         raise ValueError(f"scaling '{scaling}' needs calibrated activation amax values (act_amax)")
+    if ffn_hidden_fp8:
+        if scaling != "tensor" or not {"ffn_in", "ffn_out"} <= set(gemms):
+            raise ValueError("ffn_hidden_fp8 needs scaling 'tensor' and both FFN GEMMs (ffn_in, ffn_out) in FP8, "
+                             f"not scaling '{scaling}' with gemms {','.join(gemms)}")
+        missing = [n for n in ffn_up_names(target_linears(model, gemms)) if n + OUT not in act_amax]
+        if missing:
+            raise ValueError(f"ffn_hidden_fp8 needs the calibrated output amax of {missing[0]} "
+                             f"(calibrate_amax(..., outputs=ffn_up_names(...)))")
 
     def scale_for(names: list[str]) -> Optional[float]:
         if not static:
@@ -350,8 +428,34 @@ def swap_to_fp8(model, act_amax: Optional[Mapping[str, float]] = None, *, scalin
         if n % 16 or k % 16:
             kept[name] = f"{k}->{n} not a multiple of 16"
             continue
+        out_scale = None
+        if ffn_hidden_fp8 and gemm_kind(name) == "ffn_in" and _fp8_able(model, _ffn_down(name), targets, done):
+            out_scale = static_act_scale(act_amax[name + OUT], act_margin)
         _set_submodule(model, name, Fp8Linear_.from_linear(lin, scaling=scaling, act_scale=scale_for([name]),
-                                                           fast_accum=fast_accum))
+                                                           fast_accum=fast_accum, out_scale=out_scale))
         swapped.append(name)
         n_gemms += 1
-    return {"swapped": swapped, "fused_qkv": fused, "gemms": n_gemms, "kept": kept}
+    hidden_fp8 = []
+    for name in swapped:
+        up = model.get_submodule(name) if gemm_kind(name) == "ffn_in" else None
+        down = _ffn_down(name)
+        if up is None or up.out_scale_value is None or down not in swapped:
+            continue
+        inter = name.rsplit(".", 1)[0]  # ...intermediate, transformers' BertIntermediate
+        act = model.get_submodule(inter).intermediate_act_fn
+        _set_submodule(model, inter, Fp8Intermediate_(up, act, model.get_submodule(down).act_scale_value))
+        hidden_fp8.append(inter)
+    return {"swapped": swapped, "fused_qkv": fused, "gemms": n_gemms, "kept": kept, "ffn_hidden_fp8": hidden_fp8}
+
+
+def _fp8_able(model, name: str, targets: list[str], done: set[str]) -> bool:
+    """Whether swap_to_fp8's Linear loop will make ``name`` an FP8 GEMM."""
+    if name not in targets or name in done:
+        return False
+    n, k = model.get_submodule(name).weight.shape
+    return not (n % 16 or k % 16)
+
+
+def _ffn_down(ffn_up: str) -> str:
+    """``encoder.layer.N.intermediate.dense`` -> ``encoder.layer.N.output.dense``."""
+    return ffn_up[: -len("intermediate.dense")] + "output.dense"

@@ -271,6 +271,18 @@ BUILTIN = (
           packed=True, token_bucket=1024, host_pack=True, fp8=_FP8, pipeline=True,
           inductor_config={"max_autotune_gemm_backends": "ATEN,TRITON", "triton.enable_persistent_tma_matmul": True}),
      "batching": "packed", "timeout_s": 420},  # autotuning is prepare time, and it can be long
+    # Inductor's fused epilogue did not pay in isolation either (0.311-0.351 ms against 0.332 for
+    # the cuBLAS GEMM + GELU/quantize pass, h100-perf.md). What cuBLASLt can do instead: write the
+    # FFN-up GEMM's output in e4m3 itself, so the GELU + quantize pass between the FFN GEMMs moves
+    # one byte per element each way instead of two in (and two out of the GEMM) and one out.
+    {**_v("torch-compile-fp8-packed-ffn8", "torch", "cuda",
+          "as torch-compile-fp8-packed-pipelined, the FFN's hidden activations in e4m3 (the FFN-up GEMM writes "
+          "FP8, GELU reads it)", weights="fp16", compile="default", packed=True, token_bucket=1024,
+          host_pack=True, fp8={**_FP8, "ffn_hidden_fp8": True}, pipeline=True), "batching": "packed"},
+    _v("torch-compile-fp8-cudnn-ffn8", "torch", "cuda",
+       "as torch-compile-fp8-cudnn-pipelined, the FFN's hidden activations in e4m3", weights="fp16",
+       compile="default", cuda_graph="manual", fp8={**_FP8, "ffn_hidden_fp8": True}, sdpa_backend="cudnn",
+       pipeline=True),
     _v("torch-compile-int8", "torch", "cuda",
        "INT8 W8A8 GEMMs (torch._int_mm; per-channel weights, dynamic per-token activations), fp16 elsewhere, "
        "torch.compile, one CUDA graph per shape", weights="fp16", compile="default", cuda_graph="manual", int8={}),
