@@ -237,6 +237,7 @@ class TrainConfig:
     # threshold-triggered collections at different moments on N ranks cost up to N pauses a
     # step; aligned, they cost one (Megatron-LM's --manual-gc does this). The pauses the loop
     # did see are reported either way (train_metrics.json: gc_collections_in_loop, gc_pause_s).
+    # Measured on 4 H100s (h100-scaling.md, host I): ~7 ms of pauses a whole run, no gain; off.
     manual_gc: bool = False
     # Record this many optimizer steps with torch.profiler on rank 0, half-way through training
     # (after the first epoch: every length bucket compiled, allocator and cuBLAS warm), and write

@@ -15,9 +15,8 @@ sweep, the calibration points, the batching rows), ``tests`` (the GPU tests), ``
 then benchmarked as a user's checkpoint), ``loadgen``, ``loadgen-length-aware`` and ``loadgen-rest`` (issue 21:
 MLPerf LoadGen SingleStream, Server peak and Offline rows), ``perf`` (issue 22: the FP8, torchao,
 cuDNN and host-packed rows with profiles), ``train-speed`` (issue 23: one-GPU training, baseline
-and bucketed + compiled, with step profiles), ``scale-out`` and ``scale-out-gc`` (issue 23 on a
-4-GPU host: compiled training on 1, 2 and 4 GPUs; manual GC alternating with the same host's
-control), ``predict-scaling`` and ``train-scaling``
+and bucketed + compiled, with step profiles), ``scale-out`` (issue 23 on a 4-GPU host: compiled
+training on 1, 2 and 4 GPUs), ``predict-scaling`` and ``train-scaling``
 (data-parallel prediction and training on 1, 2 and 4 GPUs of the host). Plans that ran once are
 not kept: the reference tables in results/reference/ record the commands they ran.
 Poll with back-to-back device calls (``sleep N; --status``): a lent machine goes back after 30 s
@@ -347,10 +346,6 @@ def step_train_speed(s: Session) -> list:
 
 
 SCALE_OUT = [*SQUAD_SIZED, "--set", "train.batch_size=512", "--set", "train.seq_bucket=64", "--set", "train.compile=true"]
-# issue 23's next lever: Python's collector off inside the timed loop and one collection per
-# epoch end on every rank (train.manual_gc). Host H measured the graphed optimizer step, the BF16
-# all-reduce and DDP's static graph one at a time: none helped (h100-scaling.md).
-MANUAL_GC = ["--set", "train.manual_gc=true"]
 
 
 def scale_out_run(lane: Session, gpus: int, rows: int, sets: tuple = (), tag: str = "") -> None:
@@ -382,19 +377,6 @@ def step_scale_out(s: Session) -> list:
     return []
 
 
-def step_scale_out_gc(s: Session) -> list:
-    """Issue 23's manual GC on a 4-GPU host: side by side one GPU without (GPU 0) and with it (GPU
-    1), 2 GPUs without (GPUs 2-3); then alone on the host, 4 GPUs without, with, without, with
-    (~11 minutes). Host H ran its 4-GPU levers once each in a row, so drift could not be told from
-    a lever's cost; here the control and the lever alternate, twice each."""
-    lanes(lambda: scale_out_run(s.on_gpu(0), 1, 128), lambda: scale_out_run(s.on_gpu(1), 1, 128, MANUAL_GC, "-mgc"),
-          lambda: scale_out_run(s.on_gpu("2,3"), 2, 128))
-    for sets, tag in (((), ""), (MANUAL_GC, "-mgc"), ((), "-b"), (MANUAL_GC, "-mgc-b")):
-        scale_out_run(s, 4, 128, sets, tag)
-    say_training(s)
-    return []
-
-
 # Most important first: a machine goes back after 30 minutes, and each --status call packs
 # what is done so far.
 PLANS = {
@@ -419,7 +401,6 @@ PLANS = {
     "train-speed": [step_train_speed],
     "predict-scaling": [lambda s: predict_scaling(s, ["--set", f"model.name={model_name(MAIN)}"])],
     "scale-out": [step_scale_out],
-    "scale-out-gc": [step_scale_out_gc],
     "train-scaling": [lambda s: train_scaling(s, 512, 128, counts=(1, 2, 4), tag="squad-", sets=SQUAD_SIZED)],
 }
 
