@@ -290,6 +290,78 @@ def test_ffn_hidden_fp8_needs_per_tensor_scales_both_ffn_gemms_and_the_output_ra
     assert type(model.model.bert.encoder.layer[0].intermediate.dense) is nn.Linear
 
 
+def e4m3_codes_apart(a, b):
+    """How many e4m3 codes lie between a and b, elementwise (magnitude codes are ordered;
+    through zero the two magnitudes add)."""
+    ua, ub = a.view(torch.uint8).int(), b.view(torch.uint8).int()
+    ma, mb = ua & 0x7F, ub & 0x7F
+    return torch.where((ua >> 7) == (ub >> 7), (ma - mb).abs(), ma + mb)
+
+
+def _hidden_e4m3(n: int = 3 * 4099, seed: int = 0):
+    """e4m3 FFN hidden activations as the up-projection writes them (a size no block divides)."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, generator=g) * 60).clamp(-448, 448).to(torch.float8_e4m3fn).reshape(3, -1)
+
+
+def test_tanh_gelu_on_e4m3_is_erf_gelu_up_to_one_e4m3_step():
+    """The tanh form's error (< 1e-3 before rounding) moves an element by at most one e4m3 code,
+    and most not at all; values past the range saturate."""
+    from bertqa_bench.backends import gelu_fp8
+
+    x8, s_in, s_out = _hidden_e4m3(), 0.05, 0.06  # GELU up to 22.4: inside 448 x s_out
+    h = x8.float() * s_in
+    tanh_pre = gelu_fp8.gelu_tanh_scaled(x8, s_in, 1 / s_out) * s_out
+    assert (tanh_pre - nn.functional.gelu(h)).abs().max() < 1e-3
+    got = gelu_fp8.gelu_tanh_fp8_reference(x8, s_in, 1 / s_out)
+    exact = fp8.quantize_fp8(nn.functional.gelu(h), s_out)
+    apart = e4m3_codes_apart(got, exact)
+    assert float((apart == 0).float().mean()) > 0.8 and int(apart.max()) == 1
+    big = gelu_fp8.gelu_tanh_fp8_reference(x8, s_in, 1 / (s_out / 50))
+    assert torch.isfinite(big.float()).all() and float(big.float().max()) == fp8.E4M3_MAX
+
+
+def test_tanh_gelu_triton_kernel_in_the_interpreter_matches_torch(monkeypatch):
+    """The Triton kernel's indexing, masking, scales and clamp, run by Triton's interpreter on the
+    CPU with tanh through exp (the interpreter runs no PTX; tanh.approx.f32 is the GPU test's),
+    writing fp32 (the interpreter's own e4m3 rounding drops mantissa carries)."""
+    pytest.importorskip("triton", reason="triton is not installed (CUDA builds of torch bring it)")
+    from bertqa_bench.backends import gelu_fp8
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    gelu_fp8._kernel.cache_clear()
+    try:
+        x8 = _hidden_e4m3()
+        for s_out in (0.02, 0.02 / 50):  # in range; mostly saturated
+            y = torch.empty(x8.shape)
+            gelu_fp8.launch(x8, y, 0.05, 1 / s_out, fast_tanh=False)
+            ref = gelu_fp8.gelu_tanh_scaled(x8, 0.05, 1 / s_out)
+            torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    finally:
+        gelu_fp8._kernel.cache_clear()
+
+
+@needs_cpu_scaled_mm
+def test_ffn_tanh_gelu_tracks_the_exact_e4m3_path_and_needs_a_gelu():
+    model, _, _, amax, x = _ffn8_model()
+    tanh = copy.deepcopy(qa(tiny_bert(hidden=64)))
+    done = fp8.swap_to_fp8(tanh, amax, ffn_hidden_fp8=True, ffn_gelu="tanh")
+    layer = tanh.model.bert.encoder.layer[1]
+    assert len(done["ffn_hidden_fp8"]) == 2 and layer.intermediate.gelu == "tanh"
+    with torch.no_grad():
+        out, ref = tanh(*x), model(*x)
+    for o, r in zip(out, ref):
+        assert torch.isfinite(o).all() and rel_l2(o, r) < 0.05, rel_l2(o, r)
+    with pytest.raises(ValueError, match="replaces a GELU; this layer's activation is ReLU"):
+        fp8.fp8_classes()[2](layer.intermediate.dense, nn.ReLU(), 0.1, "tanh")
+    with pytest.raises(ValueError, match="needs ffn_hidden_fp8"):
+        fp8.swap_to_fp8(qa(tiny_bert()), amax, ffn_gelu="tanh")
+    for bad, match in (({"ffn_gelu": "tanh"}, "needs ffn_hidden_fp8: true"),
+                       ({"ffn_hidden_fp8": True, "ffn_gelu": "fast"}, "not one of exact, tanh")):
+        with pytest.raises(torch_backend.ConfigError, match=match):
+            torch_backend.Fp8Options(**bad)
+
+
 # --------------------------------------------------------------------------- module surgery
 
 def test_gemm_kinds_and_targets_of_a_tiny_bert():
@@ -375,8 +447,9 @@ def test_swapped_tiny_bert_tracks_fp32_on_cpu(scaling, fuse_qkv, gemms):
 
 
 @needs_cpu_scaled_mm
-@pytest.mark.parametrize("fuse_qkv,ffn8", [(True, False), (False, False), (True, True)])
-def test_fp8_swapped_model_packed_padding_free_matches_its_padded_self(fuse_qkv, ffn8):
+@pytest.mark.parametrize("fuse_qkv,ffn8,gelu", [(True, False, "exact"), (False, False, "exact"), (True, True, "exact"),
+                                                (True, True, "tanh")])
+def test_fp8_swapped_model_packed_padding_free_matches_its_padded_self(fuse_qkv, ffn8, gelu):
     """FP8 on the padding-free path: quantize on the padded model, then pack; the packed encoder
     calls the same FP8 GEMMs (the fused QKV one and the e4m3 FFN hidden path included), so on
     every real token it computes what the padded FP8 model does."""
@@ -389,7 +462,7 @@ def test_fp8_swapped_model_packed_padding_free_matches_its_padded_self(fuse_qkv,
     x = (ids, mask, types)
     targets = fp8.target_linears(model)
     amax = fp8.calibrate_amax(model, [x], targets, fp8.ffn_up_names(targets))
-    done = fp8.swap_to_fp8(model, amax, scaling="tensor", fuse_qkv=fuse_qkv, ffn_hidden_fp8=ffn8)
+    done = fp8.swap_to_fp8(model, amax, scaling="tensor", fuse_qkv=fuse_qkv, ffn_hidden_fp8=ffn8, ffn_gelu=gelu)
     assert bool(done["fused_qkv"]) == fuse_qkv and len(done["ffn_hidden_fp8"]) == (2 if ffn8 else 0)
     packed_model = copy.deepcopy(model)
     pack_model(packed_model.model)  # the QA wrapper's BertForQuestionAnswering, as the backend does
@@ -501,6 +574,24 @@ def test_fp8_output_gemm_on_gpu_matches_fp32_and_saturates():
     assert y.dtype == torch.float8_e4m3fn
     assert rel_l2(y.float() * out_scale, ref) < 0.08
     assert torch.isfinite(big.float()).all() and float(big.float().abs().max()) == fp8.E4M3_MAX
+
+
+@pytest.mark.gpu
+def test_tanh_gelu_triton_op_on_gpu_matches_torch_and_compiles():
+    """The custom op on CUDA (tanh.approx.f32): within one e4m3 code of torch's tanh form, the
+    same codes for nearly all elements; under torch.compile, bit for bit the op run eagerly."""
+    from bertqa_bench.backends import gelu_fp8
+
+    if gelu_fp8.triton_unavailable_reason():
+        pytest.skip(gelu_fp8.triton_unavailable_reason())
+    x8 = (torch.randn(4096, 3072, device="cuda") * 60).clamp(-448, 448).to(torch.float8_e4m3fn)
+    got = gelu_fp8.gelu_tanh_fp8(x8, 0.05, 1 / 0.02)
+    ref = gelu_fp8.gelu_tanh_fp8_reference(x8, 0.05, 1 / 0.02)
+    assert got.dtype == torch.float8_e4m3fn and got.shape == x8.shape
+    apart = e4m3_codes_apart(got, ref)
+    assert float((apart == 0).float().mean()) > 0.99 and int(apart.max()) <= 1
+    compiled = torch.compile(lambda t: gelu_fp8.gelu_tanh_fp8(t, 0.05, 1 / 0.02))
+    assert torch.equal(compiled(x8).view(torch.uint8), got.view(torch.uint8))
 
 
 # --------------------------------------------------------------------------- INT8 and the sensitivity sweep
@@ -721,7 +812,9 @@ def test_host_bucket_lengths_equal_the_devices():
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", TORCHAO_NAMES + ("torch-compile-fp8-cudnn", "torch-compile-fp16-graph-cudnn",
                                                   "torch-compile-fp8-packed-host", "eager-fp16-packed-host",
-                                                  "torch-compile-fp8-packed-ffn8", "torch-compile-fp8-cudnn-ffn8"))
+                                                  "torch-compile-fp8-packed-ffn8", "torch-compile-fp8-cudnn-ffn8",
+                                                  "torch-compile-fp8-packed-ffn8-tanh",
+                                                  "torch-compile-fp8-cudnn-ffn8-tanh"))
 def test_issue22_variants_track_fp32_on_gpu(tmp_path, name):
     reason = TABLE.get(name).unavailable_reason()
     if reason:
@@ -739,8 +832,9 @@ def test_issue22_variants_track_fp32_on_gpu(tmp_path, name):
                 assert np.abs(o[n] - d[n])[valid].max() < 1e-3, (name, n)
     if name.startswith("torchao"):
         assert info["fp8_linears"] == 2 * 5
-    if name.endswith("-ffn8"):
+    if "-ffn8" in name:
         assert info["fp8_ffn_hidden"] == "e4m3 in 2 layers"
+        assert info["fp8_ffn_gelu"].startswith("tanh form, Triton" if name.endswith("-tanh") else "exact")
     for out, ref, b in zip(outs, refs, batches):
         valid = b["attention_mask"].astype(bool)
         for n in OUTPUTS:
@@ -750,7 +844,8 @@ def test_issue22_variants_track_fp32_on_gpu(tmp_path, name):
 
 PIPELINED = ("torch-compile-fp8-packed-pipelined", "torch-compile-fp8-cudnn-pipelined",
              "torch-compile-fp16-graph-pipelined", "torch-compile-fp8-packed-autotune",
-             "torch-compile-fp8-packed-ffn8", "torch-compile-fp8-cudnn-ffn8")
+             "torch-compile-fp8-packed-ffn8", "torch-compile-fp8-cudnn-ffn8",
+             "torch-compile-fp8-packed-ffn8-tanh", "torch-compile-fp8-cudnn-ffn8-tanh")
 
 
 def test_pipelined_variants_keep_two_batches_in_flight_on_cuda_only():

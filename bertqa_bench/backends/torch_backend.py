@@ -36,7 +36,7 @@ import numpy as np
 from ..errors import BackendUnavailableError, ConfigError
 from .base import INPUT_NAMES, Backend, BackendContext, batch_at_shape
 from .device_io import CudaStaging, HostOutputs, batch_shape, cuda_unavailable_reason, gpu_info
-from .torch_fp8 import SCALINGS, parse_gemms
+from .torch_fp8 import FFN_GELUS, SCALINGS, parse_gemms
 
 DTYPES = ("fp32", "fp16", "bf16")
 # Families whose encoder is BertModel's layout (tests/test_checkpoint.py checks the FP8/INT8
@@ -68,6 +68,9 @@ class Fp8Options:
     # the FFN's hidden activations in e4m3: the up-projection GEMM writes FP8 and GELU reads it
     # (torch_fp8.Fp8Intermediate); needs scaling: tensor and both FFN GEMMs in FP8
     ffn_hidden_fp8: bool = False
+    # that hidden path's GELU: exact (the model's erf form) or tanh (one Triton kernel with the
+    # GPU's tanh.approx; torch_fp8.FFN_GELUS, gelu_fp8.py); tanh needs ffn_hidden_fp8
+    ffn_gelu: str = "exact"
 
     def __post_init__(self):
         if self.scaling not in SCALINGS:
@@ -79,6 +82,11 @@ class Fp8Options:
         if self.ffn_hidden_fp8 and (self.scaling != "tensor" or not {"ffn_in", "ffn_out"} <= set(gemms)):
             raise ConfigError(f"fp8.ffn_hidden_fp8 needs scaling: tensor and gemms naming ffn_in and ffn_out "
                               f"(got scaling: {self.scaling}, gemms: {self.gemms})")
+        if self.ffn_gelu not in FFN_GELUS:
+            raise ConfigError(f"fp8.ffn_gelu '{self.ffn_gelu}' is not one of {', '.join(FFN_GELUS)}")
+        if self.ffn_gelu != "exact" and not self.ffn_hidden_fp8:
+            raise ConfigError(f"fp8.ffn_gelu: {self.ffn_gelu} is the GELU between e4m3 FFN GEMMs: it needs "
+                              "ffn_hidden_fp8: true")
         if self.act_margin <= 0 or self.calibration_batches < 1:
             raise ConfigError("fp8: act_margin must be > 0 and calibration_batches >= 1")
         try:
@@ -200,6 +208,17 @@ class TorchOptions:
         if self.cuda_graph == "trees":
             return "reduce-overhead" if self.compile == "default" else "max-autotune"
         return "max-autotune-no-cudagraphs" if self.compile == "max-autotune" else self.compile
+
+
+def _gelu_info(gelu: str, module) -> str:
+    """What computes the FFN's GELU between e4m3 GEMMs (prepare_info's fp8_ffn_gelu)."""
+    if gelu == "exact":
+        return "exact (the model's own GELU, fused by Inductor)"
+    from .gelu_fp8 import triton_unavailable_reason
+
+    on_cuda = next(module.parameters()).is_cuda
+    why = triton_unavailable_reason() if on_cuda else "not on CUDA"
+    return "tanh form, Triton kernel (tanh.approx.f32)" if not why else f"tanh form, torch ({why})"
 
 
 def _torch_dtype(name: str):
@@ -485,7 +504,8 @@ class TorchBackend(Backend):
 
         def swap(m, keep):
             return swap_to_fp8(m, amax, scaling=f.scaling, gemms=gemms, fuse_qkv=f.fuse_qkv, fast_accum=f.fast_accum,
-                               act_margin=f.act_margin, keep_layers=keep, ffn_hidden_fp8=f.ffn_hidden_fp8)
+                               act_margin=f.act_margin, keep_layers=keep, ffn_hidden_fp8=f.ffn_hidden_fp8,
+                               ffn_gelu=f.ffn_gelu)
 
         kept, info = self._sweep(module, batches, lambda m, layer: swap(m, [i for i in range(n) if i != layer]),
                                  f.sensitivity_keep)
@@ -499,6 +519,7 @@ class TorchBackend(Backend):
             "fp8_fused_qkv": bool(done["fused_qkv"]), "fp8_fast_accum": f.fast_accum,
             "fp8_keep_layers": ",".join(map(str, keep)) or "none", "fp8_kept_linears": len(done["kept"]),
             "fp8_ffn_hidden": f"e4m3 in {len(done['ffn_hidden_fp8'])} layers" if f.ffn_hidden_fp8 else "16-bit",
+            "fp8_ffn_gelu": _gelu_info(f.ffn_gelu, module),
             "fp8_not_fp8": "embeddings, layernorms, attention softmax/PV (SDPA), qa head"
                            + ("" if "attn_out" in gemms else ", attention output projection"),
         })

@@ -38,6 +38,9 @@ from typing import Any, Iterable, Mapping, Optional
 
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn
 SCALINGS = ("tensor", "rowwise", "static-rowwise")
+# the GELU between e4m3 FFN GEMMs (ffn_hidden_fp8): the model's own (erf), or the tanh form in
+# one Triton kernel (gelu_fp8.py)
+FFN_GELUS = ("exact", "tanh")
 _EPS = 1e-12
 # Names of the encoder Linear layers inside one transformer layer (HF BERT naming).
 _LAYER_PREFIX = "encoder.layer."
@@ -188,19 +191,28 @@ def _define_modules():
         more e4m3 rounding, of the GELU's input.
         """
 
-        def __init__(self, dense, act_fn, down_act_scale: float):
+        def __init__(self, dense, act_fn, down_act_scale: float, gelu: str = "exact"):
             super().__init__()
             if dense.out_scale_value is None:
                 raise ValueError("Fp8Intermediate needs an up-projection that writes FP8 (out_scale)")
+            if gelu not in FFN_GELUS:
+                raise ValueError(f"gelu must be one of {FFN_GELUS}, not '{gelu}'")
+            if gelu == "tanh" and "gelu" not in type(act_fn).__name__.lower():
+                raise ValueError(f"gelu 'tanh' replaces a GELU; this layer's activation is {type(act_fn).__name__}")
             self.dense = dense
             self.intermediate_act_fn = act_fn
+            self.gelu = gelu
             self.out_scale_value = float(dense.out_scale_value)
             self._inv_down_scale = 1.0 / float(down_act_scale)
 
         def extra_repr(self) -> str:
-            return f"hidden=e4m3, down_act_scale={1.0 / self._inv_down_scale}"
+            return f"hidden=e4m3, gelu={self.gelu}, down_act_scale={1.0 / self._inv_down_scale}"
 
         def forward(self, hidden_states):
+            if self.gelu == "tanh":  # gelu_fp8: one Triton kernel on CUDA, e4m3 in and out
+                from .gelu_fp8 import gelu_tanh_fp8
+
+                return gelu_tanh_fp8(self.dense(hidden_states), self.out_scale_value, self._inv_down_scale)
             h = self.intermediate_act_fn(self.dense(hidden_states).float() * self.out_scale_value)
             return (h * self._inv_down_scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
@@ -364,13 +376,14 @@ def ffn_up_names(names: Iterable[str]) -> list[str]:
 def swap_to_fp8(model, act_amax: Optional[Mapping[str, float]] = None, *, scaling: str = "tensor",
                 gemms=DEFAULT_GEMMS, fuse_qkv: bool = True, fast_accum: bool = False,
                 act_margin: float = 2.0, keep_layers: Iterable[int] = (),
-                ffn_hidden_fp8: bool = False) -> dict[str, Any]:
+                ffn_hidden_fp8: bool = False, ffn_gelu: str = "exact") -> dict[str, Any]:
     """Replace encoder Linears of ``model`` (those of the kinds in ``gemms``) in place by FP8 modules.
 
     ``act_amax`` (name -> calibrated input amax, ``calibrate_amax``) is needed for the static
     scalings. ``ffn_hidden_fp8``: in every layer whose two FFN GEMMs are both FP8, the hidden
     activations between them stay e4m3 (``Fp8Intermediate``; needs per-tensor scaling and the
-    up-projections' calibrated output amax, ``name + OUT``).
+    up-projections' calibrated output amax, ``name + OUT``); ``ffn_gelu`` (FFN_GELUS) is the GELU
+    between them.
     ``keep_layers``: encoder layer indices left entirely in 16 bits. Returns what was done:
     ``swapped`` (original Linear names now computed in FP8), ``fused_qkv`` (self-attention
     modules replaced by a fused-QKV FP8 attention), ``gemms`` (FP8 GEMMs per forward), ``kept``
@@ -383,6 +396,8 @@ def swap_to_fp8(model, act_amax: Optional[Mapping[str, float]] = None, *, scalin
     static = scaling != "rowwise"
     if static and not act_amax:
         raise ValueError(f"scaling '{scaling}' needs calibrated activation amax values (act_amax)")
+    if ffn_gelu not in FFN_GELUS or (ffn_gelu != "exact" and not ffn_hidden_fp8):
+        raise ValueError(f"ffn_gelu must be one of {FFN_GELUS}, and 'tanh' needs ffn_hidden_fp8 (got '{ffn_gelu}')")
     if ffn_hidden_fp8:
         if scaling != "tensor" or not {"ffn_in", "ffn_out"} <= set(gemms):
             raise ValueError("ffn_hidden_fp8 needs scaling 'tensor' and both FFN GEMMs (ffn_in, ffn_out) in FP8, "
@@ -443,7 +458,7 @@ def swap_to_fp8(model, act_amax: Optional[Mapping[str, float]] = None, *, scalin
             continue
         inter = name.rsplit(".", 1)[0]  # ...intermediate, transformers' BertIntermediate
         act = model.get_submodule(inter).intermediate_act_fn
-        _set_submodule(model, inter, Fp8Intermediate_(up, act, model.get_submodule(down).act_scale_value))
+        _set_submodule(model, inter, Fp8Intermediate_(up, act, model.get_submodule(down).act_scale_value, ffn_gelu))
         hidden_fp8.append(inter)
     return {"swapped": swapped, "fused_qkv": fused, "gemms": n_gemms, "kept": kept, "ffn_hidden_fp8": hidden_fp8}
 

@@ -283,6 +283,17 @@ BUILTIN = (
        "as torch-compile-fp8-cudnn-pipelined, the FFN's hidden activations in e4m3", weights="fp16",
        compile="default", cuda_graph="manual", fp8={**_FP8, "ffn_hidden_fp8": True}, sdpa_backend="cudnn",
        pipeline=True),
+    # The e4m3 hidden path halved that pass's bytes and it did not get faster (185 us per layer per
+    # 32k tokens, ~3x its memory floor, h100-perf.md): it is bound by the erf polynomial's
+    # instructions. The tanh form of GELU in one Triton kernel with the GPU's tanh.approx.f32.
+    {**_v("torch-compile-fp8-packed-ffn8-tanh", "torch", "cuda",
+          "as torch-compile-fp8-packed-ffn8, the GELU between the FFN GEMMs in its tanh form (one Triton kernel, "
+          "e4m3 in and out)", weights="fp16", compile="default", packed=True, token_bucket=1024, host_pack=True,
+          fp8={**_FP8, "ffn_hidden_fp8": True, "ffn_gelu": "tanh"}, pipeline=True), "batching": "packed"},
+    _v("torch-compile-fp8-cudnn-ffn8-tanh", "torch", "cuda",
+       "as torch-compile-fp8-cudnn-ffn8, the GELU in its tanh form (one Triton kernel)", weights="fp16",
+       compile="default", cuda_graph="manual", fp8={**_FP8, "ffn_hidden_fp8": True, "ffn_gelu": "tanh"},
+       sdpa_backend="cudnn", pipeline=True),
     _v("torch-compile-int8", "torch", "cuda",
        "INT8 W8A8 GEMMs (torch._int_mm; per-channel weights, dynamic per-token activations), fp16 elsewhere, "
        "torch.compile, one CUDA graph per shape", weights="fp16", compile="default", cuda_graph="manual", int8={}),
