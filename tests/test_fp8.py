@@ -341,6 +341,18 @@ def test_tanh_gelu_triton_kernel_in_the_interpreter_matches_torch(monkeypatch):
         gelu_fp8._kernel.cache_clear()
 
 
+def test_tanh_gelu_op_is_registered_and_its_dispatch_traces_without_graph_breaks():
+    """The custom op exists once the module is imported (registered outside traced code), and
+    gelu_tanh_fp8's choice between it and torch's formula breaks no torch.compile graph."""
+    from bertqa_bench.backends import gelu_fp8
+
+    schema = str(torch.ops.bertqa.gelu_tanh_fp8.default._schema)
+    assert schema.startswith("bertqa::gelu_tanh_fp8(Tensor x8, float in_scale, float out_inv_scale) -> Tensor"), schema
+    x8 = _hidden_e4m3()
+    explained = torch._dynamo.explain(lambda t: gelu_fp8.gelu_tanh_fp8(t, 0.05, 50.0))(x8)
+    assert explained.graph_break_count == 0, explained.break_reasons
+
+
 @needs_cpu_scaled_mm
 def test_ffn_tanh_gelu_tracks_the_exact_e4m3_path_and_needs_a_gelu():
     model, _, _, amax, x = _ffn8_model()
@@ -352,8 +364,11 @@ def test_ffn_tanh_gelu_tracks_the_exact_e4m3_path_and_needs_a_gelu():
         out, ref = tanh(*x), model(*x)
     for o, r in zip(out, ref):
         assert torch.isfinite(o).all() and rel_l2(o, r) < 0.05, rel_l2(o, r)
-    with pytest.raises(ValueError, match="replaces a GELU; this layer's activation is ReLU"):
-        fp8.fp8_classes()[2](layer.intermediate.dense, nn.ReLU(), 0.1, "tanh")
+    from transformers.activations import QuickGELUActivation
+
+    for act in (nn.ReLU(), QuickGELUActivation()):
+        with pytest.raises(ValueError, match=f"replaces a GELU; this layer's activation is {type(act).__name__}"):
+            fp8.fp8_classes()[2](layer.intermediate.dense, act, 0.1, "tanh")
     with pytest.raises(ValueError, match="needs ffn_hidden_fp8"):
         fp8.swap_to_fp8(qa(tiny_bert()), amax, ffn_gelu="tanh")
     for bad, match in (({"ffn_gelu": "tanh"}, "needs ffn_hidden_fp8: true"),
@@ -578,8 +593,9 @@ def test_fp8_output_gemm_on_gpu_matches_fp32_and_saturates():
 
 @pytest.mark.gpu
 def test_tanh_gelu_triton_op_on_gpu_matches_torch_and_compiles():
-    """The custom op on CUDA (tanh.approx.f32): within one e4m3 code of torch's tanh form, the
-    same codes for nearly all elements; under torch.compile, bit for bit the op run eagerly."""
+    """The custom op on CUDA (tanh.approx.f32): within one e4m3 code of torch's tanh form (the
+    same code for nearly all elements) and two of erf-GELU's; compiled with fullgraph (the op
+    stays in the graph), bit for bit the op run eagerly."""
     from bertqa_bench.backends import gelu_fp8
 
     if gelu_fp8.triton_unavailable_reason():
@@ -590,7 +606,9 @@ def test_tanh_gelu_triton_op_on_gpu_matches_torch_and_compiles():
     assert got.dtype == torch.float8_e4m3fn and got.shape == x8.shape
     apart = e4m3_codes_apart(got, ref)
     assert float((apart == 0).float().mean()) > 0.99 and int(apart.max()) <= 1
-    compiled = torch.compile(lambda t: gelu_fp8.gelu_tanh_fp8(t, 0.05, 1 / 0.02))
+    erf = fp8.quantize_fp8(nn.functional.gelu(x8.float() * 0.05), 0.02)
+    assert int(e4m3_codes_apart(got, erf).max()) <= 2
+    compiled = torch.compile(lambda t: gelu_fp8.gelu_tanh_fp8(t, 0.05, 1 / 0.02), fullgraph=True)
     assert torch.equal(compiled(x8).view(torch.uint8), got.view(torch.uint8))
 
 

@@ -41,6 +41,9 @@ SCALINGS = ("tensor", "rowwise", "static-rowwise")
 # the GELU between e4m3 FFN GEMMs (ffn_hidden_fp8): the model's own (erf), or the tanh form in
 # one Triton kernel (gelu_fp8.py)
 FFN_GELUS = ("exact", "tanh")
+# the activations (transformers' and torch's classes) whose function the tanh form computes or
+# approximates: erf-GELU and the tanh forms; not QuickGELU (x * sigmoid(1.702 x))
+GELU_CLASSES = ("GELUActivation", "GELU", "NewGELUActivation", "PytorchGELUTanh", "GELUTanh", "FastGELUActivation")
 _EPS = 1e-12
 # Names of the encoder Linear layers inside one transformer layer (HF BERT naming).
 _LAYER_PREFIX = "encoder.layer."
@@ -197,8 +200,13 @@ def _define_modules():
                 raise ValueError("Fp8Intermediate needs an up-projection that writes FP8 (out_scale)")
             if gelu not in FFN_GELUS:
                 raise ValueError(f"gelu must be one of {FFN_GELUS}, not '{gelu}'")
-            if gelu == "tanh" and "gelu" not in type(act_fn).__name__.lower():
+            if gelu == "tanh" and type(act_fn).__name__ not in GELU_CLASSES:
                 raise ValueError(f"gelu 'tanh' replaces a GELU; this layer's activation is {type(act_fn).__name__}")
+            self._tanh_gelu = None
+            if gelu == "tanh":  # bound here, not in forward: nothing is imported inside traced code
+                from .gelu_fp8 import gelu_tanh_fp8
+
+                self._tanh_gelu = gelu_tanh_fp8
             self.dense = dense
             self.intermediate_act_fn = act_fn
             self.gelu = gelu
@@ -209,10 +217,8 @@ def _define_modules():
             return f"hidden=e4m3, gelu={self.gelu}, down_act_scale={1.0 / self._inv_down_scale}"
 
         def forward(self, hidden_states):
-            if self.gelu == "tanh":  # gelu_fp8: one Triton kernel on CUDA, e4m3 in and out
-                from .gelu_fp8 import gelu_tanh_fp8
-
-                return gelu_tanh_fp8(self.dense(hidden_states), self.out_scale_value, self._inv_down_scale)
+            if self._tanh_gelu is not None:  # gelu_fp8: one Triton kernel on CUDA, e4m3 in and out
+                return self._tanh_gelu(self.dense(hidden_states), self.out_scale_value, self._inv_down_scale)
             h = self.intermediate_act_fn(self.dense(hidden_states).float() * self.out_scale_value)
             return (h * self._inv_down_scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
