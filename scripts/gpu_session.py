@@ -13,8 +13,8 @@ Plans (PLANS), reusable: ``h100`` (one GPU: the CPU gate, the suite's model, eve
 sweep, the calibration points, the batching rows), ``tests`` (the GPU tests), ``families`` (issue
 20: DistilBERT-base grown from MiniLM and RoBERTa-base on generated SQuAD v2.0, each fine-tuned
 then benchmarked as a user's checkpoint), ``loadgen``, ``loadgen-length-aware`` and ``loadgen-rest`` (issue 21:
-MLPerf LoadGen SingleStream, Server peak and Offline rows), ``perf`` (issue 22: the FP8, torchao,
-cuDNN and host-packed rows with profiles), ``train-speed`` (issue 23: one-GPU training, baseline
+MLPerf LoadGen SingleStream, Server peak and Offline rows), ``perf`` (issue 22: the newest FP8 rows
+beside the ones they improve on, with a profile), ``train-speed`` (issue 23: one-GPU training, baseline
 and bucketed + compiled, with step profiles), ``scale-out`` (issue 23 on a 4-GPU host: compiled
 training on 1, 2 and 4 GPUs), ``predict-scaling`` and ``train-scaling``
 (data-parallel prediction and training on 1, 2 and 4 GPUs of the host). Plans that ran once are
