@@ -341,6 +341,31 @@ def test_tanh_gelu_triton_kernel_in_the_interpreter_matches_torch(monkeypatch):
         gelu_fp8._kernel.cache_clear()
 
 
+def test_tanh_gelu_kernel_compiles_for_hopper_with_the_hardware_tanh_and_16_byte_accesses():
+    """What the interpreter cannot run: the kernel compiled ahead of time for sm_90 (Triton's own
+    ptxas, no GPU needed), with the element count and pointers 16-divisible as a [T, 3072] tensor
+    makes them: tanh.approx.f32 per element, packed e4m3 conversions, one 16-byte load and store
+    per thread."""
+    pytest.importorskip("triton", reason="triton is not installed (CUDA builds of torch bring it)")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from bertqa_bench.backends import gelu_fp8
+
+    sig = {"x_ptr": "*fp8e4nv", "y_ptr": "*fp8e4nv", "n": "i32", "in_scale": "fp32", "out_inv_scale": "fp32",
+           "BLOCK": "constexpr", "FAST_TANH": "constexpr"}
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(3)}
+    src = ASTSource(fn=gelu_fp8._kernel(), signature=sig, constexprs={"BLOCK": gelu_fp8.BLOCK, "FAST_TANH": True},
+                    attrs=attrs)
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
+    per_thread = gelu_fp8.BLOCK // (8 * 32)
+    assert ptx.count("tanh.approx.f32") == per_thread
+    assert ptx.count("cvt.rn.satfinite.e4m3x2.f32") == per_thread // 2  # two elements per conversion
+    assert ptx.count("ld.global.v4.b32") == 1 and ptx.count("st.global.v4.b32") == 1
+    assert "ld.global.b8" not in ptx and "st.global.b8" not in ptx
+
+
 def test_tanh_gelu_op_is_registered_and_its_dispatch_traces_without_graph_breaks():
     """The custom op exists once the module is imported (registered outside traced code), and
     gelu_tanh_fp8's choice between it and torch's formula breaks no torch.compile graph."""
