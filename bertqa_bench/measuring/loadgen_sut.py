@@ -57,13 +57,13 @@ import queue
 import threading
 import time
 import traceback
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Optional
 
 import numpy as np
 
+from .runner import in_flight_window
 from .schedule import Batch, batch_inputs, make_plan
 
 LENGTH_AWARE = ("sorted", "trimmed", "packed")
@@ -338,10 +338,9 @@ class SUT:
 
     def _predict(self, items: list, rows: np.ndarray, inputs: Callable[[], dict]) -> None:
         """One batch (Server, SingleStream), submitted and collected at once."""
-        pending: deque = deque()
-        self._submit(pending, items, rows, inputs)
-        while pending:
-            self._collect(*pending.popleft())
+        submitted = self._submit(items, rows, inputs)
+        if submitted is not None:
+            self._collect(*submitted)
 
     def reset_counts(self) -> None:
         """Batches, rows, real and computed tokens (padding included) and the seconds spent in
@@ -363,8 +362,6 @@ class SUT:
         runner hands them over: batch k+1 submitted before batch k is collected."""
         idx = np.array([i for _, _, i in items], dtype=np.int64)
         plan = self.offline_plan(self.lengths[idx])
-        depth = max(1, int(self.backend.in_flight()))
-        pending: deque = deque()
         # Each batch's host arrays are built on a helper thread while the batch before it runs
         # (predict waits on the device without the GIL): the bench builds them all before its
         # clock starts, so gathering them in turn here was time the device stood idle.
@@ -373,29 +370,33 @@ class SUT:
                 b = plan.batches[k]
                 return pool.submit(batch_inputs, self.inputs, Batch(idx[b.rows], b.shape))
 
-            ahead = gather(0) if plan.batches else None
-            for k, b in enumerate(plan.batches):
-                current, ahead = ahead, (gather(k + 1) if k + 1 < len(plan.batches) else None)
-                self._submit(pending, [items[r] for r in b.rows], idx[b.rows], current.result)
-                if len(pending) >= depth:
-                    self._collect(*pending.popleft())
-            while pending:
-                self._collect(*pending.popleft())
+            def submitted():
+                ahead = gather(0) if plan.batches else None
+                for k, b in enumerate(plan.batches):
+                    current, ahead = ahead, (gather(k + 1) if k + 1 < len(plan.batches) else None)
+                    one = self._submit([items[r] for r in b.rows], idx[b.rows], current.result)
+                    if one is not None:
+                        yield one
 
-    def _submit(self, pending: deque, items: list, rows: np.ndarray, inputs: Callable[[], dict]) -> None:
+            # the bench runner's own window: batch k+1 submitted before batch k is collected
+            for one in in_flight_window(submitted(), self.backend.in_flight()):
+                self._collect(*one)
+
+    def _submit(self, items: list, rows: np.ndarray, inputs: Callable[[], dict]) -> Optional[tuple]:
         """Hand one batch to the backend (its host arrays from ``inputs()``; a synchronous backend
-        computes it here); its answers come with ``_collect``. After an error, answered empty at
-        once."""
+        computes it here); returns what ``_collect`` takes for its answers. After an error,
+        answered empty at once (None)."""
         if self.error:
             self._respond(items, None)
-            return
+            return None
         try:
             x = inputs()
             t0 = time.perf_counter()
             wait = self.backend.submit(x)
-            pending.append((items, rows, x["input_ids"].shape, wait, time.perf_counter() - t0))
+            return items, rows, x["input_ids"].shape, wait, time.perf_counter() - t0
         except BaseException as e:  # noqa: BLE001
             self._fail(e, items)
+            return None
 
     def _collect(self, items: list, rows: np.ndarray, shape, wait: Callable[[], dict], submit_s: float) -> None:
         """A submitted batch's outputs, answered; its predict time is the time this thread spent

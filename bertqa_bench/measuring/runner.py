@@ -27,7 +27,7 @@ import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Optional
+from typing import Callable, Iterable, Iterator, Mapping, Optional
 
 import numpy as np
 
@@ -163,22 +163,26 @@ def check_owned(name: str, earlier: dict, later: dict) -> None:
                                 f"return arrays the caller owns (copy out of reused buffers)")
 
 
+def in_flight_window(submitted: Iterable, depth: int) -> Iterator:
+    """The items of ``submitted`` (a lazy iterator whose every step submits one batch) in order,
+    each handed on for collection once ``depth`` are outstanding, the rest when it ends: the next
+    batch is always submitted before the oldest is collected. Depth 1 is submit-then-collect."""
+    pending: deque = deque()
+    for item in submitted:
+        pending.append(item)
+        if len(pending) >= max(1, int(depth)):
+            yield pending.popleft()
+    while pending:
+        yield pending.popleft()
+
+
 def stream(backend: Backend, batches: list, clock: Callable[[], float] = time.perf_counter):
     """Every batch through the backend, keeping ``backend.in_flight()`` submitted at once; yields
     (index, outputs, milliseconds from submission to collection) in submission order."""
-    depth = max(1, int(backend.in_flight()))
-    pending: deque = deque()
-    for i, x in enumerate(batches):
-        t0 = clock()
-        pending.append((i, t0, backend.submit(x)))
-        if len(pending) >= depth:
-            j, tj, wait = pending.popleft()
-            out = wait()
-            yield j, out, (clock() - tj) * 1e3
-    while pending:
-        j, tj, wait = pending.popleft()
+    submitted = ((i, clock(), backend.submit(x)) for i, x in enumerate(batches))
+    for i, t0, wait in in_flight_window(submitted, backend.in_flight()):
         out = wait()
-        yield j, out, (clock() - tj) * 1e3
+        yield i, out, (clock() - t0) * 1e3
 
 
 def timed_passes(backend: Backend, plan: Plan, batches: list, output_names: tuple, token_outputs: tuple,
