@@ -111,8 +111,19 @@ def gelu_tanh_fp8_op(x8: torch.Tensor, in_scale: float, out_inv_scale: float) ->
     return y8
 
 
+def _runs_triton(on_cuda: bool) -> bool:
+    return on_cuda and HAS_TRITON
+
+
+def implementation(on_cuda: bool) -> str:
+    """What gelu_tanh_fp8 runs for tensors on CUDA (or not), in words."""
+    if _runs_triton(on_cuda):
+        return "Triton kernel (tanh.approx.f32)"
+    return f"torch ({'triton is not installed' if on_cuda else 'not on CUDA'})"
+
+
 def gelu_tanh_fp8(x8, in_scale: float, out_inv_scale: float):
     """GELU (tanh form) of e4m3 activations into e4m3: the Triton op on CUDA, torch elsewhere."""
-    if x8.is_cuda and HAS_TRITON:
+    if _runs_triton(x8.is_cuda):
         return gelu_tanh_fp8_op(x8, float(in_scale), float(out_inv_scale))
     return gelu_tanh_fp8_reference(x8, in_scale, out_inv_scale)

@@ -36,7 +36,7 @@ import numpy as np
 from ..errors import BackendUnavailableError, ConfigError
 from .base import INPUT_NAMES, Backend, BackendContext, batch_at_shape
 from .device_io import CudaStaging, HostOutputs, batch_shape, cuda_unavailable_reason, gpu_info
-from .torch_fp8 import FFN_GELUS, SCALINGS, parse_gemms
+from .torch_fp8 import SCALINGS, check_ffn_hidden, parse_gemms
 
 DTYPES = ("fp32", "fp16", "bf16")
 # Families whose encoder is BertModel's layout (tests/test_checkpoint.py checks the FP8/INT8
@@ -76,17 +76,13 @@ class Fp8Options:
         if self.scaling not in SCALINGS:
             raise ConfigError(f"fp8.scaling '{self.scaling}' is not one of {', '.join(SCALINGS)}")
         try:
-            gemms = parse_gemms(self.gemms)
+            parse_gemms(self.gemms)
         except ValueError as e:
             raise ConfigError(f"fp8.gemms: {e}") from None
-        if self.ffn_hidden_fp8 and (self.scaling != "tensor" or not {"ffn_in", "ffn_out"} <= set(gemms)):
-            raise ConfigError(f"fp8.ffn_hidden_fp8 needs scaling: tensor and gemms naming ffn_in and ffn_out "
-                              f"(got scaling: {self.scaling}, gemms: {self.gemms})")
-        if self.ffn_gelu not in FFN_GELUS:
-            raise ConfigError(f"fp8.ffn_gelu '{self.ffn_gelu}' is not one of {', '.join(FFN_GELUS)}")
-        if self.ffn_gelu != "exact" and not self.ffn_hidden_fp8:
-            raise ConfigError(f"fp8.ffn_gelu: {self.ffn_gelu} is the GELU between e4m3 FFN GEMMs: it needs "
-                              "ffn_hidden_fp8: true")
+        try:
+            check_ffn_hidden(self.scaling, self.gemms, self.ffn_hidden_fp8, self.ffn_gelu)
+        except ValueError as e:
+            raise ConfigError(f"fp8.{e}") from None
         if self.act_margin <= 0 or self.calibration_batches < 1:
             raise ConfigError("fp8: act_margin must be > 0 and calibration_batches >= 1")
         try:
@@ -214,11 +210,9 @@ def _gelu_info(gelu: str, module) -> str:
     """What computes the FFN's GELU between e4m3 GEMMs (prepare_info's fp8_ffn_gelu)."""
     if gelu == "exact":
         return "exact (the model's own GELU, fused by Inductor)"
-    from .gelu_fp8 import triton_unavailable_reason
+    from .gelu_fp8 import implementation
 
-    on_cuda = next(module.parameters()).is_cuda
-    why = triton_unavailable_reason() if on_cuda else "not on CUDA"
-    return "tanh form, Triton kernel (tanh.approx.f32)" if not why else f"tanh form, torch ({why})"
+    return f"tanh form, {implementation(next(module.parameters()).is_cuda)}"
 
 
 def _torch_dtype(name: str):

@@ -350,6 +350,18 @@ def parse_gemms(value) -> tuple[str, ...]:
 OUT = ":out"  # calibrate_amax's key suffix for a module's output (module names never hold ':')
 
 
+def check_ffn_hidden(scaling: str, gemms, ffn_hidden_fp8: bool, ffn_gelu: str) -> None:
+    """ValueError unless the e4m3 FFN hidden path's options fit the rest (swap_to_fp8's and the
+    torch backend's fp8 options' one check)."""
+    if ffn_gelu not in FFN_GELUS:
+        raise ValueError(f"ffn_gelu '{ffn_gelu}' is not one of {', '.join(FFN_GELUS)}")
+    if ffn_gelu != "exact" and not ffn_hidden_fp8:
+        raise ValueError(f"ffn_gelu: {ffn_gelu} is the GELU between e4m3 FFN GEMMs: it needs ffn_hidden_fp8: true")
+    if ffn_hidden_fp8 and (scaling != "tensor" or not {"ffn_in", "ffn_out"} <= set(parse_gemms(gemms))):
+        raise ValueError("ffn_hidden_fp8 needs scaling 'tensor' and both FFN GEMMs (ffn_in, ffn_out) in FP8, "
+                         f"not scaling '{scaling}' with gemms {','.join(parse_gemms(gemms))}")
+
+
 def calibrate_amax(model, batches, inputs: list[str], outputs: Iterable[str] = ()) -> dict[str, float]:
     """Max |input| seen by each module named in ``inputs``, and max |output| (key ``name + OUT``)
     by each named in ``outputs``, over ``batches`` (eager forward passes)."""
@@ -404,12 +416,8 @@ def swap_to_fp8(model, act_amax: Optional[Mapping[str, float]] = None, *, scalin
     static = scaling != "rowwise"
     if static and not act_amax:
         raise ValueError(f"scaling '{scaling}' needs calibrated activation amax values (act_amax)")
-    if ffn_gelu not in FFN_GELUS or (ffn_gelu != "exact" and not ffn_hidden_fp8):
-        raise ValueError(f"ffn_gelu must be one of {FFN_GELUS}, and 'tanh' needs ffn_hidden_fp8 (got '{ffn_gelu}')")
+    check_ffn_hidden(scaling, gemms, ffn_hidden_fp8, ffn_gelu)
     if ffn_hidden_fp8:
-        if scaling != "tensor" or not {"ffn_in", "ffn_out"} <= set(gemms):
-            raise ValueError("ffn_hidden_fp8 needs scaling 'tensor' and both FFN GEMMs (ffn_in, ffn_out) in FP8, "
-                             f"not scaling '{scaling}' with gemms {','.join(gemms)}")
         missing = [n for n in ffn_up_names(target_linears(model, gemms)) if n + OUT not in act_amax]
         if missing:
             raise ValueError(f"ffn_hidden_fp8 needs the calibrated output amax of {missing[0]} "
