@@ -350,13 +350,13 @@ def step_train_speed(s: Session) -> list:
 SCALE_OUT = [*SQUAD_SIZED, "--set", "train.batch_size=512", "--set", "train.seq_bucket=64", "--set", "train.compile=true"]
 
 
-def scale_out_run(lane: Session, gpus: int, rows: int, sets: tuple = (), tag: str = "") -> None:
+def scale_out_run(lane: Session, gpus: int, rows: int) -> None:
     """One SQuAD-sized training (global batch 512, 64-token buckets, each encoder layer compiled
     once per bucket before the clock) on ``gpus`` GPUs at ``rows`` rows per micro-step. Inductor's
     caches off: every run pays its own compile (its prepare time), none reuses another's kernels."""
-    name = f"bb-squad-r{rows}-gpus{gpus}{tag}"
-    train_ddp(lane, f"squad-r{rows}-gpus{gpus}{tag}", gpus,
-              [*SCALE_OUT, *sets, "--set", f"train.grad_accum={512 // (gpus * rows)}", "--set", f"model.name={name}"],
+    name = f"bb-squad-r{rows}-gpus{gpus}"
+    train_ddp(lane, f"squad-r{rows}-gpus{gpus}", gpus,
+              [*SCALE_OUT, "--set", f"train.grad_accum={512 // (gpus * rows)}", "--set", f"model.name={name}"],
               env={"TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"})
 
 
