@@ -16,7 +16,8 @@ then benchmarked as a user's checkpoint), ``loadgen``, ``loadgen-length-aware`` 
 MLPerf LoadGen SingleStream, Server peak and Offline rows), ``perf`` (issue 22: the newest FP8 rows
 beside the ones they improve on, with a profile), ``train-speed`` (issue 23: one-GPU training, baseline
 and bucketed + compiled, with step profiles), ``scale-out`` (issue 23 on a 4-GPU host: compiled
-training on 1, 2 and 4 GPUs), ``predict-scaling`` and ``train-scaling``
+training on 1, 2 and 4 GPUs), ``scale-out-graphs`` and ``train-graphs`` (the same with each
+compiled layer replayed as CUDA graphs, on 4 GPUs and on one), ``predict-scaling`` and ``train-scaling``
 (data-parallel prediction and training on 1, 2 and 4 GPUs of the host). Plans that ran once are
 not kept: the reference tables in results/reference/ record the commands they ran.
 Poll with back-to-back device calls (``sleep N; --status``): a lent machine goes back after 30 s
@@ -348,15 +349,20 @@ def step_train_speed(s: Session) -> list:
 
 
 SCALE_OUT = [*SQUAD_SIZED, "--set", "train.batch_size=512", "--set", "train.seq_bucket=64", "--set", "train.compile=true"]
+# Issue 23's lever: each compiled layer's forward and backward replayed as CUDA graphs (Inductor's
+# cudagraph trees), one launch per layer instead of its kernels' host work. The 4-GPU step is
+# bound by the host (host E's profile: GPU idle 24.5%, 53 of 59.8 ms host time).
+GRAPHED = ("--set", "train.compile_mode=reduce-overhead")
 
 
-def scale_out_run(lane: Session, gpus: int, rows: int) -> None:
+def scale_out_run(lane: Session, gpus: int, rows: int, sets: tuple = (), tag: str = "") -> None:
     """One SQuAD-sized training (global batch 512, 64-token buckets, each encoder layer compiled
-    once per bucket before the clock) on ``gpus`` GPUs at ``rows`` rows per micro-step. Inductor's
-    caches off: every run pays its own compile (its prepare time), none reuses another's kernels."""
-    name = f"bb-squad-r{rows}-gpus{gpus}"
-    train_ddp(lane, f"squad-r{rows}-gpus{gpus}", gpus,
-              [*SCALE_OUT, "--set", f"train.grad_accum={512 // (gpus * rows)}", "--set", f"model.name={name}"],
+    once per bucket before the clock) on ``gpus`` GPUs at ``rows`` rows per micro-step, plus
+    ``sets`` (model name suffix ``tag``). Inductor's caches off: every run pays its own compile
+    (its prepare time), none reuses another's kernels."""
+    name = f"bb-squad-r{rows}-gpus{gpus}{tag}"
+    train_ddp(lane, f"squad-r{rows}-gpus{gpus}{tag}", gpus,
+              [*SCALE_OUT, "--set", f"train.grad_accum={512 // (gpus * rows)}", "--set", f"model.name={name}", *sets],
               env={"TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"})
 
 
@@ -365,7 +371,9 @@ def say_training(s: Session) -> None:
         d = json.loads(f.read_text())
         s.say(f"{f.parent.name}: {d.get('train_samples_per_s', 0):.0f} samples/s after {d.get('train_prepare_s')} s "
               f"prepare, epochs {d.get('train_epoch_s')}, graphs in loop {d.get('compiled_graphs_in_loop')}, "
-              f"optimizer step {d.get('optimizer_step')}, dev F1 {d.get('dev_f1', float('nan')):.2f}")
+              f"optimizer step {d.get('optimizer_step')}, mode {d.get('compile_mode')}, CUDA graphs "
+              f"{d.get('cuda_graphs_recorded')} (in loop {d.get('cuda_graphs_recorded_in_loop')}, skips "
+              f"{d.get('cudagraph_skips')}), dev F1 {d.get('dev_f1', float('nan')):.2f}")
 
 
 def step_scale_out(s: Session) -> list:
@@ -375,6 +383,34 @@ def step_scale_out(s: Session) -> list:
     lanes(lambda: scale_out_run(s.on_gpu(0), 1, 256), lambda: scale_out_run(s.on_gpu(1), 1, 128),
           lambda: scale_out_run(s.on_gpu("2,3"), 2, 128))
     scale_out_run(s, 4, 128)
+    say_training(s)
+    return []
+
+
+def graphed_layers_test(s: Session) -> None:
+    s.run("gpu-test-graphed-layers", [sys.executable, "-m", "pytest", "-q", "-rs", "-m", "gpu", "-p", "no:cacheprovider",
+                                      "tests/test_train_speed.py", "-k", "cuda_graphed"], timeout=300)
+
+
+def step_scale_out_graphs(s: Session) -> list:
+    """Issue 23's CUDA-graphed layers on a 4-GPU host: the GPU test first; side by side one GPU
+    as before (GPU 0) and graphed (GPU 1), 2 GPUs graphed (GPUs 2-3); then alone on the host, 4
+    GPUs graphed, as before, graphed again (the control between tells drift from the lever)."""
+    graphed_layers_test(s)
+    lanes(lambda: scale_out_run(s.on_gpu(0), 1, 128), lambda: scale_out_run(s.on_gpu(1), 1, 128, GRAPHED, "-cg"),
+          lambda: scale_out_run(s.on_gpu("2,3"), 2, 128, GRAPHED, "-cg"))
+    for sets, tag in ((GRAPHED, "-cg"), ((), ""), (GRAPHED, "-cg-b")):
+        scale_out_run(s, 4, 128, sets, tag)
+    say_training(s)
+    return []
+
+
+def step_train_graphs(s: Session) -> list:
+    """Issue 23's CUDA-graphed layers on one GPU: the GPU test, then the SQuAD-sized recipe at 128
+    rows per micro-step graphed and as before, back to back."""
+    graphed_layers_test(s)
+    scale_out_run(s, 1, 128, GRAPHED, "-cg")
+    scale_out_run(s, 1, 128)
     say_training(s)
     return []
 
@@ -403,6 +439,8 @@ PLANS = {
     "train-speed": [step_train_speed],
     "predict-scaling": [lambda s: predict_scaling(s, ["--set", f"model.name={model_name(MAIN)}"])],
     "scale-out": [step_scale_out],
+    "scale-out-graphs": [step_scale_out_graphs],
+    "train-graphs": [step_train_graphs],
     "train-scaling": [lambda s: train_scaling(s, 512, 128, counts=(1, 2, 4), tag="squad-", sets=SQUAD_SIZED)],
 }
 

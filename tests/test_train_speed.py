@@ -484,3 +484,111 @@ def test_gc_watch_puts_the_collector_back_once_and_leaves_an_earlier_freeze_alon
         assert gc.isenabled() and gc.callbacks.count(w._callback) == 0
     finally:
         gc.unfreeze()
+
+
+def test_compile_mode_is_checked_needs_static_regional_shapes_and_is_not_part_of_the_recipe(tiny_suite):
+    with pytest.raises(ConfigError, match="valid: default, reduce-overhead"):
+        TrainConfig(compile_mode="max-autotune")
+    for bad in ({"seq_bucket": 64}, {"compile": True}, {"compile": True, "seq_bucket": 64, "compile_scope": "model"}):
+        with pytest.raises(ConfigError, match="needs train.compile=true, train.seq_bucket > 0 and "
+                                              "train.compile_scope=layers"):
+            TrainConfig(compile_mode="reduce-overhead", **bad)
+    assert TrainConfig(compile_mode="reduce-overhead", compile=True, seq_bucket=64).compile_mode == "reduce-overhead"
+    suite = tiny_suite(backends=["eager-fp32"])
+    assert model_recipe(load_suite(str(suite), ["train.compile=true", "train.seq_bucket=32",
+                                                "train.compile_mode=reduce-overhead"])) == \
+        model_recipe(load_suite(str(suite), ["train.seq_bucket=32"]))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
+def test_cuda_graphed_layers_are_refused_without_a_gpu_with_the_reason(tiny_suite):
+    suite = tiny_suite(backends=["eager-fp32"])
+    with pytest.raises(ValueError, match="replays CUDA graphs: it needs a CUDA device .this run: cpu."):
+        train(load_suite(str(suite), ["train.compile=true", "train.seq_bucket=32", "train.compile_mode=reduce-overhead",
+                                      "model.name=g"]), log=lambda m: None, evaluate=False)
+
+
+def test_gradients_zeroed_in_place_keep_their_tensors_and_accumulate_there():
+    """Under CUDA-graphed layers no gradient may become graph memory: every parameter gets its
+    own zero gradient up front, autograd adds into it, and the optimizer step zeroes it in place
+    (the same tensors after the step); the default step still sets them to None."""
+    from bertqa_bench.training.optimizer_step import make_adamw, optimizer_step
+    from bertqa_bench.training.train import zero_grads_in_place
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2))
+    model[1].weight.requires_grad_(False)
+    n_trainable = sum(p.requires_grad for p in model.parameters())
+    assert zero_grads_in_place(model) == n_trainable and zero_grads_in_place(model) == 0
+    assert model[1].weight.grad is None
+    grads = [p.grad for p in model.parameters() if p.requires_grad]
+    assert all(float(g.abs().sum()) == 0 for g in grads)
+    x = torch.randn(3, 4)
+    model(x).pow(2).sum().backward()
+    assert all(p.grad is g for p, g in zip([p for p in model.parameters() if p.requires_grad], grads))
+    before = [p.detach().clone() for p in model.parameters()]
+    step = optimizer_step(model.parameters(), make_adamw(model, 1e-2, 0.0), 1.0, graphed=False, zero_to_none=False)
+    step()
+    assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))  # it stepped
+    assert all(p.grad is g and float(g.abs().sum()) == 0
+               for p, g in zip([p for p in model.parameters() if p.requires_grad], grads))
+    model(x).pow(2).sum().backward()
+    optimizer_step(model.parameters(), make_adamw(model, 1e-2, 0.0), 1.0, graphed=False)()
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_the_warm_up_runs_each_shape_as_often_as_asked_and_puts_the_rng_back():
+    from bertqa_bench.training.train import compile_warmup
+
+    calls = []
+
+    class Counting(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qa = _tiny_qa()
+
+        def forward(self, **batch):
+            calls.append(batch["input_ids"].shape)
+            return self.qa(**batch)
+
+    model = Counting()
+    batches = {0: _batch(0, rows=4, seq=24), 1: _batch(1, rows=4, seq=16)}
+
+    def make(key):
+        return 4, 0, dict(batches[key])
+
+    state = torch.get_rng_state()
+    for passes in (1, 2):
+        calls.clear()
+        s, n = compile_warmup(model, None, ("start_positions", "end_positions"), None, torch.device("cpu"),
+                              [0, 1], make, passes=passes)
+        assert n == 2 and len(calls) == 2 * passes and s >= 0
+        assert all(p.grad is None for p in model.parameters())
+        assert torch.equal(torch.get_rng_state(), state)
+
+
+@pytest.mark.gpu
+def test_cuda_graphed_layers_train_the_model_of_the_compiled_step(tiny_suite, monkeypatch):
+    """train.compile_mode=reduce-overhead on a GPU: each compiled layer's forward and backward
+    recorded as CUDA graphs before the clock (nothing recorded, re-recorded or refused inside it),
+    with gradient accumulation over micro-steps, reaching the default compiled step's weights
+    up to the graphs' float rounding (no dropout: the two runs then draw nothing at random)."""
+    import torch._dynamo
+    from safetensors.torch import load_file
+
+    no_dropout = {**TINY_BERT, "num_hidden_layers": 3, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
+    suite = tiny_suite(backends=["eager-fp32"], model={"config_overrides": no_dropout})
+    sets = ["train.seq_bucket=32", "train.compile=true", "train.grad_accum=2", "train.mixed_precision=bf16"]
+    a = load_suite(str(suite), sets + ["model.name=compiled"])
+    b = load_suite(str(suite), sets + ["model.name=graphed", "train.compile_mode=reduce-overhead"])
+    ma = train(a, log=lambda m: None, evaluate=False)
+    torch._dynamo.reset()
+    mb = train(b, log=lambda m: None, evaluate=False)
+    assert mb["compile_mode"] == "reduce-overhead" and ma["compile_mode"] == "default"
+    assert mb["cudagraph_skips"] == 0 and mb["cuda_graphs_recorded"] >= 2 * 3
+    assert mb["cuda_graphs_recorded_in_loop"] == 0 and mb["cuda_graph_rerecords"] == 0
+    assert mb["compiled_graphs_in_loop"] == 0
+    wa, wb = load_file(a.model_dir / "model.safetensors"), load_file(b.model_dir / "model.safetensors")
+    worst = max(float((wa[k].float() - wb[k].float()).abs().max()) for k in wa if _compared(k))
+    assert worst < 1e-2, worst
+    assert abs(ma["final_loss"] - mb["final_loss"]) < 1e-2

@@ -44,12 +44,16 @@ def make_adamw(model: torch.nn.Module, lr: float, weight_decay: float, *, fused:
 
 
 class EagerOptimizerStep:
-    """clip, step, zero (to None): the step as it always ran."""
+    """clip, step, zero: the step as it always ran. The gradients are set to None, or zeroed in
+    place with ``zero_to_none=False`` (the layers' backward replayed as CUDA graphs writes into
+    graph memory, which must never become a ``.grad``)."""
 
     kind = "eager"
 
-    def __init__(self, params, optimizer: torch.optim.Optimizer, max_norm: float, scaler=None):
+    def __init__(self, params, optimizer: torch.optim.Optimizer, max_norm: float, scaler=None,
+                 zero_to_none: bool = True):
         self.params, self.optimizer, self.max_norm, self.scaler = list(params), optimizer, max_norm, scaler
+        self.zero_to_none = zero_to_none
 
     def __call__(self) -> None:
         if self.scaler is not None and self.scaler.is_enabled():  # FP16: unscale (device-side inf check), step or skip
@@ -60,7 +64,7 @@ class EagerOptimizerStep:
         else:
             torch.nn.utils.clip_grad_norm_(self.params, self.max_norm, foreach=True)
             self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=self.zero_to_none)
 
 
 class GraphedOptimizerStep:
@@ -112,7 +116,7 @@ class GraphedOptimizerStep:
     EAGER_CALLS = 3  # captured at this call
 
 
-def optimizer_step(params, optimizer, max_norm: float, *, graphed: bool, scaler=None):
-    """The step the trainer calls once per optimizer step."""
+def optimizer_step(params, optimizer, max_norm: float, *, graphed: bool, scaler=None, zero_to_none: bool = True):
+    """The step the trainer calls once per optimizer step (the graphed one always zeroes in place)."""
     return GraphedOptimizerStep(params, optimizer, max_norm) if graphed else \
-        EagerOptimizerStep(params, optimizer, max_norm, scaler)
+        EagerOptimizerStep(params, optimizer, max_norm, scaler, zero_to_none=zero_to_none)
