@@ -387,16 +387,11 @@ def step_scale_out(s: Session) -> list:
     return []
 
 
-def graphed_layers_test(s: Session) -> None:
-    s.run("gpu-test-graphed-layers", [sys.executable, "-m", "pytest", "-q", "-rs", "-m", "gpu", "-p", "no:cacheprovider",
-                                      "tests/test_train_speed.py", "-k", "cuda_graphed"], timeout=300)
-
-
 def step_scale_out_graphs(s: Session) -> list:
-    """Issue 23's CUDA-graphed layers on a 4-GPU host: the GPU test first; side by side one GPU
-    as before (GPU 0) and graphed (GPU 1), 2 GPUs graphed (GPUs 2-3); then alone on the host, 4
-    GPUs graphed, as before, graphed again (the control between tells drift from the lever)."""
-    graphed_layers_test(s)
+    """Issue 23's CUDA-graphed layers on a 4-GPU host (their GPU test runs in train-graphs): side by
+    side one GPU as before (GPU 0) and graphed (GPU 1), 2 GPUs graphed (GPUs 2-3); then alone on
+    the host, 4 GPUs graphed, as before, graphed again (the control between tells drift from the
+    lever)."""
     lanes(lambda: scale_out_run(s.on_gpu(0), 1, 128), lambda: scale_out_run(s.on_gpu(1), 1, 128, GRAPHED, "-cg"),
           lambda: scale_out_run(s.on_gpu("2,3"), 2, 128, GRAPHED, "-cg"))
     for sets, tag in ((GRAPHED, "-cg"), ((), ""), (GRAPHED, "-cg-b")):
@@ -406,11 +401,11 @@ def step_scale_out_graphs(s: Session) -> list:
 
 
 def step_train_graphs(s: Session) -> list:
-    """Issue 23's CUDA-graphed layers on one GPU: the GPU test, then the SQuAD-sized recipe at 128
-    rows per micro-step graphed and as before, back to back."""
-    graphed_layers_test(s)
+    """Issue 23's CUDA-graphed layers on one GPU: their GPU test, then the SQuAD-sized recipe at
+    128 rows per micro-step graphed (its control runs beside it in scale-out-graphs)."""
+    s.run("gpu-test-graphed-layers", [sys.executable, "-m", "pytest", "-q", "-rs", "-m", "gpu", "-p", "no:cacheprovider",
+                                      "tests/test_train_speed.py", "-k", "cuda_graphed"], timeout=300)
     scale_out_run(s, 1, 128, GRAPHED, "-cg")
-    scale_out_run(s, 1, 128)
     say_training(s)
     return []
 

@@ -319,6 +319,14 @@ def test_tanh_gelu_on_e4m3_is_erf_gelu_up_to_one_e4m3_step():
     assert float((apart == 0).float().mean()) > 0.8 and int(apart.max()) == 1
     big = gelu_fp8.gelu_tanh_fp8_reference(x8, s_in, 1 / (s_out / 50))
     assert torch.isfinite(big.float()).all() and float(big.float().max()) == fp8.E4M3_MAX
+    # A finer output scale resolves GELU's negative tail (h ~ -3.5, GELU ~ -1e-3), where the tanh
+    # form is relatively farthest from erf: more than one code apart there (measured: up to 4 at
+    # 0.02), but never where |GELU| / s_out >= 1, and within 0.0625 (in e4m3 units) in the tail.
+    fine = 0.02
+    got, exact = gelu_fp8.gelu_tanh_fp8_reference(x8, s_in, 1 / fine), fp8.quantize_fp8(nn.functional.gelu(h), fine)
+    apart, large = e4m3_codes_apart(got, exact), exact.float().abs() >= 1
+    assert int(apart[large].max()) <= 1 and int(apart[~large].max()) > 1
+    assert float((got.float() - exact.float())[~large].abs().max()) <= 0.0625
 
 
 def test_tanh_gelu_triton_kernel_in_the_interpreter_matches_torch(monkeypatch):
@@ -341,11 +349,14 @@ def test_tanh_gelu_triton_kernel_in_the_interpreter_matches_torch(monkeypatch):
         gelu_fp8._kernel.cache_clear()
 
 
-def test_tanh_gelu_kernel_compiles_for_hopper_with_the_hardware_tanh_and_16_byte_accesses():
+@pytest.mark.parametrize("scale_type", ["fp32", "fp64"])
+def test_tanh_gelu_kernel_compiles_for_hopper_with_the_hardware_tanh_and_16_byte_accesses(scale_type):
     """What the interpreter cannot run: the kernel compiled ahead of time for sm_90 (Triton's own
     ptxas, no GPU needed), with the element count and pointers 16-divisible as a [T, 3072] tensor
     makes them: tanh.approx.f32 per element, packed e4m3 conversions, one 16-byte load and store
-    per thread."""
+    per thread. The scales typed fp32 (a direct launch) and fp64 (as Inductor passes Python floats
+    to a triton_op's kernel: before the kernel converted them, that failed to lower on the H100)
+    give the same fp32 math."""
     pytest.importorskip("triton", reason="triton is not installed (CUDA builds of torch bring it)")
     import triton
     from triton.backends.compiler import GPUTarget
@@ -353,7 +364,7 @@ def test_tanh_gelu_kernel_compiles_for_hopper_with_the_hardware_tanh_and_16_byte
 
     from bertqa_bench.backends import gelu_fp8
 
-    sig = {"x_ptr": "*fp8e4nv", "y_ptr": "*fp8e4nv", "n": "i32", "in_scale": "fp32", "out_inv_scale": "fp32",
+    sig = {"x_ptr": "*fp8e4nv", "y_ptr": "*fp8e4nv", "n": "i32", "in_scale": scale_type, "out_inv_scale": scale_type,
            "BLOCK": "constexpr", "FAST_TANH": "constexpr"}
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(3)}
     src = ASTSource(fn=gelu_fp8._kernel(), signature=sig, constexprs={"BLOCK": gelu_fp8.BLOCK, "FAST_TANH": True},
@@ -364,6 +375,7 @@ def test_tanh_gelu_kernel_compiles_for_hopper_with_the_hardware_tanh_and_16_byte
     assert ptx.count("cvt.rn.satfinite.e4m3x2.f32") == per_thread // 2  # two elements per conversion
     assert ptx.count("ld.global.v4.b32") == 1 and ptx.count("st.global.v4.b32") == 1
     assert "ld.global.b8" not in ptx and "st.global.b8" not in ptx
+    assert "mul.f64" not in ptx and "mul.rn.f64" not in ptx and "fma.rn.f64" not in ptx  # no per-element fp64
 
 
 def test_tanh_gelu_op_is_registered_and_its_dispatch_traces_without_graph_breaks():
@@ -619,8 +631,9 @@ def test_fp8_output_gemm_on_gpu_matches_fp32_and_saturates():
 @pytest.mark.gpu
 def test_tanh_gelu_triton_op_on_gpu_matches_torch_and_compiles():
     """The custom op on CUDA (tanh.approx.f32): within one e4m3 code of torch's tanh form (the
-    same code for nearly all elements) and two of erf-GELU's; compiled with fullgraph (the op
-    stays in the graph), bit for bit the op run eagerly."""
+    same code for nearly all elements) and, outside GELU's far negative tail, two of erf-GELU's;
+    compiled with fullgraph (the op stays in the graph, its kernel compiled by Inductor), bit for
+    bit the op run eagerly."""
     from bertqa_bench.backends import gelu_fp8
 
     if gelu_fp8.triton_unavailable_reason():
@@ -631,8 +644,13 @@ def test_tanh_gelu_triton_op_on_gpu_matches_torch_and_compiles():
     assert got.dtype == torch.float8_e4m3fn and got.shape == x8.shape
     apart = e4m3_codes_apart(got, ref)
     assert float((apart == 0).float().mean()) > 0.99 and int(apart.max()) <= 1
+    # Against erf-GELU: one code more than torch's tanh form (below) where |GELU| / 0.02 >= 1; in
+    # the negative tail, where GELU is < 0.02 and the tanh form is relatively farthest from erf
+    # (up to 4 codes at this finer scale, on the CPU too), the values stay within 2 codes' worth.
     erf = fp8.quantize_fp8(nn.functional.gelu(x8.float() * 0.05), 0.02)
-    assert int(e4m3_codes_apart(got, erf).max()) <= 2
+    big = erf.float().abs() >= 1
+    assert int(e4m3_codes_apart(got, erf)[big].max()) <= 2
+    assert float((got.float() - erf.float())[~big].abs().max()) <= 0.125
     compiled = torch.compile(lambda t: gelu_fp8.gelu_tanh_fp8(t, 0.05, 1 / 0.02), fullgraph=True)
     assert torch.equal(compiled(x8).view(torch.uint8), got.view(torch.uint8))
 

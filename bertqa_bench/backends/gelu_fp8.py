@@ -75,14 +75,19 @@ def _kernel():
                              FAST_TANH: tl.constexpr):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
-        h = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32) * in_scale
+        # The scales arrive as fp32 when launched directly but as fp64 from Inductor (it types
+        # Python floats fp64), which would carry the math, and the tanh asm's operand, into fp64:
+        # Triton then fails to lower the kernel (seen on the H100). Converted once per program.
+        s_in = tl.cast(in_scale, tl.float32)
+        s_out = tl.cast(out_inv_scale, tl.float32)
+        h = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32) * s_in
         u = 0.7978845608028654 * (h + 0.044715 * h * h * h)
         if FAST_TANH:  # the SFU's tanh, one instruction (sm_75 and newer)
             t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [u], dtype=tl.float32, is_pure=True,
                                           pack=1)
         else:  # Triton's interpreter runs no PTX: the same function through exp (|u| <= 15: tanh is +-1 there)
             t = 2.0 / (1.0 + tl.exp(-2.0 * tl.minimum(tl.maximum(u, -15.0), 15.0))) - 1.0
-        g = 0.5 * h * (1.0 + t) * out_inv_scale
+        g = 0.5 * h * (1.0 + t) * s_out
         g = tl.minimum(tl.maximum(g, -448.0), 448.0)
         tl.store(y_ptr + offs, g.to(y_ptr.dtype.element_ty), mask=mask)
 
