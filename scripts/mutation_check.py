@@ -221,6 +221,14 @@ MUTANTS = [
       "tl.store(y_ptr + offs, g.to(y_ptr.dtype.element_ty), mask=mask)",
       "tl.store(y_ptr + offs, g.to(y_ptr.dtype.element_ty), mask=offs < n - 1)",
       ("tests/test_fp8.py", "-k", "interpreter"), "the kernel leaves the last element unwritten"),
+    M("gelu-kernel-keeps-inductors-fp64-scales", "bertqa_bench/backends/gelu_fp8.py",
+      "        s_in = tl.cast(in_scale, tl.float32)\n", "        s_in = in_scale\n",
+      ("tests/test_fp8.py", "-k", "hopper"), "under Inductor the kernel's math runs in fp64 (it failed to lower)"),
+    # --- training
+    M("graphed-layers-gradients-set-to-none", "bertqa_bench/training/optimizer_step.py",
+      "self.optimizer.zero_grad(set_to_none=self.zero_to_none)", "self.optimizer.zero_grad(set_to_none=True)",
+      ("tests/test_train_speed.py", "-k", "zeroed_in_place"),
+      "under CUDA-graphed layers a gradient can become graph memory the next replay overwrites"),
     # --- configuration
     M("config-nan-timeout-loads", "bertqa_bench/config.py",
       'if not 0 < self.timeout_s < float("inf"):\n            raise ConfigError(f"bench.timeout_s',
