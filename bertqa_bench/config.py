@@ -166,10 +166,6 @@ class ModelConfig:
 
 
 COMPILE_SCOPES = ("layers", "model")
-# torch.compile's modes the trainer takes: "default" (Inductor's kernels, launched from the host),
-# "reduce-overhead" (the same kernels, each compiled region's forward and backward replayed as
-# CUDA graphs by Inductor's cudagraph trees).
-COMPILE_MODES = ("default", "reduce-overhead")
 DDP_COMM_HOOKS = ("none", "bf16", "fp16")
 
 
@@ -196,14 +192,14 @@ class TrainConfig:
     # backward, around the compiled blocks (no DDPOptimizer graph splitting). "model": the whole
     # (DDP-wrapped) model as one compiled region, as before.
     compile_scope: str = "layers"
-    # How `compile` runs what it compiled. "reduce-overhead": each compiled region's forward and
-    # backward are recorded once per shape as CUDA graphs (Inductor's cudagraph trees) and replayed,
-    # so a layer costs one launch instead of its ~30 kernels' host work. The compiled BERT-base step
-    # is bound by the host (53 of its 59.8 ms are host time at 4 GPUs, GPU idle 24.5%,
-    # h100-scaling.md). CUDA only, static shapes only (seq_bucket > 0), compile_scope=layers; the
-    # gradients are then zeroed in place, never set to None, so none of them is graph memory that
-    # the next replay overwrites. Recording is prepare time (compile_warmup runs each shape twice).
-    compile_mode: str = "default"
+    # Each layer of the model's repeated stack captured as two CUDA graphs per micro-batch shape,
+    # its forward and its backward (torch.cuda.make_graphed_callables; training/graphed_layers.py),
+    # and replayed in the loop: one launch per layer instead of its kernels' host work. The compiled
+    # BERT-base step is bound by the host (53 of its 59.8 ms are host time at 4 GPUs, GPU idle 24.5%,
+    # h100-scaling.md). Needs a GPU and seq_bucket > 0 (every shape is captured before the clock, as
+    # prepare time). The gradients are then zeroed in place, never set to None. With `compile` the
+    # graphs hold the compiled kernels.
+    graph_layers: bool = False
     # Compiling is prepare time, not training time (the suite's timing rule): with `compile`,
     # compile_scope=layers and seq_bucket > 0, every micro-batch shape this process will see is
     # compiled before the clock starts, by one throwaway forward + backward per shape on a real
@@ -268,14 +264,9 @@ class TrainConfig:
             raise ConfigError("train.mixed_precision must be auto, fp16, bf16 or no")
         if self.seq_bucket < 0 or self.profile_steps < 0:
             raise ConfigError("train.seq_bucket and train.profile_steps must be >= 0")
-        if self.compile_mode not in COMPILE_MODES:
-            raise ConfigError(f"train.compile_mode {self.compile_mode!r} is unknown; valid: {', '.join(COMPILE_MODES)}")
-        if self.compile_mode == "reduce-overhead" and not (self.compile and self.seq_bucket > 0
-                                                            and self.compile_scope == "layers"):
-            raise ConfigError("train.compile_mode=reduce-overhead records one CUDA graph per shape: it needs "
-                              "train.compile=true, train.seq_bucket > 0 and train.compile_scope=layers "
-                              f"(got compile={self.compile}, seq_bucket={self.seq_bucket}, "
-                              f"compile_scope={self.compile_scope})")
+        if self.graph_layers and self.seq_bucket <= 0:
+            raise ConfigError("train.graph_layers captures one set of CUDA graphs per micro-batch shape: it needs "
+                              "train.seq_bucket > 0 (a bounded set of shapes)")
         if self.compile_scope not in COMPILE_SCOPES:
             raise ConfigError(f"train.compile_scope {self.compile_scope!r} is unknown; valid: {', '.join(COMPILE_SCOPES)}")
         if self.ddp_comm_hook not in DDP_COMM_HOOKS:

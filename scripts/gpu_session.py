@@ -349,10 +349,11 @@ def step_train_speed(s: Session) -> list:
 
 
 SCALE_OUT = [*SQUAD_SIZED, "--set", "train.batch_size=512", "--set", "train.seq_bucket=64", "--set", "train.compile=true"]
-# Issue 23's lever: each compiled layer's forward and backward replayed as CUDA graphs (Inductor's
-# cudagraph trees), one launch per layer instead of its kernels' host work. The 4-GPU step is
-# bound by the host (host E's profile: GPU idle 24.5%, 53 of 59.8 ms host time).
-GRAPHED = ("--set", "train.compile_mode=reduce-overhead")
+# Issue 23's lever: each compiled layer's forward and backward captured per shape as CUDA graphs
+# (torch.cuda.make_graphed_callables) and replayed, one launch per layer instead of its kernels'
+# host work. The 4-GPU step is bound by the host (host E's profile: GPU idle 24.5%, 53 of 59.8 ms
+# host time).
+GRAPHED = ("--set", "train.graph_layers=true")
 
 
 def scale_out_run(lane: Session, gpus: int, rows: int, sets: tuple = (), tag: str = "") -> None:
@@ -371,9 +372,9 @@ def say_training(s: Session) -> None:
         d = json.loads(f.read_text())
         s.say(f"{f.parent.name}: {d.get('train_samples_per_s', 0):.0f} samples/s after {d.get('train_prepare_s')} s "
               f"prepare, epochs {d.get('train_epoch_s')}, graphs in loop {d.get('compiled_graphs_in_loop')}, "
-              f"optimizer step {d.get('optimizer_step')}, mode {d.get('compile_mode')}, CUDA graphs "
-              f"{d.get('cuda_graphs_recorded')} (in loop {d.get('cuda_graphs_recorded_in_loop')}, skips "
-              f"{d.get('cudagraph_skips')}), dev F1 {d.get('dev_f1', float('nan')):.2f}")
+              f"optimizer step {d.get('optimizer_step')}, graphed layers {d.get('graph_layers')} "
+              f"({d.get('cuda_graphs')} CUDA graphs, {d.get('graphed_micro_steps')} graphed micro-steps), "
+              f"dev F1 {d.get('dev_f1', float('nan')):.2f}")
 
 
 def step_scale_out(s: Session) -> list:

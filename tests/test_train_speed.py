@@ -486,17 +486,12 @@ def test_gc_watch_puts_the_collector_back_once_and_leaves_an_earlier_freeze_alon
         gc.unfreeze()
 
 
-def test_compile_mode_is_checked_needs_static_regional_shapes_and_is_not_part_of_the_recipe(tiny_suite):
-    with pytest.raises(ConfigError, match="valid: default, reduce-overhead"):
-        TrainConfig(compile_mode="max-autotune")
-    for bad in ({"seq_bucket": 64}, {"compile": True}, {"compile": True, "seq_bucket": 64, "compile_scope": "model"}):
-        with pytest.raises(ConfigError, match="needs train.compile=true, train.seq_bucket > 0 and "
-                                              "train.compile_scope=layers"):
-            TrainConfig(compile_mode="reduce-overhead", **bad)
-    assert TrainConfig(compile_mode="reduce-overhead", compile=True, seq_bucket=64).compile_mode == "reduce-overhead"
+def test_graph_layers_is_checked_needs_buckets_and_is_not_part_of_the_recipe(tiny_suite):
+    with pytest.raises(ConfigError, match="needs train.seq_bucket > 0"):
+        TrainConfig(graph_layers=True)
+    assert TrainConfig(graph_layers=True, seq_bucket=64).graph_layers
     suite = tiny_suite(backends=["eager-fp32"])
-    assert model_recipe(load_suite(str(suite), ["train.compile=true", "train.seq_bucket=32",
-                                                "train.compile_mode=reduce-overhead"])) == \
+    assert model_recipe(load_suite(str(suite), ["train.seq_bucket=32", "train.graph_layers=true"])) == \
         model_recipe(load_suite(str(suite), ["train.seq_bucket=32"]))
 
 
@@ -504,8 +499,8 @@ def test_compile_mode_is_checked_needs_static_regional_shapes_and_is_not_part_of
 def test_cuda_graphed_layers_are_refused_without_a_gpu_with_the_reason(tiny_suite):
     suite = tiny_suite(backends=["eager-fp32"])
     with pytest.raises(ValueError, match="replays CUDA graphs: it needs a CUDA device .this run: cpu."):
-        train(load_suite(str(suite), ["train.compile=true", "train.seq_bucket=32", "train.compile_mode=reduce-overhead",
-                                      "model.name=g"]), log=lambda m: None, evaluate=False)
+        train(load_suite(str(suite), ["train.seq_bucket=32", "train.graph_layers=true", "model.name=g"]),
+              log=lambda m: None, evaluate=False)
 
 
 def test_gradients_zeroed_in_place_keep_their_tensors_and_accumulate_there():
@@ -537,58 +532,90 @@ def test_gradients_zeroed_in_place_keep_their_tensors_and_accumulate_there():
     assert all(p.grad is None for p in model.parameters())
 
 
-def test_the_warm_up_runs_each_shape_as_often_as_asked_and_puts_the_rng_back():
-    from bertqa_bench.training.train import compile_warmup
+def _identity_make(calls, samples, **_):
+    """A stand-in for make_graphed_callables on CPU: each callable runs once on its samples (as
+    the warm-up does), then its forward is fixed to what it ran then (as the graph would be),
+    so that it no longer goes through the layer's routed call."""
+    for c, args in zip(calls, samples):
+        c(*args)
+        run = c.layer.forward  # the layer's own forward, bound before install() routes it
 
-    calls = []
+        def fixed(hidden, mask=None, run=run):
+            out = run(hidden, mask)
+            return out[0] if isinstance(out, tuple) else out
 
-    class Counting(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.qa = _tiny_qa()
+        c.forward = fixed
+    return calls
 
-        def forward(self, **batch):
-            calls.append(batch["input_ids"].shape)
-            return self.qa(**batch)
 
-    model = Counting()
-    batches = {0: _batch(0, rows=4, seq=24), 1: _batch(1, rows=4, seq=16)}
+def test_graphed_layers_route_each_layer_to_its_shapes_graphs_and_keep_the_checkpoint_names():
+    """The routing around the graphs, on CPU with the callables standing in for them: the first
+    layer's inputs as the model builds them, one set per (shape, mask or not), the same logits as
+    the plain model, the parameters' names untouched, and clear errors for a shape not captured
+    or a call with more than hidden states and a mask."""
+    from bertqa_bench.training.graphed_layers import GraphedLayers, first_layer_inputs
+    from bertqa_bench.training.train import repeated_blocks
 
-    def make(key):
-        return 4, 0, dict(batches[key])
+    from transformers import BertConfig, BertForQuestionAnswering
 
-    state = torch.get_rng_state()
-    for passes in (1, 2):
-        calls.clear()
-        s, n = compile_warmup(model, None, ("start_positions", "end_positions"), None, torch.device("cpu"),
-                              [0, 1], make, passes=passes)
-        assert n == 2 and len(calls) == 2 * passes and s >= 0
-        assert all(p.grad is None for p in model.parameters())
-        assert torch.equal(torch.get_rng_state(), state)
+    torch.manual_seed(0)
+    model = BertForQuestionAnswering(BertConfig(vocab_size=100, max_position_embeddings=128, **{
+        **TINY_BERT, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0})).train()  # train: as captured
+    names = sorted(model.state_dict())
+    padded, full = _batch(0, rows=4, seq=24), _batch(1, rows=4, seq=16)
+    full["attention_mask"] = torch.ones_like(full["attention_mask"])
+    inputs = {k: v for k, v in padded.items() if not k.endswith("positions")}
+    full_inputs = {k: v for k, v in full.items() if not k.endswith("positions")}
+    with torch.no_grad():
+        want, want_full = model(**inputs).start_logits, model(**full_inputs).start_logits
+    blocks = [b for _, b in repeated_blocks(model)]
+    made = []
+    graphed = GraphedLayers(blocks, make=lambda c, s, **k: made.append(len(c)) or _identity_make(c, s))
+    for batch in (inputs, full_inputs, inputs):
+        hidden, mask = first_layer_inputs(model, blocks[0], lambda b=batch: model(**b))
+        assert hidden.shape == (4, batch["input_ids"].shape[1], 32)
+        graphed.capture(hidden, mask)
+    assert made == [len(blocks), len(blocks)] and graphed.info() == {"graphed_layers": 2, "graphed_shapes": 2,
+                                                                      "cuda_graphs": 8}
+    graphed.install()
+    with torch.no_grad():
+        assert torch.equal(model(**inputs).start_logits, want)
+        assert torch.equal(model(**full_inputs).start_logits, want_full)
+    assert graphed.replays == 2 and sorted(model.state_dict()) == names
+    other = _batch(2, rows=3, seq=24)
+    with pytest.raises(RuntimeError, match=r"no graphs for hidden states \(3, 24, 32\) with a mask; captured"):
+        model(**{k: v for k, v in other.items() if not k.endswith("positions")})
+    with pytest.raises(RuntimeError, match="more than hidden states and a mask"):
+        blocks[0](torch.zeros(4, 24, 32), None, torch.zeros(4, 5, 32))
+    with pytest.raises(RuntimeError, match="captured before the layers are routed"):
+        graphed.capture(torch.zeros(2, 8, 32), None)
+    model.eval()  # captured in training mode (dropout): the graphs refuse to serve evaluation
+    with pytest.raises(RuntimeError, match="serve training only"):
+        model(**inputs)
 
 
 @pytest.mark.gpu
-def test_cuda_graphed_layers_train_the_model_of_the_compiled_step(tiny_suite, monkeypatch):
-    """train.compile_mode=reduce-overhead on a GPU: each compiled layer's forward and backward
-    recorded as CUDA graphs before the clock (nothing recorded, re-recorded or refused inside it),
-    with gradient accumulation over micro-steps, reaching the default compiled step's weights
-    up to the graphs' float rounding (no dropout: the two runs then draw nothing at random)."""
+@pytest.mark.parametrize("compiled", [False, True])
+def test_cuda_graphed_layers_train_the_model_of_the_ungraphed_step(tiny_suite, compiled):
+    """train.graph_layers on a GPU: every layer's forward and backward captured per shape before
+    the clock and replayed at every micro-step (with gradient accumulation over two), reaching the
+    ungraphed step's weights up to float rounding (no dropout: nothing drawn at random)."""
     import torch._dynamo
     from safetensors.torch import load_file
 
     no_dropout = {**TINY_BERT, "num_hidden_layers": 3, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
     suite = tiny_suite(backends=["eager-fp32"], model={"config_overrides": no_dropout})
-    sets = ["train.seq_bucket=32", "train.compile=true", "train.grad_accum=2", "train.mixed_precision=bf16"]
-    a = load_suite(str(suite), sets + ["model.name=compiled"])
-    b = load_suite(str(suite), sets + ["model.name=graphed", "train.compile_mode=reduce-overhead"])
+    sets = ["train.seq_bucket=32", "train.grad_accum=2", "train.mixed_precision=bf16", f"train.compile={compiled}"]
+    a = load_suite(str(suite), sets + ["model.name=plain"])
+    b = load_suite(str(suite), sets + ["model.name=graphed", "train.graph_layers=true"])
     ma = train(a, log=lambda m: None, evaluate=False)
     torch._dynamo.reset()
     mb = train(b, log=lambda m: None, evaluate=False)
-    assert mb["compile_mode"] == "reduce-overhead" and ma["compile_mode"] == "default"
-    assert mb["cudagraph_skips"] == 0 and mb["cuda_graphs_recorded"] >= 2 * 3
-    assert mb["cuda_graphs_recorded_in_loop"] == 0 and mb["cuda_graph_rerecords"] == 0
-    assert mb["compiled_graphs_in_loop"] == 0
+    assert mb["graph_layers"] and mb["graphed_layers"] == 3 and mb["graphed_shapes"] >= len(mb["train_lengths"])
+    assert mb["graphed_micro_steps"] == mb["train_steps"] * 2  # every micro-step replayed the graphs
+    assert mb["train_prepare_s"] > 0
     wa, wb = load_file(a.model_dir / "model.safetensors"), load_file(b.model_dir / "model.safetensors")
+    assert sorted(wa) == sorted(wb)
     worst = max(float((wa[k].float() - wb[k].float()).abs().max()) for k in wa if _compared(k))
     assert worst < 1e-2, worst
     assert abs(ma["final_loss"] - mb["final_loss"]) < 1e-2

@@ -54,7 +54,7 @@ _EVAL_ONLY = {"dev_file", "max_eval_examples", "target_eval_features", "n_dev_co
 # loss (loss_mask_padding, which seq_bucket requires and which is in the recipe) the model is the
 # same up to numerics. DDP's options decide when gradients travel, not their sum; profile_steps
 # only watches.
-_HOW_FAST = {"num_threads", "compile", "compile_scope", "compile_mode", "compile_warmup", "grad_accum", "seq_bucket",
+_HOW_FAST = {"num_threads", "compile", "compile_scope", "graph_layers", "compile_warmup", "grad_accum", "seq_bucket",
              "ddp_bucket_cap_mb", "ddp_static_graph", "ddp_gradient_as_bucket_view", "ddp_comm_hook",
              "graph_optimizer_step", "manual_gc", "profile_steps"}
 
@@ -424,39 +424,6 @@ class GcWatch:
         return {"manual_gc": self.manual, "gc_collections_in_loop": self.n, "gc_pause_s": round(self.pause_s, 4)}
 
 
-def step_begin(cuda_graphs: bool) -> None:
-    """Tell Inductor's cudagraph trees that a new micro-step begins: the previous step's graph
-    outputs are dead (the loss was read, the gradients accumulated), so their memory may be
-    replayed into. Without it, a replay that would overwrite a live output falls back to
-    recording a new graph."""
-    if cuda_graphs:
-        torch.compiler.cudagraph_mark_step_begin()
-
-
-def cuda_graph_stats(device: torch.device) -> dict:
-    """What Inductor's cudagraph trees did on ``device``: graphs recorded, re-recorded (a replay
-    that could not reuse its graph), and compiled regions it refused to graph (each refusal runs
-    without CUDA graphs, so a run that claims them must show none). Read from the trees' manager,
-    a private structure: empty when this torch lays it out differently."""
-    from torch._dynamo.utils import counters
-
-    out = {"cudagraph_skips": int(counters["inductor"]["cudagraph_skips"])}
-    try:
-        from torch._inductor.cudagraph_trees import get_manager
-
-        manager = get_manager(device.index or 0, create_if_none_exists=False)
-        nodes, stack = 0, [n for ns in (manager.roots.values() if manager else ()) for n in ns]
-        while stack:
-            node = stack.pop()
-            nodes += 1
-            stack += [c for cs in node.children.values() for c in cs]
-        rerecords = sum(v for per in (manager.num_rerecord.values() if manager else ()) for v in per.values())
-        out.update(cuda_graphs_recorded=nodes, cuda_graph_rerecords=int(rerecords))
-    except (ImportError, AttributeError):
-        pass
-    return out
-
-
 def zero_grads_in_place(model: torch.nn.Module) -> int:
     """Give every trainable parameter a zero gradient of its own memory. Under CUDA graphs the
     backward's gradient outputs live in the graphs' memory pool, which the next replay writes
@@ -470,14 +437,44 @@ def zero_grads_in_place(model: torch.nn.Module) -> int:
     return made
 
 
+def capture_layers(model: torch.nn.Module, loss_fn, label_keys: tuple, amp_dtype, device: torch.device,
+                   representatives, make):
+    """train.graph_layers: capture the model's repeated layers as CUDA graphs for every
+    micro-batch shape before the clock (``representatives``: one row set per shape). Each shape's
+    first-layer inputs come from the model itself on a real batch of that shape, so the graphs
+    see the mask exactly as the model builds it. The capture's warm-up runs draw dropout masks
+    and compute gradients that autograd does not keep; the RNG state is put back after. Returns
+    (the GraphedLayers, now routing the layers' calls, and seconds)."""
+    from .graphed_layers import GraphedLayers, first_layer_inputs
+
+    blocks = repeated_blocks(model)
+    if not blocks:
+        raise ValueError(f"train.graph_layers: {type(model).__name__} has no repeated layer stack to capture")
+    t0 = time.perf_counter()
+    cpu_rng, cuda_rng = torch.get_rng_state(), torch.cuda.get_rng_state(device)
+    graphed = GraphedLayers([b for _, b in blocks])
+    for rows in representatives:
+        _, _, batch = make(rows)
+        batch = {k: t.to(device, non_blocking=True) for k, t in batch.items()}
+        # make_graphed_callables refuses autocast's weight cache (a cached cast would be captured)
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None, cache_enabled=False):
+            hidden, mask = first_layer_inputs(model, blocks[0][1], lambda: span_loss(model, loss_fn, batch, label_keys))
+            graphed.capture(hidden, mask)
+    graphed.install()
+    model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize(device)
+    torch.cuda.set_rng_state(cuda_rng, device)
+    torch.set_rng_state(cpu_rng)
+    return graphed, time.perf_counter() - t0
+
+
 def compile_warmup(model: torch.nn.Module, loss_fn, label_keys: tuple, amp_dtype, device: torch.device,
-                   representatives, make, passes: int = 1) -> tuple[float, int]:
-    """Compile every micro-batch shape before the clock: ``passes`` forward + backward of a real
-    batch per shape (``representatives``: one row set per shape; ``make`` builds its batch; two
-    under compile_mode=reduce-overhead, whose cudagraph trees run a new graph once before they
-    record it), then the gradients are dropped and the RNG state put back, so the timed run draws
-    the same dropout masks and takes the same steps as without the warm-up. No optimizer step:
-    the weights do not move. Returns (seconds, shapes)."""
+                   representatives, make) -> tuple[float, int]:
+    """Compile every micro-batch shape before the clock: one forward + backward of a real batch
+    per shape (``representatives``: one row set per shape; ``make`` builds its batch), then the
+    gradients are dropped and the RNG state put back, so the timed run draws the same dropout
+    masks and takes the same steps as without the warm-up. No optimizer step: the weights do not
+    move. Returns (seconds, shapes)."""
     t0 = time.perf_counter()
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
@@ -485,12 +482,9 @@ def compile_warmup(model: torch.nn.Module, loss_fn, label_keys: tuple, amp_dtype
     for rows in representatives:
         _, _, batch = make(rows)
         batch = {k: t.to(device, non_blocking=True) for k, t in batch.items()}
-        for _ in range(passes):
-            step_begin(passes > 1)
-            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                loss = span_loss(model, loss_fn, batch, label_keys)
-            loss.backward()
-            del loss
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+            loss = span_loss(model, loss_fn, batch, label_keys)
+        loss.backward()
         n += 1
     model.zero_grad(set_to_none=True)
     if device.type == "cuda":
@@ -561,16 +555,13 @@ def _train(cfg: SuiteConfig, *, log: Callable[[str], None], mlrun, evaluate: boo
 
         limit = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
         setattr(dynamo_config, limit, max(getattr(dynamo_config, limit), n_buckets + 8))
-    cuda_graphs = tc.compile_mode == "reduce-overhead"
-    if cuda_graphs and device.type != "cuda":
-        raise ValueError(f"train.compile_mode=reduce-overhead replays CUDA graphs: it needs a CUDA device "
-                         f"(this run: {device.type}); use train.compile_mode=default")
+    if tc.graph_layers and device.type != "cuda":
+        raise ValueError(f"train.graph_layers replays CUDA graphs: it needs a CUDA device (this run: {device.type})")
     if tc.compile and tc.compile_scope == "layers":
-        compiled_blocks = compile_blocks(model, dynamic=not n_buckets, mode=tc.compile_mode)
+        compiled_blocks = compile_blocks(model, dynamic=not n_buckets)
         if rank == 0:
             log(f"train: compiled the {len(compiled_blocks)} blocks of {compiled_blocks[0].rsplit('.', 1)[0]} "
-                f"({'static, one graph per length bucket' if n_buckets else 'dynamic shapes'}"
-                f"{', replayed as CUDA graphs' if cuda_graphs else ''})")
+                f"({'static, one graph per length bucket' if n_buckets else 'dynamic shapes'})")
     loss_fn = None
     if tc.loss_mask_padding:
         loss_fn = torch.compile(masked_span_loss, dynamic=not n_buckets) if tc.compile else masked_span_loss
@@ -608,26 +599,28 @@ def _train(cfg: SuiteConfig, *, log: Callable[[str], None], mlrun, evaluate: boo
     label_keys = tuple(labels)
 
     prepare_s, warmed = 0.0, 0
-    if cuda_graphs:  # this run's refusals only (the counter is per process)
-        from torch._dynamo.utils import counters
 
-        counters["inductor"].pop("cudagraph_skips", None)
+    # One batch per shape, and per "no padding at all": HF's BERT then passes no attention mask,
+    # which is another graph (a bucket of full 384-token windows does this).
+    def graph_key(rows) -> tuple[int, int, bool]:
+        rows_n, trim = shape(rows)
+        return rows_n, trim, bool((lengths[rows] == trim).all())
+
+    kinds = {graph_key(rows): rows for ms in micro for rows in ms}
     if tc.compile and tc.compile_warmup and compiled_blocks and n_buckets:
         # Before DDP wraps the model: a throwaway backward then runs no all-reduce, so each
         # process compiles its own shapes without waiting for the others'.
-        # One batch per shape, and per "no padding at all": HF's BERT then passes no attention
-        # mask, which is another graph (a bucket of full 384-token windows does this).
-        def graph_key(rows) -> tuple[int, int, bool]:
-            rows_n, trim = shape(rows)
-            return rows_n, trim, bool((lengths[rows] == trim).all())
-
-        kinds = {graph_key(rows): rows for ms in micro for rows in ms}
-        prepare_s, warmed = compile_warmup(model, loss_fn, label_keys, amp_dtype, device, kinds.values(), make,
-                                           passes=2 if cuda_graphs else 1)
+        prepare_s, warmed = compile_warmup(model, loss_fn, label_keys, amp_dtype, device, kinds.values(), make)
         if rank == 0:
             log(f"train: compiled {warmed} micro-batch shapes before the clock in {prepare_s:.1f} s (prepare time)")
-
-    if cuda_graphs:  # before DDP wraps the model: its gradient-as-bucket-view then adopts these
+    graphed = None
+    if tc.graph_layers:
+        graphed, capture_s = capture_layers(model, loss_fn, label_keys, amp_dtype, device, kinds.values(), make)
+        prepare_s += capture_s
+        if rank == 0:
+            log(f"train: captured {graphed.info()['cuda_graphs']} CUDA graphs ({len(graphed.layers)} layers x "
+                f"{len(graphed.graphs)} shapes, forward and backward) before the clock in {capture_s:.1f} s")
+        # before DDP wraps the model: its gradient-as-bucket-view then adopts these
         zero_grads_in_place(model)
     ddp_model = model
     if world > 1:
@@ -644,7 +637,7 @@ def _train(cfg: SuiteConfig, *, log: Callable[[str], None], mlrun, evaluate: boo
     scheduler = get_linear_schedule_with_warmup(optimizer, int(tc.warmup_ratio * total_steps), total_steps)
     scaler = torch.amp.GradScaler("cuda", enabled=amp_dtype == torch.float16)
     opt_step = optimizer_step(model.parameters(), optimizer, 1.0, graphed=tc.graph_optimizer_step, scaler=scaler,
-                              zero_to_none=not cuda_graphs)
+                              zero_to_none=graphed is None)
 
     log_every = max(1, total_steps // 200)
     step, seen, tokens, losses = 0, 0, 0, []
@@ -655,7 +648,7 @@ def _train(cfg: SuiteConfig, *, log: Callable[[str], None], mlrun, evaluate: boo
     window = profile_window(total_steps, tc.profile_steps) if rank == 0 else None
     prof = StepProfiler(*window, cuda=device.type == "cuda") if window else None
     graphs_before = _compiled_graphs()
-    cuda_graphs_before = cuda_graph_stats(device) if cuda_graphs else {}
+    replays_before = graphed.replays if graphed is not None else 0
     t_train = time.perf_counter()
     epoch_ends = []
     batches = iter(Prefetcher(make, (rows for ms in micro for rows in ms)))
@@ -676,7 +669,6 @@ def _train(cfg: SuiteConfig, *, log: Callable[[str], None], mlrun, evaluate: boo
                     batch = {key: t.to(device, non_blocking=True) for key, t in batch.items()}
                     # DDP: all-reduce the gradients once, after the last micro-batch of the global batch.
                     sync = contextlib.nullcontext() if world == 1 or i == len(ms) - 1 else ddp_model.no_sync()
-                    step_begin(cuda_graphs)
                     with sync:
                         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
                             loss = span_loss(step_fn, loss_fn, batch, label_keys) / len(ms)
@@ -707,11 +699,8 @@ def _train(cfg: SuiteConfig, *, log: Callable[[str], None], mlrun, evaluate: boo
     bar.close()
     train_s = time.perf_counter() - t_train
     compiled_in_loop = _compiled_graphs() - graphs_before
-    # CUDA graphs recorded before the clock (the warm-up's second pass per shape) and inside it
-    graphed = {}
-    if cuda_graphs:
-        after = cuda_graph_stats(device)
-        graphed = {**after, **{f"{k}_in_loop": after[k] - cuda_graphs_before.get(k, 0) for k in after}}
+    # the layer stacks the loop replayed from the graphs (one per micro-step when all are graphed)
+    graph_info = {**graphed.info(), "graphed_micro_steps": graphed.replays - replays_before} if graphed else {}
     util = sampler.stop() if sampler is not None else {}
     profiled = {}
     if prof is not None and prof.prof is not None and not prof.active:
@@ -731,7 +720,7 @@ def _train(cfg: SuiteConfig, *, log: Callable[[str], None], mlrun, evaluate: boo
         "device_name": device_name(device.type), "command": command, "date": time.strftime("%Y-%m-%d"),
         "world_size": world, "global_batch": tc.batch_size, "grad_accum": tc.grad_accum, "compile": tc.compile,
         "compile_scope": tc.compile_scope if tc.compile else None, "compiled_blocks": len(compiled_blocks),
-        "compile_mode": tc.compile_mode if tc.compile else None, **graphed,
+        "graph_layers": tc.graph_layers, **graph_info,
         # compile before the clock (train.compile_warmup): its cost, the shapes it compiled, and
         # the graphs dynamo still compiled inside the timed loop (0 when the warm-up covered all)
         "train_prepare_s": round(prepare_s, 3), "train_warmup_shapes": warmed, "compiled_graphs_in_loop": compiled_in_loop,
