@@ -68,6 +68,8 @@ def test_a_ddp_setting_off_its_default_makes_its_own_series():
     assert "DDP static graph" in static.series and "100 MB buckets" in big.series
     manual = train_row(_metrics(1, 80.0, accum=4, manual_gc=True), host="h")
     assert manual.series != one.series and "manual GC" in manual.series
+    graphed = train_row(_metrics(1, 80.0, accum=4, graph_layers=True), host="h")
+    assert graphed.series not in (one.series, manual.series) and "layers as CUDA graphs" in graphed.series
 
 
 def test_efficiency_is_taken_against_the_one_gpu_row_of_the_same_host_and_series():

@@ -92,7 +92,8 @@ def train_row(metrics: dict, *, host: str, source: str = "", card: str = "", dat
         + (", graphed optimizer step" if metrics.get("optimizer_step") == "cuda-graph" else "") \
         + (f", {metrics['ddp_comm_hook'].upper()} all-reduce" if metrics.get("ddp_comm_hook", "none") != "none" else "") \
         + _ddp_how(metrics.get("ddp") or {}) \
-        + (", manual GC" if metrics.get("manual_gc") else "")
+        + (", manual GC" if metrics.get("manual_gc") else "") \
+        + (", layers as CUDA graphs" if metrics.get("graph_layers") else "")
     epochs = metrics.get("train_epoch_s") or []
     sps = float(need("train_samples_per_s"))
     last = (sps * float(metrics["train_s"]) / len(epochs) / float(epochs[-1])
