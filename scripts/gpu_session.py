@@ -16,8 +16,7 @@ then benchmarked as a user's checkpoint), ``loadgen``, ``loadgen-length-aware`` 
 MLPerf LoadGen SingleStream, Server peak and Offline rows), ``perf`` (issue 22: the newest FP8 rows
 beside the ones they improve on, with a profile), ``train-speed`` (issue 23: one-GPU training, baseline
 and bucketed + compiled, with step profiles), ``scale-out`` (issue 23 on a 4-GPU host: compiled
-training on 1, 2 and 4 GPUs), ``scale-out-graphs`` and ``train-graphs`` (the same with each
-compiled layer replayed as CUDA graphs, on 4 GPUs and on one), ``predict-scaling`` and ``train-scaling``
+training on 1, 2 and 4 GPUs), ``predict-scaling`` and ``train-scaling``
 (data-parallel prediction and training on 1, 2 and 4 GPUs of the host). Plans that ran once are
 not kept: the reference tables in results/reference/ record the commands they ran.
 Poll with back-to-back device calls (``sleep N; --status``): a lent machine goes back after 30 s
@@ -349,21 +348,15 @@ def step_train_speed(s: Session) -> list:
 
 
 SCALE_OUT = [*SQUAD_SIZED, "--set", "train.batch_size=512", "--set", "train.seq_bucket=64", "--set", "train.compile=true"]
-# Issue 23's lever: each compiled layer's forward and backward captured per shape as CUDA graphs
-# (torch.cuda.make_graphed_callables) and replayed, one launch per layer instead of its kernels'
-# host work. The 4-GPU step is bound by the host (host E's profile: GPU idle 24.5%, 53 of 59.8 ms
-# host time).
-GRAPHED = ("--set", "train.graph_layers=true")
 
 
-def scale_out_run(lane: Session, gpus: int, rows: int, sets: tuple = (), tag: str = "") -> None:
+def scale_out_run(lane: Session, gpus: int, rows: int) -> None:
     """One SQuAD-sized training (global batch 512, 64-token buckets, each encoder layer compiled
-    once per bucket before the clock) on ``gpus`` GPUs at ``rows`` rows per micro-step, plus
-    ``sets`` (model name suffix ``tag``). Inductor's caches off: every run pays its own compile
-    (its prepare time), none reuses another's kernels."""
-    name = f"bb-squad-r{rows}-gpus{gpus}{tag}"
-    train_ddp(lane, f"squad-r{rows}-gpus{gpus}{tag}", gpus,
-              [*SCALE_OUT, "--set", f"train.grad_accum={512 // (gpus * rows)}", "--set", f"model.name={name}", *sets],
+    once per bucket before the clock) on ``gpus`` GPUs at ``rows`` rows per micro-step. Inductor's
+    caches off: every run pays its own compile (its prepare time), none reuses another's kernels."""
+    name = f"bb-squad-r{rows}-gpus{gpus}"
+    train_ddp(lane, f"squad-r{rows}-gpus{gpus}", gpus,
+              [*SCALE_OUT, "--set", f"train.grad_accum={512 // (gpus * rows)}", "--set", f"model.name={name}"],
               env={"TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"})
 
 
@@ -384,29 +377,6 @@ def step_scale_out(s: Session) -> list:
     lanes(lambda: scale_out_run(s.on_gpu(0), 1, 256), lambda: scale_out_run(s.on_gpu(1), 1, 128),
           lambda: scale_out_run(s.on_gpu("2,3"), 2, 128))
     scale_out_run(s, 4, 128)
-    say_training(s)
-    return []
-
-
-def step_scale_out_graphs(s: Session) -> list:
-    """Issue 23's CUDA-graphed layers on a 4-GPU host (their GPU test runs in train-graphs): side by
-    side one GPU as before (GPU 0) and graphed (GPU 1), 2 GPUs graphed (GPUs 2-3); then alone on
-    the host, 4 GPUs graphed, as before, graphed again (the control between tells drift from the
-    lever)."""
-    lanes(lambda: scale_out_run(s.on_gpu(0), 1, 128), lambda: scale_out_run(s.on_gpu(1), 1, 128, GRAPHED, "-cg"),
-          lambda: scale_out_run(s.on_gpu("2,3"), 2, 128, GRAPHED, "-cg"))
-    for sets, tag in ((GRAPHED, "-cg"), ((), ""), (GRAPHED, "-cg-b")):
-        scale_out_run(s, 4, 128, sets, tag)
-    say_training(s)
-    return []
-
-
-def step_train_graphs(s: Session) -> list:
-    """Issue 23's CUDA-graphed layers on one GPU: their GPU test, then the SQuAD-sized recipe at
-    128 rows per micro-step graphed (its control runs beside it in scale-out-graphs)."""
-    s.run("gpu-test-graphed-layers", [sys.executable, "-m", "pytest", "-q", "-rs", "-m", "gpu", "-p", "no:cacheprovider",
-                                      "tests/test_train_speed.py", "-k", "cuda_graphed"], timeout=300)
-    scale_out_run(s, 1, 128, GRAPHED, "-cg")
     say_training(s)
     return []
 
@@ -435,8 +405,6 @@ PLANS = {
     "train-speed": [step_train_speed],
     "predict-scaling": [lambda s: predict_scaling(s, ["--set", f"model.name={model_name(MAIN)}"])],
     "scale-out": [step_scale_out],
-    "scale-out-graphs": [step_scale_out_graphs],
-    "train-graphs": [step_train_graphs],
     "train-scaling": [lambda s: train_scaling(s, 512, 128, counts=(1, 2, 4), tag="squad-", sets=SQUAD_SIZED)],
 }
 
