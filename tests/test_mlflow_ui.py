@@ -13,7 +13,6 @@ test that cannot run fails instead of passing in silence.
 import json
 import os
 import re
-import shutil
 import socket
 import subprocess
 import sys
