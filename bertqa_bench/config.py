@@ -267,6 +267,10 @@ class TrainConfig:
         if self.graph_layers and self.seq_bucket <= 0:
             raise ConfigError("train.graph_layers captures one set of CUDA graphs per micro-batch shape: it needs "
                               "train.seq_bucket > 0 (a bounded set of shapes)")
+        if self.graph_layers and self.compile and self.compile_scope != "layers":
+            raise ConfigError("train.graph_layers captures the layers, compiled in place or eager; with "
+                              "train.compile it needs train.compile_scope=layers (a whole-model compile would trace "
+                              "into the graphs' replay)")
         if self.compile_scope not in COMPILE_SCOPES:
             raise ConfigError(f"train.compile_scope {self.compile_scope!r} is unknown; valid: {', '.join(COMPILE_SCOPES)}")
         if self.ddp_comm_hook not in DDP_COMM_HOOKS:

@@ -225,6 +225,10 @@ MUTANTS = [
       "        s_in = tl.cast(in_scale, tl.float32)\n", "        s_in = in_scale\n",
       ("tests/test_fp8.py", "-k", "hopper"), "under Inductor the kernel's math runs in fp64 (it failed to lower)"),
     # --- training
+    M("graphed-layers-share-one-static-input", "bertqa_bench/training/graphed_layers.py",
+      "                        for _ in calls)", "                        for _ in calls)[:1] * len(calls)",
+      ("tests/test_train_speed.py", "-k", "every_parameter"),
+      "every layer's backward reads the last layer's input: wrong weight gradients"),
     M("graphed-layers-gradients-set-to-none", "bertqa_bench/training/optimizer_step.py",
       "self.optimizer.zero_grad(set_to_none=self.zero_to_none)", "self.optimizer.zero_grad(set_to_none=True)",
       ("tests/test_train_speed.py", "-k", "zeroed_in_place"),

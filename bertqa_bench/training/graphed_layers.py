@@ -8,9 +8,12 @@ kernels' launches leaves the host free to run ahead.
 How: ``torch.cuda.make_graphed_callables`` over the layer stack, once per shape. It captures each
 layer's forward as one graph and its backward as another, inside one autograd node per layer, so
 autograd still accumulates each layer's parameter gradients when that layer's backward ends, and
-DDP's all-reduce still overlaps the backward. All shapes' graphs share one memory pool. That is
-safe because a micro-step replays one shape's forward and backward to the end before any other
-graph runs, which is the order they were captured in.
+DDP's all-reduce still overlaps the backward. Each layer has static inputs of its own (see
+``capture``). All shapes' graphs share one memory pool. A shape's captures may reuse memory that an
+earlier shape's captures freed: its intermediates and the activations saved between its forward
+and its backward. That is safe because those are needed only inside one micro-step, and a
+micro-step replays one shape's forward and backward to the end before any other shape's graph
+runs. What stays allocated (static inputs, outputs and gradients) is never reused.
 
 Why not ``torch.compile(mode="reduce-overhead")``: its cudagraph trees cannot replay one compiled
 function called several times in a step (the layers share one compiled graph per shape). On the
@@ -103,16 +106,22 @@ class GraphedLayers:
         if self.installed:
             raise RuntimeError("train.graph_layers: shapes are captured before the layers are routed to the graphs")
         calls = tuple(LayerCall(layer) for layer in self.layers)
-        # Own, dense copies: the graphs' static inputs, which each replay's inputs are copied into
-        # (a mask the model built by broadcasting could not be written into).
-        sample = hidden.detach().clone(memory_format=torch.contiguous_format).requires_grad_(hidden.requires_grad)
-        args = (sample,) if mask is None else (sample, mask.detach().clone(memory_format=torch.contiguous_format))
+        # The sample arguments become the graphs' static inputs: each replay copies its inputs into
+        # them, and a layer's backward reads what its forward saved, often that input itself. So
+        # every layer gets its own hidden-state input. A shared one would hold the last layer's
+        # input by the time the first layer's backward runs, and give that layer wrong weight
+        # gradients. The mask is only read, and the same for every layer, so it is shared. The
+        # copies are dense because a broadcast mask could not be written into.
+        dense = torch.contiguous_format
+        shared_mask = () if mask is None else (mask.detach().clone(memory_format=dense),)
+        samples = tuple((hidden.detach().clone(memory_format=dense).requires_grad_(hidden.requires_grad),) + shared_mask
+                        for _ in calls)
         kwargs = {"num_warmup_iters": self.warmup_iters}
         if self.make is torch.cuda.make_graphed_callables:
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
             kwargs["pool"] = self.pool
-        self.graphs[key] = tuple(self.make(calls, tuple(args for _ in calls), **kwargs))
+        self.graphs[key] = tuple(self.make(calls, samples, **kwargs))
         self.returns_tuple = calls[0].returned_tuple  # seen by the capture's warm-up runs
         return True
 
@@ -126,11 +135,11 @@ class GraphedLayers:
 
     def _route(self, i: int):
         def forward(hidden_states, attention_mask=None, *args, **kwargs):
-            extra = [a for a in args if a is not None] + [k for k, v in kwargs.items() if v not in (None, False)]
+            extra = [f"positional #{n + 3}" for n, a in enumerate(args) if a is not None] + \
+                [k for k, v in kwargs.items() if v is not None and v is not False]
             if extra:
                 raise RuntimeError(f"train.graph_layers: layer {i} was called with more than hidden states and a "
-                                   f"mask ({len(extra)} more: {[k for k in extra if isinstance(k, str)]}); the graphs "
-                                   f"take only those two")
+                                   f"mask ({', '.join(extra)}); the graphs take only those two")
             if not self.layers[i].training:
                 raise RuntimeError("train.graph_layers: the graphs were captured in training mode and serve training "
                                    "only; evaluate from the saved checkpoint")
@@ -144,6 +153,16 @@ class GraphedLayers:
             return (out,) if self.returns_tuple else out
 
         return forward
+
+    def uninstall(self) -> None:
+        """Give the layers their own forward back and drop the graphs, their pool and static
+        tensors (the routed forwards and this object reference each other, so without this they
+        would live until a cyclic collection)."""
+        for layer in self.layers:
+            layer.__dict__.pop("forward", None)
+        self.graphs.clear()
+        self.pool = None
+        self.installed = False
 
     def info(self) -> dict:
         return {"graphed_layers": len(self.layers), "graphed_shapes": len(self.graphs),

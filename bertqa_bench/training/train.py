@@ -701,6 +701,8 @@ def _train(cfg: SuiteConfig, *, log: Callable[[str], None], mlrun, evaluate: boo
     compiled_in_loop = _compiled_graphs() - graphs_before
     # the layer stacks the loop replayed from the graphs (one per micro-step when all are graphed)
     graph_info = {**graphed.info(), "graphed_micro_steps": graphed.replays - replays_before} if graphed else {}
+    if graphed is not None:
+        graphed.uninstall()  # the graphs' memory goes before evaluation; the weights stay
     util = sampler.stop() if sampler is not None else {}
     profiled = {}
     if prof is not None and prof.prof is not None and not prof.active:
