@@ -240,8 +240,8 @@ MUTANTS = [
       ("tests/test_fuzz.py", "-k", "found_suites"), "timeout_s: .nan loads, and never kills a hung backend"),
     # --- training: compile before the clock, the graphed optimizer step's safety check
     M("train-warmup-keeps-its-dropout-draws", "bertqa_bench/training/train.py",
-      "    torch.set_rng_state(cpu_rng)\n    return time.perf_counter() - t0, n\n",
-      "    return time.perf_counter() - t0, n\n",
+      "        torch.cuda.set_rng_state(cuda_rng, device)\n    torch.set_rng_state(cpu_rng)\n",
+      "        torch.cuda.set_rng_state(cuda_rng, device)\n",
       ("tests/test_train_speed.py", "-k", "before_the_clock"),
       "the warm-up's dropout draws shift the timed run's RNG: another model than without the warm-up"),
     M("train-warmup-misses-the-unmasked-graph", "bertqa_bench/training/train.py",

@@ -437,6 +437,21 @@ def zero_grads_in_place(model: torch.nn.Module) -> int:
     return made
 
 
+@contextlib.contextmanager
+def leaves_no_trace(model: torch.nn.Module, device: torch.device):
+    """Passes before the clock (compiling, capturing) that the timed run must not feel: the
+    gradients they leave are dropped and the RNG state is put back, so the timed run draws the same
+    dropout masks and takes the same steps as without them."""
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    yield
+    model.zero_grad(set_to_none=True)
+    if cuda_rng is not None:
+        torch.cuda.synchronize(device)
+        torch.cuda.set_rng_state(cuda_rng, device)
+    torch.set_rng_state(cpu_rng)
+
+
 def capture_layers(model: torch.nn.Module, loss_fn, label_keys: tuple, amp_dtype, device: torch.device,
                    representatives, make):
     """train.graph_layers: capture the model's repeated layers as CUDA graphs for every
@@ -451,20 +466,17 @@ def capture_layers(model: torch.nn.Module, loss_fn, label_keys: tuple, amp_dtype
     if not blocks:
         raise ValueError(f"train.graph_layers: {type(model).__name__} has no repeated layer stack to capture")
     t0 = time.perf_counter()
-    cpu_rng, cuda_rng = torch.get_rng_state(), torch.cuda.get_rng_state(device)
     graphed = GraphedLayers([b for _, b in blocks])
-    for rows in representatives:
-        _, _, batch = make(rows)
-        batch = {k: t.to(device, non_blocking=True) for k, t in batch.items()}
-        # make_graphed_callables refuses autocast's weight cache (a cached cast would be captured)
-        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None, cache_enabled=False):
-            hidden, mask = first_layer_inputs(model, blocks[0][1], lambda: span_loss(model, loss_fn, batch, label_keys))
-            graphed.capture(hidden, mask)
+    with leaves_no_trace(model, device):
+        for rows in representatives:
+            _, _, batch = make(rows)
+            batch = {k: t.to(device, non_blocking=True) for k, t in batch.items()}
+            # make_graphed_callables refuses autocast's weight cache (a cached cast would be captured)
+            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None, cache_enabled=False):
+                hidden, mask = first_layer_inputs(model, blocks[0][1],
+                                                  lambda: span_loss(model, loss_fn, batch, label_keys))
+                graphed.capture(hidden, mask)
     graphed.install()
-    model.zero_grad(set_to_none=True)
-    torch.cuda.synchronize(device)
-    torch.cuda.set_rng_state(cuda_rng, device)
-    torch.set_rng_state(cpu_rng)
     return graphed, time.perf_counter() - t0
 
 
@@ -476,21 +488,15 @@ def compile_warmup(model: torch.nn.Module, loss_fn, label_keys: tuple, amp_dtype
     masks and takes the same steps as without the warm-up. No optimizer step: the weights do not
     move. Returns (seconds, shapes)."""
     t0 = time.perf_counter()
-    cpu_rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
     n = 0
-    for rows in representatives:
-        _, _, batch = make(rows)
-        batch = {k: t.to(device, non_blocking=True) for k, t in batch.items()}
-        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-            loss = span_loss(model, loss_fn, batch, label_keys)
-        loss.backward()
-        n += 1
-    model.zero_grad(set_to_none=True)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.set_rng_state(cuda_rng, device)
-    torch.set_rng_state(cpu_rng)
+    with leaves_no_trace(model, device):
+        for rows in representatives:
+            _, _, batch = make(rows)
+            batch = {k: t.to(device, non_blocking=True) for k, t in batch.items()}
+            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                loss = span_loss(model, loss_fn, batch, label_keys)
+            loss.backward()
+            n += 1
     return time.perf_counter() - t0, n
 
 
@@ -648,7 +654,6 @@ def _train(cfg: SuiteConfig, *, log: Callable[[str], None], mlrun, evaluate: boo
     window = profile_window(total_steps, tc.profile_steps) if rank == 0 else None
     prof = StepProfiler(*window, cuda=device.type == "cuda") if window else None
     graphs_before = _compiled_graphs()
-    replays_before = graphed.replays if graphed is not None else 0
     t_train = time.perf_counter()
     epoch_ends = []
     batches = iter(Prefetcher(make, (rows for ms in micro for rows in ms)))
@@ -700,7 +705,7 @@ def _train(cfg: SuiteConfig, *, log: Callable[[str], None], mlrun, evaluate: boo
     train_s = time.perf_counter() - t_train
     compiled_in_loop = _compiled_graphs() - graphs_before
     # the layer stacks the loop replayed from the graphs (one per micro-step when all are graphed)
-    graph_info = {**graphed.info(), "graphed_micro_steps": graphed.replays - replays_before} if graphed else {}
+    graph_info = {**graphed.info(), "graphed_micro_steps": graphed.replays} if graphed else {}
     if graphed is not None:
         graphed.uninstall()  # the graphs' memory goes before evaluation; the weights stay
     util = sampler.stop() if sampler is not None else {}
