@@ -509,6 +509,66 @@ def test_packed_token_buckets_give_the_padded_models_logits_on_real_tokens(make_
     assert_real_tokens_match(batches, outs, ref)
 
 
+@pytest.mark.parametrize("compile_mode", ["none", "default"])
+def test_head_first_runs_the_qa_head_before_the_scatter_and_gives_the_same_logits(make_ctx, reference, compile_mode):
+    """``head_first``: the QA head inside the bucketed encoder (and its graphs on CUDA) gives the
+    padded model's logits on real tokens, as the hidden-state scatter does."""
+    from bertqa_bench.backends import make_variant
+
+    batches, ref = reference
+    v = make_variant("packed-head-cpu", "torch", "cpu", {"packed": True, "token_bucket": 16, "head_first": True,
+                                                         "compile": compile_mode})
+    backend, outs = run(v, make_ctx(), batches)
+    assert backend.prepare_info["head_first"] is True
+    for (b, s), out in zip(SHAPES, outs):
+        check_outputs(out, b, s)
+    assert_real_tokens_match(batches, outs, ref)
+
+
+def test_head_first_gives_every_position_what_the_hidden_state_scatter_gives():
+    """Padding positions too: the head of a zero hidden state (its bias), as the task model's head
+    gives on the zeros the hidden-state scatter leaves there. The bias is made non-zero (a fresh
+    head's is zero, which would hide a zero fill)."""
+    import copy
+
+    from transformers import BertConfig, BertForQuestionAnswering
+
+    from bertqa_bench.backends.packed_bert import pack_model
+
+    torch.manual_seed(0)
+    m = BertForQuestionAnswering(BertConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2,
+                                            num_attention_heads=4, intermediate_size=128,
+                                            max_position_embeddings=128)).eval()
+    with torch.no_grad():
+        m.qa_outputs.bias.copy_(torch.tensor([0.7, -1.3]))
+    x = {k: torch.from_numpy(v) for k, v in make_batch(4, 40, pad_rows=3).items()}
+    with torch.no_grad():
+        padded = m(**x)
+        scattered = pack_model(copy.deepcopy(m))(**x)
+        first = pack_model(copy.deepcopy(m), head_first=True)(**x)
+    real = x["attention_mask"].bool()
+    assert (~real).any()
+    for n in OUTPUTS:
+        assert (first[n] - scattered[n]).abs().max() < 1e-5, n
+        assert (first[n] - padded[n])[real].abs().max() < 1e-5, n
+    assert torch.equal(first["start_logits"][~real], torch.full_like(first["start_logits"][~real], 0.7))
+
+
+def test_head_first_refuses_a_pooled_head_and_an_unpacked_model_with_the_reason():
+    from transformers import BertConfig
+
+    from bertqa_bench.backends import make_variant
+    from bertqa_bench.backends.packed_bert import pack_model
+    from bertqa_bench.tasks.nq.model import BertJointForNaturalQuestions
+
+    nq = BertJointForNaturalQuestions(BertConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=1,
+                                                 num_attention_heads=4, intermediate_size=128))
+    with pytest.raises(ValueError, match="pooler, which reads the scattered hidden states"):
+        pack_model(nq, head_first=True)
+    with pytest.raises(ConfigError, match="head_first .* needs packed: true"):
+        make_variant("head-unpacked", "torch", "cpu", {"head_first": True})
+
+
 def test_packed_encoder_keeps_the_nq_answer_type_head(tmp_path):
     from transformers import BertConfig
 

@@ -296,10 +296,12 @@ def test_hub_name_offline_is_a_named_error(monkeypatch, tmp_path):
         resolve_checkpoint("deepset/roberta-base-squad2")
 
 
+@pytest.mark.parametrize("head_first", [False, True])
 @pytest.mark.parametrize("family", ["roberta", "electra", "distilbert"])
-def test_packed_encoder_matches_the_padded_model(family, family_checkpoints):
+def test_packed_encoder_matches_the_padded_model(family, head_first, family_checkpoints):
     """The padding-free path on each family it claims: the same start/end logits on every real
-    token as the padded model (positions offset for RoBERTa, no segment ids for DistilBERT)."""
+    token as the padded model (positions offset for RoBERTa, no segment ids for DistilBERT), with
+    the QA head after the scatter or before it."""
     import copy
 
     import torch
@@ -320,7 +322,7 @@ def test_packed_encoder_matches_the_padded_model(family, family_checkpoints):
     with torch.no_grad():
         ref = m(ids, mask, types)
         packed = copy.deepcopy(m)
-        pack_model(packed.model)
+        pack_model(packed.model, head_first=head_first)
         out = packed(ids, mask, types)
     real = mask.bool()
     for a, b in zip(ref, out):

@@ -875,6 +875,7 @@ def test_host_bucket_lengths_equal_the_devices():
                                                   "torch-compile-fp8-packed-host", "eager-fp16-packed-host",
                                                   "torch-compile-fp8-packed-ffn8", "torch-compile-fp8-cudnn-ffn8",
                                                   "torch-compile-fp8-packed-ffn8-tanh",
+                                                  "torch-compile-fp8-packed-ffn8-tanh-head",
                                                   "torch-compile-fp8-cudnn-ffn8-tanh"))
 def test_issue22_variants_track_fp32_on_gpu(tmp_path, name):
     reason = TABLE.get(name).unavailable_reason()
@@ -895,7 +896,8 @@ def test_issue22_variants_track_fp32_on_gpu(tmp_path, name):
         assert info["fp8_linears"] == 2 * 5
     if "-ffn8" in name:
         assert info["fp8_ffn_hidden"] == "e4m3 in 2 layers"
-        assert info["fp8_ffn_gelu"].startswith("tanh form, Triton" if name.endswith("-tanh") else "exact")
+        assert info["fp8_ffn_gelu"].startswith("tanh form, Triton" if "-tanh" in name else "exact")
+    assert info.get("head_first", False) == name.endswith("-head")
     for out, ref, b in zip(outs, refs, batches):
         valid = b["attention_mask"].astype(bool)
         for n in OUTPUTS:
@@ -906,7 +908,8 @@ def test_issue22_variants_track_fp32_on_gpu(tmp_path, name):
 PIPELINED = ("torch-compile-fp8-packed-pipelined", "torch-compile-fp8-cudnn-pipelined",
              "torch-compile-fp16-graph-pipelined", "torch-compile-fp8-packed-autotune",
              "torch-compile-fp8-packed-ffn8", "torch-compile-fp8-cudnn-ffn8",
-             "torch-compile-fp8-packed-ffn8-tanh", "torch-compile-fp8-cudnn-ffn8-tanh")
+             "torch-compile-fp8-packed-ffn8-tanh", "torch-compile-fp8-cudnn-ffn8-tanh",
+             "torch-compile-fp8-packed-ffn8-tanh-head")
 
 
 def test_pipelined_variants_keep_two_batches_in_flight_on_cuda_only():

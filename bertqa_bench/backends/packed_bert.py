@@ -26,6 +26,14 @@ the real tokens' outputs are those of the exact-T path (tested) and the dummy ro
 Motive: the packed rows' GPU idled 22% of the time (results/reference/h100-batching.md). Result
 on the H100: +9% for compiled FP8, -4% for eager FP16 (results/reference/h100-packed-graphs.md).
 
+``fuse_token_head`` (``head_first``) moves a per-token head (the QA span head, ``qa_outputs``) into
+``encode``, so it runs on the packed [T, hidden] rows inside the bucket's graph and 2 logits a
+token are scattered back instead of the hidden states; the task model's own head becomes the
+identity. Padding positions get the head's output for a zero hidden state, as the padded scatter
+gave them. Motive: after the encoder, the scatter of [T, 768] back to [batch, 384, 768]
+(``index_put``, ~4x its memory floor), zeroing that tensor and the head over the padded rows took
+~1.6% of the packed FP8 row's GPU time (h100-perf.md).
+
 ``HostPacker`` moves the data-dependent packing to the host for the bucketed path: the batch
 arrives as numpy, so the real token positions, cumulative lengths and bucket are computed there
 (``host_pack``, ``TokenBuckets.host_cu``), written into pinned buffers and copied to the graph's
@@ -75,6 +83,8 @@ class PackedEncoder(nn.Module):
         # ELECTRA's embeddings may be narrower than the encoder, projected up before it
         self.project = getattr(bert, "embeddings_project", None)
         self.buckets: Optional["TokenBuckets"] = None  # set by TokenBuckets.attach
+        # the task's per-token head, run on the packed rows at the end of encode (fuse_token_head)
+        self.token_head: Optional[nn.Module] = None
         # (bucket size, real tokens, real positions on the device) of the next forward, packed on
         # the host by HostPacker; consumed by that forward
         self.prepacked: Optional[tuple] = None
@@ -108,9 +118,27 @@ class PackedEncoder(nn.Module):
         return (input_ids.reshape(-1)[flat], positions, token_type_ids.reshape(-1)[flat], cu, flat,
                 int(lengths.max()))
 
+    def fuse_token_head(self, head: nn.Module) -> None:
+        """Run ``head`` (a per-token module: [*, hidden] -> [*, k]) on the packed rows in ``encode``.
+        The padding positions of the scattered output get ``head`` of a zero hidden state: what the
+        task model's head computes on the zeros the hidden-state scatter leaves there."""
+        if getattr(self.bert, "pooler", None) is not None:
+            raise ValueError("this encoder has a pooler, which reads the scattered hidden states ([CLS]); the head "
+                             "cannot run before the scatter (head_first: false)")
+        ref = next(head.parameters())
+        with torch.no_grad():
+            pad = head(torch.zeros(1, self.config.hidden_size, dtype=ref.dtype, device=ref.device))
+        self.token_head = head
+        self.register_buffer("head_pad", pad.detach(), persistent=False)
+
     def encode(self, ids, positions, types, cu, max_len: int):
         """The static-shape part: [T] token ids, positions, types and the cumulative lengths of the
-        sequences they form -> [T, hidden]. Rows interact only inside attention's sequences."""
+        sequences they form -> [T, hidden] (or the fused head's [T, k]). Rows interact only inside
+        attention's sequences."""
+        x = self._encode(ids, positions, types, cu, max_len)
+        return x if self.token_head is None else self.token_head(x)
+
+    def _encode(self, ids, positions, types, cu, max_len: int):
         if self.family == "distilbert":
             return self._encode_distilbert(ids, positions, cu, max_len)
         emb = self.bert.embeddings
@@ -167,7 +195,10 @@ class PackedEncoder(nn.Module):
                 x = self.buckets(ids, positions, types, cu)
             else:
                 x = self.encode(ids, positions, types, cu, max_len)
-        seq = x.new_zeros(b * s, x.shape[1])
+        if self.token_head is None:
+            seq = x.new_zeros(b * s, x.shape[1])
+        else:  # the head's logits: padding gets the head of a zero hidden state
+            seq = self.head_pad.to(x.dtype).expand(b * s, -1).clone()
         seq[flat] = x
         seq = seq.view(b, s, -1)
         pooled = self.bert.pooler(seq) if getattr(self.bert, "pooler", None) is not None else None
@@ -337,12 +368,25 @@ def encoder_of(model: nn.Module) -> nn.Module:
     return getattr(model, prefix)
 
 
-def pack_model(model: nn.Module, **kw) -> nn.Module:
+# the per-token head of the task models that have one (transformers' *ForQuestionAnswering, NQ's)
+TOKEN_HEAD = "qa_outputs"
+
+
+def pack_model(model: nn.Module, *, head_first: bool = False, **kw) -> nn.Module:
     """Swap a task model's encoder (``bert``, ``roberta``, ...) for its padding-free version, in
-    place; returns the model."""
+    place; returns the model. ``head_first``: the model's per-token head runs inside the packed
+    encoder (``PackedEncoder.fuse_token_head``) and the model's own becomes the identity."""
     enc = encoder_of(model)
     family = getattr(enc.config, "model_type", "bert")
     if family not in PACKED_FAMILIES:
         raise ValueError(f"the padding-free encoder does not know the {family} family")
-    setattr(model, getattr(model, "base_model_prefix", "bert"), PackedEncoder(enc, **kw))
+    packed = PackedEncoder(enc, **kw)
+    if head_first:
+        head = getattr(model, TOKEN_HEAD, None)
+        if not isinstance(head, nn.Linear):
+            raise ValueError(f"{type(model).__name__} has no per-token {TOKEN_HEAD} Linear to run before the "
+                             "scatter (head_first: false)")
+        packed.fuse_token_head(head)
+        setattr(model, TOKEN_HEAD, nn.Identity())
+    setattr(model, getattr(model, "base_model_prefix", "bert"), packed)
     return model

@@ -169,6 +169,10 @@ class TorchOptions:
     # token_bucket on CUDA only: pack each batch on the host into the bucket graph's inputs
     # (packed_bert.HostPacker) instead of on the device (two host syncs and ~15 kernels a batch)
     host_pack: bool = False
+    # packed only: the QA span head runs on the packed tokens inside the encoder (and its token
+    # buckets' graphs), so 2 logits a token are scattered back instead of the hidden states
+    # (packed_bert.fuse_token_head)
+    head_first: bool = False
     # CUDA only: keep two batches in flight (Backend.submit), so the host prepares batch i+1 and
     # scatters batch i's outputs while the GPU computes; every buffer the host writes or reads
     # (pinned inputs, packing, outputs) has one copy per batch in flight
@@ -196,6 +200,8 @@ class TorchOptions:
         if self.token_bucket < 0 or (self.token_bucket and not self.packed):
             raise ConfigError(f"token_bucket {self.token_bucket}: a bucket size in tokens (>= 1) for packed: true, "
                               "or 0 for none")
+        if self.head_first and not self.packed:
+            raise ConfigError("head_first runs the QA head on the packed tokens before the scatter: it needs packed: true")
         if self.host_pack and not self.token_bucket:
             raise ConfigError("host_pack feeds the token buckets' CUDA graphs: it needs packed: true and token_bucket")
 
@@ -437,10 +443,13 @@ class TorchBackend(Backend):
         if o.packed:
             from .packed_bert import pack_model
 
-            pack_model(module.model)
+            try:
+                pack_model(module.model, head_first=o.head_first)
+            except ValueError as e:  # a model this packing cannot compute (its family, a pooled head)
+                raise BackendUnavailableError(f"{self.name}: {e}") from e
             from .packed_bert import encoder_of
 
-            info.update(packed=True, attention_kernel=encoder_of(module.model).kernel_name)
+            info.update(packed=True, attention_kernel=encoder_of(module.model).kernel_name, head_first=o.head_first)
         return module, info
 
     @staticmethod

@@ -290,6 +290,15 @@ BUILTIN = (
           "as torch-compile-fp8-packed-ffn8, the GELU between the FFN GEMMs in its tanh form (one Triton kernel, "
           "e4m3 in and out)", weights="fp16", compile="default", packed=True, token_bucket=1024, host_pack=True,
           fp8={**_FP8, "ffn_hidden_fp8": True, "ffn_gelu": "tanh"}, pipeline=True), "batching": "packed"},
+    # After the encoder, scattering the packed [T, 768] back to [batch, 384, 768] (index_put at ~4x
+    # its memory floor), zeroing that tensor and the QA head over the padded rows took ~1.6% of
+    # this row's GPU time (h100-perf.md): the head runs on the packed rows inside the graph instead.
+    {**_v("torch-compile-fp8-packed-ffn8-tanh-head", "torch", "cuda",
+          "as torch-compile-fp8-packed-ffn8-tanh, the QA span head on the packed tokens inside the token buckets' "
+          "graphs (2 logits a token scattered back instead of the hidden states)", weights="fp16",
+          compile="default", packed=True, token_bucket=1024, host_pack=True,
+          fp8={**_FP8, "ffn_hidden_fp8": True, "ffn_gelu": "tanh"}, pipeline=True, head_first=True),
+     "batching": "packed"},
     _v("torch-compile-fp8-cudnn-ffn8-tanh", "torch", "cuda",
        "as torch-compile-fp8-cudnn-ffn8, the GELU in its tanh form (one Triton kernel)", weights="fp16",
        compile="default", cuda_graph="manual", fp8={**_FP8, "ffn_hidden_fp8": True, "ffn_gelu": "tanh"},
