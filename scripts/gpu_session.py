@@ -16,8 +16,8 @@ then benchmarked as a user's checkpoint), ``loadgen``, ``loadgen-length-aware`` 
 MLPerf LoadGen SingleStream, Server peak and Offline rows), ``perf`` (issue 22: the newest FP8 rows
 beside the ones they improve on, with a profile), ``train-speed`` (issue 23: one-GPU training, baseline
 and bucketed + compiled, with step profiles), ``scale-out`` (issue 23 on a 4-GPU host: compiled
-training on 1, 2 and 4 GPUs), ``graph-layers`` (the same with the layers as CUDA graphs, and their
-GPU tests), ``predict-scaling`` and ``train-scaling``
+training on 1, 2 and 4 GPUs), ``allreduce-hook`` (issue 23: DDP's allreduce_hook on the layers as
+CUDA graphs, 1, 2 and 4 GPUs), ``predict-scaling`` and ``train-scaling``
 (data-parallel prediction and training on 1, 2 and 4 GPUs of the host). Plans that ran once are
 not kept: the reference tables in results/reference/ record the commands they ran.
 Poll with back-to-back device calls (``sleep N; --status``): a lent machine goes back after 30 s
@@ -361,27 +361,24 @@ def scale_out_run(lane: Session, gpus: int, rows: int, sets: tuple = (), tag: st
               env={"TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"})
 
 
-# Issue 23: the layers as CUDA graphs (train.graph_layers), rerun with one static input per layer.
-# Host J measured the first implementation, whose layers shared one static input (wrong weight
-# gradients): one GPU +4.3%, four GPUs no gain (h100-scaling.md). One 4-GPU graphed run adds the
-# graphed optimizer step, which the layers' graphs may now let the host run ahead of; the last
-# profiles 5 steps (what the 4-GPU step waits on once the layers' launches are gone).
+# Issue 23: the layers as CUDA graphs (train.graph_layers). Host K's 4-GPU graphed step
+# (h100-scaling.md) still launches ~200 per-gradient divisions a step from DDP's reducer; its
+# allreduce_hook divides each bucket once. The graph-layers plan that measured host K is retired
+# (its steps are in that table's notes).
 GRAPHED = ("--set", "train.graph_layers=true")
-GRAPHED_PROFILED = (*GRAPHED, "--profile-steps", "5")
 
 
-def step_graph_layers(s: Session) -> list:
-    """On a 4-GPU host: the GPU tests of the graphed layers (gradient for gradient, then through
-    the trainer); side by side one GPU as before (GPU 0) and graphed (GPU 1), 2 GPUs graphed (GPUs
-    2-3); then alone, 4 GPUs graphed, as before, graphed with the graphed optimizer step, and
-    graphed with a 5-step profile (last: a profiler window moves a run's own speed, host F)."""
-    s.run("gpu-tests-graphed-layers", [sys.executable, "-m", "pytest", "-q", "-rs", "-m", "gpu", "-p",
-                                       "no:cacheprovider", "tests/test_train_speed.py", "-k", "cuda_graphed"],
-          timeout=300)
-    lanes(lambda: scale_out_run(s.on_gpu(0), 1, 128), lambda: scale_out_run(s.on_gpu(1), 1, 128, GRAPHED, "-cg"),
-          lambda: scale_out_run(s.on_gpu("2,3"), 2, 128, GRAPHED, "-cg"))
-    for sets, tag in ((GRAPHED, "-cg"), ((), ""), ((*GRAPHED, "--set", "train.graph_optimizer_step=true"), "-cg-gopt"),
-                      (GRAPHED_PROFILED, "-cg-prof")):
+def step_allreduce_hook(s: Session) -> list:
+    """On a 4-GPU host: DDP's FP32 allreduce_hook (one division a bucket instead of ~200 per-gradient
+    divisions a step, host K's profile) on top of the graphed layers. Side by side one GPU graphed
+    (GPU 0), one GPU graphed with the hook (GPU 1: at world 1 it changes nothing, a noise check), 2
+    GPUs graphed with the hook (GPUs 2-3); then alone, 4 GPUs alternating graphed / graphed with the
+    hook twice, so that a drift of the host shows as itself and not as the lever."""
+    hook = (*GRAPHED, "--set", "train.ddp_comm_hook=allreduce")
+    lanes(lambda: scale_out_run(s.on_gpu(0), 1, 128, GRAPHED, "-cg"),
+          lambda: scale_out_run(s.on_gpu(1), 1, 128, hook, "-cg-ar"),
+          lambda: scale_out_run(s.on_gpu("2,3"), 2, 128, hook, "-cg-ar"))
+    for sets, tag in ((GRAPHED, "-cg"), (hook, "-cg-ar"), (GRAPHED, "-cg-b"), (hook, "-cg-ar-b")):
         scale_out_run(s, 4, 128, sets, tag)
     say_training(s)
     return []
@@ -432,7 +429,7 @@ PLANS = {
     "train-speed": [step_train_speed],
     "predict-scaling": [lambda s: predict_scaling(s, ["--set", f"model.name={model_name(MAIN)}"])],
     "scale-out": [step_scale_out],
-    "graph-layers": [step_graph_layers],
+    "allreduce-hook": [step_allreduce_hook],
     "train-scaling": [lambda s: train_scaling(s, 512, 128, counts=(1, 2, 4), tag="squad-", sets=SQUAD_SIZED)],
 }
 

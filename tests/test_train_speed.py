@@ -380,10 +380,56 @@ def test_compiling_before_the_clock_trains_the_same_model_and_leaves_nothing_to_
 
 def test_the_ddp_comm_hook_and_the_graphed_optimizer_step_are_checked_and_not_part_of_the_recipe(tiny_suite):
     suite = tiny_suite(backends=["eager-fp32"])
-    with pytest.raises(ConfigError, match="bf16, fp16"):
+    with pytest.raises(ConfigError, match="none, allreduce, bf16, fp16"):
         TrainConfig(ddp_comm_hook="int8")
     assert model_recipe(load_suite(str(suite), ["train.ddp_comm_hook=bf16", "train.graph_optimizer_step=true"])) == \
         model_recipe(load_suite(str(suite)))
+
+
+def _hook_rank(rank: int, world: int, port: int, hook: str, out: str) -> None:
+    """One gloo rank of DDP around a stack of Linears: one backward under the profiler; rank 0
+    saves the averaged gradients and how many per-tensor divisions ran."""
+    import os
+
+    import torch.distributed as dist
+
+    from bertqa_bench.training.train import register_comm_hook
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(10)])
+        ddp = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
+        register_comm_hook(ddp, hook)
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(rank)) * (rank + 1)
+        ddp(x).square().sum().backward()  # the first backward: DDP settles its buckets
+        model.zero_grad(set_to_none=False)
+        with torch.profiler.profile() as prof:
+            ddp(x).square().sum().backward()
+        if rank == 0:
+            divs = sum(e.name == "aten::div_" for e in prof.events())
+            torch.save({"grads": [q.grad.clone() for q in model.parameters()], "divs": divs}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_allreduce_hook_gives_the_same_average_with_one_division_a_bucket(tmp_path):
+    """``train.ddp_comm_hook: allreduce`` (DDP's allreduce_hook) on 2 gloo processes: bit for bit
+    the gradients of DDP's built-in all-reduce (a division by 2 is exact), with one division per
+    bucket instead of one per gradient (20 here)."""
+    import torch.multiprocessing as mp
+
+    got = {}
+    for i, hook in enumerate(("none", "allreduce")):
+        out = tmp_path / f"{hook}.pt"
+        mp.spawn(_hook_rank, args=(2, 29611 + i, hook, str(out)), nprocs=2)
+        got[hook] = torch.load(out)
+    assert got["none"]["divs"] >= 20 and got["allreduce"]["divs"] <= 2, (got["none"]["divs"], got["allreduce"]["divs"])
+    for a, b in zip(got["none"]["grads"], got["allreduce"]["grads"]):
+        assert torch.equal(a, b)
+    assert TrainConfig(ddp_comm_hook="allreduce").ddp_comm_hook == "allreduce"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")

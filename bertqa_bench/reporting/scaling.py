@@ -72,6 +72,13 @@ def _ddp_how(ddp: dict) -> str:
             + (", gradients copied into buckets" if ddp.get("gradient_as_bucket_view") is False else ""))
 
 
+def _hook_how(hook: str) -> str:
+    """The DDP communication hook, when one is registered: its own series."""
+    if hook == "none":
+        return ""
+    return ", FP32 all-reduce hook (one division a bucket)" if hook == "allreduce" else f", {hook.upper()} all-reduce"
+
+
 def train_row(metrics: dict, *, host: str, source: str = "", card: str = "", date: str = "",
               command: str = "") -> ScalingRow:
     """One training run (all its ranks) as a row. ``card``, ``date`` and ``command`` fill in what
@@ -90,7 +97,7 @@ def train_row(metrics: dict, *, host: str, source: str = "", card: str = "", dat
         + (f", {metrics['seq_bucket']}-token buckets" if metrics.get("seq_bucket") else "") \
         + (", compiled before the clock" if metrics.get("train_warmup_shapes") else "") \
         + (", graphed optimizer step" if metrics.get("optimizer_step") == "cuda-graph" else "") \
-        + (f", {metrics['ddp_comm_hook'].upper()} all-reduce" if metrics.get("ddp_comm_hook", "none") != "none" else "") \
+        + _hook_how(metrics.get("ddp_comm_hook", "none")) \
         + _ddp_how(metrics.get("ddp") or {}) \
         + (", manual GC" if metrics.get("manual_gc") else "") \
         + (", layers as CUDA graphs" if metrics.get("graph_layers") else "")

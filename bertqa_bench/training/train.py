@@ -140,13 +140,15 @@ def ddp_kwargs(tc, device: torch.device, local_rank: int) -> dict:
 
 
 def register_comm_hook(ddp_model, name: str) -> None:
-    """train.ddp_comm_hook: DDP's own compression hooks (gradients cast for the all-reduce, then
-    back); "none" keeps DDP's FP32 all-reduce."""
+    """train.ddp_comm_hook: DDP's own hooks: its FP32 all-reduce with one division a bucket
+    (``allreduce``), or compressed (gradients cast for the all-reduce, then back); "none" keeps
+    DDP's built-in FP32 all-reduce, which divides each gradient on its own."""
     if name == "none":
         return
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    ddp_model.register_comm_hook(None, {"bf16": default_hooks.bf16_compress_hook,
+    ddp_model.register_comm_hook(None, {"allreduce": default_hooks.allreduce_hook,
+                                        "bf16": default_hooks.bf16_compress_hook,
                                         "fp16": default_hooks.fp16_compress_hook}[name])
 
 
