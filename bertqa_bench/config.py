@@ -233,10 +233,13 @@ class TrainConfig:
     # Gradients cross the GPUs in BF16 (DDP's bf16_compress_hook, NCCL only) or FP16 (fp16_compress_hook,
     # also gloo): half the bytes of FP32, so a shorter all-reduce tail after the backward; the
     # averaged gradient is rounded to 8 (BF16) or 11 (FP16) bits of mantissa before AdamW sees it.
-    # "allreduce": FP32 through DDP's allreduce_hook, which averages each bucket with one division;
-    # without a hook DDP divides every gradient on its own as it lands in its bucket (~200 small
-    # kernels a step at BERT-base; the same numbers at 2 or 4 processes, a division by a power of 2
-    # being exact). "none": FP32, DDP's default. World > 1 only.
+    # "allreduce": FP32 through DDP's allreduce_hook, which averages each bucket with one division.
+    # It saves launches only where the gradients are bucket views zeroed in place (train.graph_layers,
+    # the graphed optimizer step): there DDP's own path divides every gradient on its own (~200 small
+    # kernels a step at BERT-base). Where gradients are set to None, DDP copies and scales each in one
+    # kernel, and the hook turns that into a copy plus a division per bucket (no saving). The numbers
+    # are DDP's own at 2 or 4 processes (a division by a power of 2 is exact), not at 3.
+    # "none": FP32, DDP's default. World > 1 only.
     ddp_comm_hook: str = "none"
     # The optimizer phase (clip, fused AdamW, zero the gradients) captured as one CUDA graph from
     # the third step on: one launch instead of ~4 ms of host work per step (training/optimizer_step.py

@@ -370,16 +370,22 @@ GRAPHED = ("--set", "train.graph_layers=true")
 
 def step_allreduce_hook(s: Session) -> list:
     """On a 4-GPU host: DDP's FP32 allreduce_hook (one division a bucket instead of ~200 per-gradient
-    divisions a step, host K's profile) on top of the graphed layers. Side by side one GPU graphed
-    (GPU 0), one GPU graphed with the hook (GPU 1: at world 1 it changes nothing, a noise check), 2
-    GPUs graphed with the hook (GPUs 2-3); then alone, 4 GPUs alternating graphed / graphed with the
-    hook twice, so that a drift of the host shows as itself and not as the lever."""
+    divisions a step, host K's profile) on top of the graphed layers. First the GPU tests of the
+    graphed layers; side by side one GPU graphed (GPU 0), one GPU as the control (GPU 1: the graphs'
+    one-GPU gain on another host), 2 GPUs graphed with the hook (GPUs 2-3); then alone, 4 GPUs
+    alternating graphed / graphed with the hook twice, so that a drift of the host shows as itself and
+    not as the lever; last, side by side, 2 GPUs graphed (GPUs 0-1) and 2 GPUs graphed with the hook
+    (GPUs 2-3). (At one GPU no DDP is built, so the hook has nothing to change there.)"""
+    s.run("gpu-tests-graphed-layers", [sys.executable, "-m", "pytest", "-q", "-rs", "-m", "gpu", "-p",
+                                       "no:cacheprovider", "tests/test_train_speed.py", "-k", "cuda_graphed"],
+          timeout=300)
     hook = (*GRAPHED, "--set", "train.ddp_comm_hook=allreduce")
-    lanes(lambda: scale_out_run(s.on_gpu(0), 1, 128, GRAPHED, "-cg"),
-          lambda: scale_out_run(s.on_gpu(1), 1, 128, hook, "-cg-ar"),
+    lanes(lambda: scale_out_run(s.on_gpu(0), 1, 128, GRAPHED, "-cg"), lambda: scale_out_run(s.on_gpu(1), 1, 128),
           lambda: scale_out_run(s.on_gpu("2,3"), 2, 128, hook, "-cg-ar"))
     for sets, tag in ((GRAPHED, "-cg"), (hook, "-cg-ar"), (GRAPHED, "-cg-b"), (hook, "-cg-ar-b")):
         scale_out_run(s, 4, 128, sets, tag)
+    lanes(lambda: scale_out_run(s.on_gpu("0,1"), 2, 128, GRAPHED, "-cg-b"),
+          lambda: scale_out_run(s.on_gpu("2,3"), 2, 128, hook, "-cg-ar-b"))
     say_training(s)
     return []
 

@@ -554,19 +554,49 @@ def test_head_first_gives_every_position_what_the_hidden_state_scatter_gives():
     assert torch.equal(first["start_logits"][~real], torch.full_like(first["start_logits"][~real], 0.7))
 
 
-def test_head_first_refuses_a_pooled_head_and_an_unpacked_model_with_the_reason():
+def test_head_first_refuses_a_pooled_head_and_an_unpacked_model_with_the_reason(tmp_path):
+    """A model whose pooler reads the scattered hidden states (NQ's answer-type head) cannot take
+    its head before the scatter: the row is unavailable ("not run", named), before any work."""
     from transformers import BertConfig
 
     from bertqa_bench.backends import make_variant
     from bertqa_bench.backends.packed_bert import pack_model
+    from bertqa_bench.errors import BackendUnavailableError
     from bertqa_bench.tasks.nq.model import BertJointForNaturalQuestions
 
-    nq = BertJointForNaturalQuestions(BertConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=1,
-                                                 num_attention_heads=4, intermediate_size=128))
+    nq = BertJointForNaturalQuestions(BertConfig(vocab_size=1000, hidden_size=32, num_hidden_layers=1,
+                                                 num_attention_heads=2, intermediate_size=64,
+                                                 max_position_embeddings=128))
     with pytest.raises(ValueError, match="pooler, which reads the scattered hidden states"):
         pack_model(nq, head_first=True)
+    nq.save_pretrained(tmp_path / "nq")
+    ctx = BackendContext(model_dir=tmp_path / "nq", task="nq", artifacts_dir=tmp_path / "artifacts",
+                         output_names=("start_logits", "end_logits", "answer_type_logits"),
+                         sample_batches=(make_batch(MAX_BATCH, 48),), shapes=tuple(SHAPES), max_batch_size=MAX_BATCH,
+                         max_seq_len=MAX_SEQ)
+    backend = make_variant("head-nq", "torch", "cpu", {"packed": True, "head_first": True}).create()
+    with pytest.raises(BackendUnavailableError, match="head-nq: this encoder has a pooler"):
+        backend.prepare(ctx)
+    backend.close()
     with pytest.raises(ConfigError, match="head_first .* needs packed: true"):
         make_variant("head-unpacked", "torch", "cpu", {"head_first": True})
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_head_first_gives_the_scatter_paths_logits_at_every_position(make_ctx):
+    """On the GPU, through the token buckets' CUDA graphs and host packing: the head inside the
+    graph gives what the hidden-state scatter path gives, at every position (padding included)."""
+    from bertqa_bench.backends import make_variant
+
+    batches = [make_batch(b, s, seed=i, pad_rows=2) for i, (b, s) in enumerate(SHAPES)]
+    opts = {"weights": "fp16", "packed": True, "token_bucket": 64, "host_pack": True}
+    _, scattered = run(make_variant("scatter", "torch", "cuda", opts), make_ctx(), batches)
+    backend, first = run(make_variant("first", "torch", "cuda", {**opts, "head_first": True}), make_ctx(), batches)
+    assert backend.prepare_info["head_first"] is True and backend.prepare_info["token_bucket_graphs"] >= 1
+    for a, b in zip(first, scattered):
+        for n in OUTPUTS:  # the same encoder kernels; the head's fp16 GEMM may round its output 1 ulp apart
+            np.testing.assert_allclose(a[n], b[n], rtol=2e-3, atol=2e-3, err_msg=n)
 
 
 def test_packed_encoder_keeps_the_nq_answer_type_head(tmp_path):

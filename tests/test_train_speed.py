@@ -386,9 +386,11 @@ def test_the_ddp_comm_hook_and_the_graphed_optimizer_step_are_checked_and_not_pa
         model_recipe(load_suite(str(suite)))
 
 
-def _hook_rank(rank: int, world: int, port: int, hook: str, out: str) -> None:
-    """One gloo rank of DDP around a stack of Linears: one backward under the profiler; rank 0
-    saves the averaged gradients and how many per-tensor divisions ran."""
+def _hook_rank(rank: int, world: int, port: int, out: str) -> None:
+    """One gloo rank: the same stack of Linears under DDP twice, with its built-in all-reduce and
+    with the ``allreduce`` hook, gradients bucket views zeroed in place (as under
+    ``train.graph_layers``). One backward each under the profiler; rank 0 saves both averaged
+    gradients and how many per-tensor divisions each ran."""
     import os
 
     import torch.distributed as dist
@@ -399,33 +401,36 @@ def _hook_rank(rank: int, world: int, port: int, hook: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(10)])
-        ddp = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
-        register_comm_hook(ddp, hook)
+        got = {}
         x = torch.randn(8, 16, generator=torch.Generator().manual_seed(rank)) * (rank + 1)
-        ddp(x).square().sum().backward()  # the first backward: DDP settles its buckets
-        model.zero_grad(set_to_none=False)
-        with torch.profiler.profile() as prof:
-            ddp(x).square().sum().backward()
+        for hook in ("none", "allreduce"):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(10)])
+            ddp = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
+            register_comm_hook(ddp, hook)
+            ddp(x).square().sum().backward()  # the first backward: DDP settles its buckets
+            model.zero_grad(set_to_none=False)
+            with torch.profiler.profile() as prof:
+                ddp(x).square().sum().backward()
+            got[hook] = {"grads": [q.grad.clone() for q in model.parameters()],
+                         "divs": sum(e.name == "aten::div_" for e in prof.events())}
         if rank == 0:
-            divs = sum(e.name == "aten::div_" for e in prof.events())
-            torch.save({"grads": [q.grad.clone() for q in model.parameters()], "divs": divs}, out)
+            torch.save(got, out)
     finally:
         dist.destroy_process_group()
 
 
 def test_the_allreduce_hook_gives_the_same_average_with_one_division_a_bucket(tmp_path):
-    """``train.ddp_comm_hook: allreduce`` (DDP's allreduce_hook) on 2 gloo processes: bit for bit
-    the gradients of DDP's built-in all-reduce (a division by 2 is exact), with one division per
-    bucket instead of one per gradient (20 here)."""
+    """``train.ddp_comm_hook: allreduce`` (DDP's allreduce_hook) on 2 gloo processes, gradients
+    zeroed in place as under the graphed layers: bit for bit the gradients of DDP's built-in
+    all-reduce, with one division per bucket instead of one per gradient (20 here)."""
     import torch.multiprocessing as mp
 
-    got = {}
-    for i, hook in enumerate(("none", "allreduce")):
-        out = tmp_path / f"{hook}.pt"
-        mp.spawn(_hook_rank, args=(2, 29611 + i, hook, str(out)), nprocs=2)
-        got[hook] = torch.load(out)
+    from bertqa_bench.measuring.ddp import free_port
+
+    out = tmp_path / "grads.pt"
+    mp.spawn(_hook_rank, args=(2, free_port(), str(out)), nprocs=2)
+    got = torch.load(out)
     assert got["none"]["divs"] >= 20 and got["allreduce"]["divs"] <= 2, (got["none"]["divs"], got["allreduce"]["divs"])
     for a, b in zip(got["none"]["grads"], got["allreduce"]["grads"]):
         assert torch.equal(a, b)

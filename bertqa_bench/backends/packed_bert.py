@@ -118,18 +118,19 @@ class PackedEncoder(nn.Module):
         return (input_ids.reshape(-1)[flat], positions, token_type_ids.reshape(-1)[flat], cu, flat,
                 int(lengths.max()))
 
-    def fuse_token_head(self, head: nn.Module) -> None:
-        """Run ``head`` (a per-token module: [*, hidden] -> [*, k]) on the packed rows in ``encode``.
-        The padding positions of the scattered output get ``head`` of a zero hidden state: what the
-        task model's head computes on the zeros the hidden-state scatter leaves there."""
+    def fuse_token_head(self, head: nn.Linear) -> None:
+        """Run ``head`` (a per-token Linear: [*, hidden] -> [*, k]) on the packed rows in ``encode``.
+        The padding positions of the scattered output get the head of a zero hidden state, its bias:
+        what the task model's head computes on the zeros the hidden-state scatter leaves there."""
         if getattr(self.bert, "pooler", None) is not None:
-            raise ValueError("this encoder has a pooler, which reads the scattered hidden states ([CLS]); the head "
-                             "cannot run before the scatter (head_first: false)")
-        ref = next(head.parameters())
-        with torch.no_grad():
-            pad = head(torch.zeros(1, self.config.hidden_size, dtype=ref.dtype, device=ref.device))
+            raise ValueError(POOLED_HEAD)
         self.token_head = head
-        self.register_buffer("head_pad", pad.detach(), persistent=False)
+
+    def _head_pad(self, dtype):
+        """The head of a zero hidden state, read from the head at each call (never a stale copy)."""
+        h = self.token_head
+        return h.bias.to(dtype) if h.bias is not None else torch.zeros(h.out_features, dtype=dtype,
+                                                                         device=h.weight.device)
 
     def encode(self, ids, positions, types, cu, max_len: int):
         """The static-shape part: [T] token ids, positions, types and the cumulative lengths of the
@@ -198,7 +199,7 @@ class PackedEncoder(nn.Module):
         if self.token_head is None:
             seq = x.new_zeros(b * s, x.shape[1])
         else:  # the head's logits: padding gets the head of a zero hidden state
-            seq = self.head_pad.to(x.dtype).expand(b * s, -1).clone()
+            seq = self._head_pad(x.dtype).expand(b * s, -1).clone()
         seq[flat] = x
         seq = seq.view(b, s, -1)
         pooled = self.bert.pooler(seq) if getattr(self.bert, "pooler", None) is not None else None
@@ -370,6 +371,19 @@ def encoder_of(model: nn.Module) -> nn.Module:
 
 # the per-token head of the task models that have one (transformers' *ForQuestionAnswering, NQ's)
 TOKEN_HEAD = "qa_outputs"
+POOLED_HEAD = ("this encoder has a pooler, which reads the scattered hidden states ([CLS]); the head cannot run "
+               "before the scatter (head_first: false)")
+
+
+def head_first_reason(model: nn.Module) -> Optional[str]:
+    """Why ``head_first`` cannot pack this task model (no per-token Linear head, or a pooler that
+    reads the scattered hidden states), or None."""
+    if not isinstance(getattr(model, TOKEN_HEAD, None), nn.Linear):
+        return (f"{type(model).__name__} has no per-token {TOKEN_HEAD} Linear to run before the scatter "
+                "(head_first: false)")
+    if getattr(encoder_of(model), "pooler", None) is not None:
+        return POOLED_HEAD
+    return None
 
 
 def pack_model(model: nn.Module, *, head_first: bool = False, **kw) -> nn.Module:
@@ -380,13 +394,12 @@ def pack_model(model: nn.Module, *, head_first: bool = False, **kw) -> nn.Module
     family = getattr(enc.config, "model_type", "bert")
     if family not in PACKED_FAMILIES:
         raise ValueError(f"the padding-free encoder does not know the {family} family")
+    why = head_first_reason(model) if head_first else None
+    if why:
+        raise ValueError(why)
     packed = PackedEncoder(enc, **kw)
     if head_first:
-        head = getattr(model, TOKEN_HEAD, None)
-        if not isinstance(head, nn.Linear):
-            raise ValueError(f"{type(model).__name__} has no per-token {TOKEN_HEAD} Linear to run before the "
-                             "scatter (head_first: false)")
-        packed.fuse_token_head(head)
+        packed.fuse_token_head(getattr(model, TOKEN_HEAD))
         setattr(model, TOKEN_HEAD, nn.Identity())
     setattr(model, getattr(model, "base_model_prefix", "bert"), packed)
     return model

@@ -430,6 +430,12 @@ class TorchBackend(Backend):
         module = load_inference_module(ctx.model_dir, ctx.task, attn_implementation=o.attn_implementation,
                                        dtype=_torch_dtype(o.weights)).to(self.device).eval()
         info: dict = {}
+        if o.head_first:  # before calibration and the sensitivity sweep, which a refusal would waste
+            from .packed_bert import head_first_reason
+
+            why = head_first_reason(module.model)
+            if why:
+                raise BackendUnavailableError(f"{self.name}: {why}")
         as_tensors = lambda bs: [tuple(torch.from_numpy(np.ascontiguousarray(b[n], dtype=np.int64))  # noqa: E731
                                        .to(self.device) for n in INPUT_NAMES) for b in bs]
         # Quantize first, on the padded model (calibration and the sensitivity sweep run it), then
@@ -443,10 +449,7 @@ class TorchBackend(Backend):
         if o.packed:
             from .packed_bert import pack_model
 
-            try:
-                pack_model(module.model, head_first=o.head_first)
-            except ValueError as e:  # a model this packing cannot compute (its family, a pooled head)
-                raise BackendUnavailableError(f"{self.name}: {e}") from e
+            pack_model(module.model, head_first=o.head_first)
             from .packed_bert import encoder_of
 
             info.update(packed=True, attention_kernel=encoder_of(module.model).kernel_name, head_first=o.head_first)
