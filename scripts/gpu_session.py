@@ -114,9 +114,14 @@ def lanes(*work) -> None:
         t.join()
 
 
+def gpu_tests(s: Session, name: str, *args: str, timeout: float = 600, env: dict | None = None) -> None:
+    """The GPU-marked tests among ``args`` (test files, ``-k`` expressions), skips with reasons."""
+    s.run(name, [sys.executable, "-m", "pytest", "-q", "-rs", "-m", "gpu", "-p", "no:cacheprovider", *args],
+          timeout=timeout, env=env)
+
+
 def step_tests(s: Session, env: dict | None = None) -> None:
-    s.run("gpu-tests", [sys.executable, "-m", "pytest", "-q", "-rs", "-m", "gpu", "-p", "no:cacheprovider",
-                        "tests/test_backends.py", "tests/test_fp8.py"], timeout=600, env=env)
+    gpu_tests(s, "gpu-tests", "tests/test_backends.py", "tests/test_fp8.py", env=env)
 
 
 def cpu_gate(s: Session):
@@ -324,8 +329,7 @@ def step_perf(s: Session) -> list:
     train(s, MAIN)
     bench_and_profile(s, "perf", PERF_BACKENDS, ("torch-compile-fp8-packed-ffn8-tanh-head",
                                                  "torch-compile-fp8-cudnn-ffn8-tanh"), timeout=1500)
-    s.run("gpu-tests-issue22", [sys.executable, "-m", "pytest", "-q", "-rs", "-m", "gpu", "-p", "no:cacheprovider",
-                                "tests/test_fp8.py", "tests/test_backends.py", "-k", "tanh or head"], timeout=900)
+    gpu_tests(s, "gpu-tests-issue22", "tests/test_fp8.py", "tests/test_backends.py", "-k", "tanh or head", timeout=900)
     return []
 
 
@@ -376,9 +380,7 @@ def step_allreduce_hook(s: Session) -> list:
     alternating graphed / graphed with the hook twice, so that a drift of the host shows as itself and
     not as the lever; last, side by side, 2 GPUs graphed (GPUs 0-1) and 2 GPUs graphed with the hook
     (GPUs 2-3). (At one GPU no DDP is built, so the hook has nothing to change there.)"""
-    s.run("gpu-tests-graphed-layers", [sys.executable, "-m", "pytest", "-q", "-rs", "-m", "gpu", "-p",
-                                       "no:cacheprovider", "tests/test_train_speed.py", "-k", "cuda_graphed"],
-          timeout=300)
+    gpu_tests(s, "gpu-tests-graphed-layers", "tests/test_train_speed.py", "-k", "cuda_graphed", timeout=300)
     hook = (*GRAPHED, "--set", "train.ddp_comm_hook=allreduce")
     lanes(lambda: scale_out_run(s.on_gpu(0), 1, 128, GRAPHED, "-cg"), lambda: scale_out_run(s.on_gpu(1), 1, 128),
           lambda: scale_out_run(s.on_gpu("2,3"), 2, 128, hook, "-cg-ar"))

@@ -121,9 +121,8 @@ class PackedEncoder(nn.Module):
     def fuse_token_head(self, head: nn.Linear) -> None:
         """Run ``head`` (a per-token Linear: [*, hidden] -> [*, k]) on the packed rows in ``encode``.
         The padding positions of the scattered output get the head of a zero hidden state, its bias:
-        what the task model's head computes on the zeros the hidden-state scatter leaves there."""
-        if getattr(self.bert, "pooler", None) is not None:
-            raise ValueError(POOLED_HEAD)
+        what the task model's head computes on the zeros the hidden-state scatter leaves there.
+        ``pack_model`` checks first that the model can take it (``head_first_reason``)."""
         self.token_head = head
 
     def _head_pad(self, dtype):
@@ -371,8 +370,6 @@ def encoder_of(model: nn.Module) -> nn.Module:
 
 # the per-token head of the task models that have one (transformers' *ForQuestionAnswering, NQ's)
 TOKEN_HEAD = "qa_outputs"
-POOLED_HEAD = ("this encoder has a pooler, which reads the scattered hidden states ([CLS]); the head cannot run "
-               "before the scatter (head_first: false)")
 
 
 def head_first_reason(model: nn.Module) -> Optional[str]:
@@ -382,7 +379,8 @@ def head_first_reason(model: nn.Module) -> Optional[str]:
         return (f"{type(model).__name__} has no per-token {TOKEN_HEAD} Linear to run before the scatter "
                 "(head_first: false)")
     if getattr(encoder_of(model), "pooler", None) is not None:
-        return POOLED_HEAD
+        return ("this encoder has a pooler, which reads the scattered hidden states ([CLS]); the head cannot run "
+                "before the scatter (head_first: false)")
     return None
 
 

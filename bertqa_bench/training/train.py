@@ -454,6 +454,14 @@ def leaves_no_trace(model: torch.nn.Module, device: torch.device):
     torch.set_rng_state(cpu_rng)
 
 
+def shape_batches(representatives, make, device: torch.device):
+    """One real batch per micro-batch shape (``representatives``: one row set per shape; ``make``
+    builds its batch), on the device: what the passes before the clock run."""
+    for rows in representatives:
+        _, _, batch = make(rows)
+        yield {k: t.to(device, non_blocking=True) for k, t in batch.items()}
+
+
 def capture_layers(model: torch.nn.Module, loss_fn, label_keys: tuple, amp_dtype, device: torch.device,
                    representatives, make):
     """train.graph_layers: capture the model's repeated layers as CUDA graphs for every
@@ -470,9 +478,7 @@ def capture_layers(model: torch.nn.Module, loss_fn, label_keys: tuple, amp_dtype
     t0 = time.perf_counter()
     graphed = GraphedLayers([b for _, b in blocks])
     with leaves_no_trace(model, device):
-        for rows in representatives:
-            _, _, batch = make(rows)
-            batch = {k: t.to(device, non_blocking=True) for k, t in batch.items()}
+        for batch in shape_batches(representatives, make, device):
             # make_graphed_callables refuses autocast's weight cache (a cached cast would be captured)
             with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None, cache_enabled=False):
                 hidden, mask = first_layer_inputs(model, blocks[0][1],
@@ -492,9 +498,7 @@ def compile_warmup(model: torch.nn.Module, loss_fn, label_keys: tuple, amp_dtype
     t0 = time.perf_counter()
     n = 0
     with leaves_no_trace(model, device):
-        for rows in representatives:
-            _, _, batch = make(rows)
-            batch = {k: t.to(device, non_blocking=True) for k, t in batch.items()}
+        for batch in shape_batches(representatives, make, device):
             with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
                 loss = span_loss(model, loss_fn, batch, label_keys)
             loss.backward()
