@@ -72,6 +72,33 @@ def test_a_ddp_setting_off_its_default_makes_its_own_series():
     assert graphed.series not in (one.series, manual.series) and "layers as CUDA graphs" in graphed.series
 
 
+def test_a_ddp_only_setting_scales_against_the_one_gpu_run_without_it():
+    """One process builds no DDP, so a comm hook (or DDP's buckets) changes nothing there: the
+    hook's multi-GPU rows are their own series but scale against the 1-GPU row without the hook
+    (host L's 4-GPU hook runs had no efficiency at all before), and a 1-GPU run that asked for
+    the hook is a point of the series without it. The efficiency is never borrowed across hosts
+    or from another recipe."""
+    ddp = {"bucket_cap_mb": 25.0, "static_graph": False, "gradient_as_bucket_view": True}
+    graphed = dict(graph_layers=True)
+    one = train_row(_metrics(1, 100.0, accum=4, **graphed), host="h")
+    one_asking = train_row(_metrics(1, 101.0, accum=4, ddp_comm_hook="allreduce", **graphed), host="h")
+    four = train_row(_metrics(4, 360.0, ddp=ddp, **graphed), host="h")
+    hook = train_row(_metrics(4, 364.0, ddp=ddp, ddp_comm_hook="allreduce", **graphed), host="h")
+    static = train_row(_metrics(4, 350.0, ddp={**ddp, "static_graph": True}, **graphed), host="h")
+    elsewhere = train_row(_metrics(4, 390.0, ddp=ddp, ddp_comm_hook="allreduce", **graphed), host="g")
+    other_recipe = train_row(_metrics(4, 364.0, lr=2e-4, ddp=ddp, ddp_comm_hook="allreduce", **graphed), host="h")
+    assert one_asking.series == one.series and not one.baseline_series
+    assert hook.series != four.series and "all-reduce hook" in hook.series
+    assert hook.baseline_series == static.baseline_series == four.series and not four.baseline_series
+    rows = with_efficiency([one, four, hook, static, elsewhere, other_recipe])
+    assert [r.efficiency for r in rows[1:4]] == [pytest.approx(0.9), pytest.approx(0.91), pytest.approx(0.875)]
+    assert rows[4].efficiency is None and rows[5].efficiency is None
+    md = markdown(rows, "t")
+    hook_section = md.split("all-reduce hook (one division a bucket), layers as CUDA graphs — h")[1].split("## ")[0]
+    assert f"against the 1-GPU row of *{four.series}* on h" in hook_section and "| 91.0% |" in hook_section
+    assert "against the 1-GPU row" not in md.split("## ")[1]  # a series with its own 1-GPU row says nothing
+
+
 def test_efficiency_is_taken_against_the_one_gpu_row_of_the_same_host_and_series():
     rows = [ScalingRow("train", 1, "X", "A", "s", 100.0), ScalingRow("train", 2, "X", "A", "s", 180.0),
             ScalingRow("train", 1, "X", "B", "s", 50.0), ScalingRow("train", 4, "X", "B", "s", 150.0),

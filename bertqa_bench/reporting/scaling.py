@@ -58,6 +58,10 @@ class ScalingRow:
     date: str = ""
     command: str = ""
     source: str = ""  # the file or bundle the row was read from
+    # the series whose 1-GPU row is this row's denominator, where it is not the row's own: a run
+    # that differs only in DDP settings (a comm hook, buckets, static graph) scales against the
+    # 1-GPU run without them, since one process builds no DDP and those settings do nothing there
+    baseline_series: str = ""
 
 
 def _series_id(fields: dict) -> str:
@@ -93,14 +97,15 @@ def train_row(metrics: dict, *, host: str, source: str = "", card: str = "", dat
     rows = gb // (world * accum)
     recipe = {k: v for k, v in (metrics.get("recipe_fields") or {}).items() if k != "model.name"}
     card = metrics.get("device_name") or card
-    how = (f", compiled ({metrics.get('compile_scope') or 'model'})" if metrics.get("compile") else "") \
-        + (f", {metrics['seq_bucket']}-token buckets" if metrics.get("seq_bucket") else "") \
-        + (", compiled before the clock" if metrics.get("train_warmup_shapes") else "") \
-        + (", graphed optimizer step" if metrics.get("optimizer_step") == "cuda-graph" else "") \
-        + _hook_how(metrics.get("ddp_comm_hook", "none")) \
-        + _ddp_how(metrics.get("ddp") or {}) \
-        + (", manual GC" if metrics.get("manual_gc") else "") \
-        + (", layers as CUDA graphs" if metrics.get("graph_layers") else "")
+    def how(ddp_settings: bool) -> str:
+        return (f", compiled ({metrics.get('compile_scope') or 'model'})" if metrics.get("compile") else "") \
+            + (f", {metrics['seq_bucket']}-token buckets" if metrics.get("seq_bucket") else "") \
+            + (", compiled before the clock" if metrics.get("train_warmup_shapes") else "") \
+            + (", graphed optimizer step" if metrics.get("optimizer_step") == "cuda-graph" else "") \
+            + (_hook_how(metrics.get("ddp_comm_hook", "none")) + _ddp_how(metrics.get("ddp") or {})
+               if ddp_settings else "") \
+            + (", manual GC" if metrics.get("manual_gc") else "") \
+            + (", layers as CUDA graphs" if metrics.get("graph_layers") else "")
     epochs = metrics.get("train_epoch_s") or []
     sps = float(need("train_samples_per_s"))
     last = (sps * float(metrics["train_s"]) / len(epochs) / float(epochs[-1])
@@ -108,9 +113,12 @@ def train_row(metrics: dict, *, host: str, source: str = "", card: str = "", dat
     if not card:
         raise BenchError(f"{source}: the metrics do not name the GPU (saved before 'device_name' existed); "
                          "pass --card")
+    head = f"train {_series_id(recipe)}: global batch {gb}, {rows} rows/GPU, {need('train_features')} features"
+    # one process builds no DDP: its hook or bucket settings (recorded as asked) did nothing
+    series, baseline = head + how(world > 1), head + how(False)
     return ScalingRow(
-        job="train", n_gpus=world, card=card, host=host,
-        series=f"train {_series_id(recipe)}: global batch {gb}, {rows} rows/GPU, {need('train_features')} features{how}",
+        job="train", n_gpus=world, card=card, host=host, series=series,
+        baseline_series=baseline if baseline != series else "",
         samples_per_s=sps, last_epoch_samples_per_s=last, dev_f1=metrics.get("dev_f1"),
         dev_em=metrics.get("dev_exact_match"), global_batch=gb, rows_per_gpu=rows, grad_accum=accum,
         train_features=metrics.get("train_features"), train_steps=metrics.get("train_steps"),
@@ -141,11 +149,12 @@ def predict_rows(bundle: RunBundle, *, host: str) -> list[ScalingRow]:
 
 
 def with_efficiency(rows: list[ScalingRow]) -> list[ScalingRow]:
-    """Efficiency against the 1-GPU row of the same job, host and series (None where there is none)."""
+    """Efficiency against the 1-GPU row of the same job, host and series, or of the row's baseline
+    series where it has one and its own series has no 1-GPU row (None where there is none)."""
     one = {(r.job, r.host, r.series): r for r in rows if r.n_gpus == 1}
 
     def eff(r: ScalingRow, field: str) -> Optional[float]:
-        base = one.get((r.job, r.host, r.series))
+        base = one.get((r.job, r.host, r.series)) or one.get((r.job, r.host, r.baseline_series))
         mine, theirs = getattr(r, field), getattr(base, field) if base else None
         return mine / (r.n_gpus * theirs) if mine and theirs else None
 
@@ -200,8 +209,12 @@ def markdown(rows: list[ScalingRow], title: str, notes: str = "") -> str:
     for (job, host, series), rs in groups.items():
         rs = sorted(rs, key=lambda r: r.n_gpus)
         unit = "training samples/s" if job == "train" else "features/s"
-        lines += [f"## {series} — {host}, {rs[0].card}", "",
-                  f"| GPUs | {unit} | scaling efficiency |"
+        lines += [f"## {series} — {host}, {rs[0].card}", ""]
+        borrowed = {r.baseline_series for r in rs if r.baseline_series and r.efficiency is not None} \
+            if not any(r.n_gpus == 1 for r in rs) else set()
+        lines += [f"Scaling efficiency against the 1-GPU row of *{b}* on {host} (DDP settings do nothing in one "
+                  "process).\n" for b in sorted(borrowed)]
+        lines += [f"| GPUs | {unit} | scaling efficiency |"
                   + (" last epoch samples/s | last epoch efficiency |" if job == "train" else "")
                   + " dev EM | dev F1 |"
                   + (" time (s) | prepare (s) | mean GPU util (rank 0) |" if job == "train" else " parity (same run) |"),
