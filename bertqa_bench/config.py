@@ -253,6 +253,15 @@ class TrainConfig:
     # did see are reported either way (train_metrics.json: gc_collections_in_loop, gc_pause_s).
     # Measured on 4 H100s (h100-scaling.md, host I): ~7 ms of pauses a whole run, no gain; off.
     manual_gc: bool = False
+    # No step waits for the GPU (how fast, never what is learned). Host K's profile of the 4-GPU
+    # graphed step (h100-scaling.md, host L's notes) found two host syncs a step: the logged loss
+    # read with float() every log step (every step in a run of under 400 steps: 346 there) and
+    # transformers asking `attention_mask.all()` in every forward that is not compiled whole.
+    # Each drains the GPU's queue, and the GPU then idles while the host launches the next work
+    # (~4 ms a step there). On: the loss is copied to pinned memory without a sync and read one log
+    # step later; the encoder gets its mask built from the lengths the host already knows
+    # (training/prepared_mask.py: the same mask tensor, or the same None). Off: both syncs, as before.
+    no_host_sync: bool = True
     # Record this many optimizer steps with torch.profiler on rank 0, half-way through training
     # (after the first epoch: every length bucket compiled, allocator and cuBLAS warm), and write
     # a top-kernels table, the step time and the GPU idle fraction under

@@ -16,8 +16,8 @@ then benchmarked as a user's checkpoint), ``loadgen``, ``loadgen-length-aware`` 
 MLPerf LoadGen SingleStream, Server peak and Offline rows), ``perf`` (issue 22: the GPU tests of the newest FP8
 row, then it beside the row it improves on, seven passes each), ``train-speed`` (issue 23: one-GPU training, baseline
 and bucketed + compiled, with step profiles), ``scale-out`` (issue 23 on a 4-GPU host: compiled
-training on 1, 2 and 4 GPUs), ``allreduce-hook`` (issue 23: DDP's allreduce_hook on the layers as
-CUDA graphs, 1, 2 and 4 GPUs), ``predict-scaling`` and ``train-scaling``
+training on 1, 2 and 4 GPUs), ``host-sync`` (issue 23: the training step without host syncs, on
+the layers as CUDA graphs with DDP's allreduce hook, 1, 2 and 4 GPUs), ``predict-scaling`` and ``train-scaling``
 (data-parallel prediction and training on 1, 2 and 4 GPUs of the host). Plans that ran once are
 not kept: the reference tables in results/reference/ record the commands they ran.
 Poll with back-to-back device calls (``sleep N; --status``): a lent machine goes back after 30 s
@@ -366,28 +366,32 @@ def scale_out_run(lane: Session, gpus: int, rows: int, sets: tuple = (), tag: st
               env={"TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"})
 
 
-# Issue 23: the layers as CUDA graphs (train.graph_layers). Host K's 4-GPU graphed step
-# (h100-scaling.md) still launches ~200 per-gradient divisions a step from DDP's reducer; its
-# allreduce_hook divides each bucket once. The graph-layers plan that measured host K is retired
-# (its steps are in that table's notes).
+# Issue 23: the layers as CUDA graphs (train.graph_layers) and DDP's allreduce hook, measured on
+# hosts K and L (h100-scaling.md; the plans that ran there are retired, their steps are in that
+# table's notes). Host K's profile of the 4-GPU graphed step shows two host syncs a step (the
+# logged loss read every step, transformers' `attention_mask.all()` in every forward), after each
+# of which the GPU idles while the host launches the next work: train.no_host_sync (on by default
+# since) takes both out.
 GRAPHED = ("--set", "train.graph_layers=true")
+HOOKED = (*GRAPHED, "--set", "train.ddp_comm_hook=allreduce")
+SYNCING = (*HOOKED, "--set", "train.no_host_sync=false")
 
 
-def step_allreduce_hook(s: Session) -> list:
-    """On a 4-GPU host: DDP's FP32 allreduce_hook (one division a bucket instead of ~200 per-gradient
-    divisions a step, host K's profile) on top of the graphed layers. First the GPU tests of the
-    graphed layers; side by side one GPU graphed (GPU 0), one GPU as the control (GPU 1: the graphs'
-    one-GPU gain on another host), 2 GPUs graphed with the hook (GPUs 2-3); then alone, 4 GPUs
-    graphed, with the hook, with the hook, graphed (ABBA: a linear drift of the host cancels in the
-    pair means, and a plan cut short by the device budget still has both arms).
-    (At one GPU no DDP is built, so the hook has nothing to change there.) ~18
-    minutes of the host with its GPU tests."""
-    gpu_tests(s, "gpu-tests-graphed-layers", "tests/test_train_speed.py", "-k", "cuda_graphed", timeout=300)
-    hook = (*GRAPHED, "--set", "train.ddp_comm_hook=allreduce")
-    lanes(lambda: scale_out_run(s.on_gpu(0), 1, 128, GRAPHED, "-cg"), lambda: scale_out_run(s.on_gpu(1), 1, 128),
-          lambda: scale_out_run(s.on_gpu("2,3"), 2, 128, hook, "-cg-ar"))
-    for sets, tag in ((GRAPHED, "-cg"), (hook, "-cg-ar"), (hook, "-cg-ar-b"), (GRAPHED, "-cg-b")):
+def step_host_sync(s: Session) -> list:
+    """On a 4-GPU host: train.no_host_sync on the graphed layers with the allreduce hook, against
+    the same with both syncs back (train.no_host_sync=false). First the GPU tests (graphed layers,
+    the deferred loss on CUDA); side by side one GPU without syncs (GPU 0), one GPU with them
+    (GPU 1), two GPUs without (GPUs 2-3); then alone on the host 4 GPUs without, with, with,
+    without (ABBA); last a 5-step profile of the 4-GPU step without syncs (GPU idle against host
+    K's 14.4%). ~22 minutes of the host."""
+    gpu_tests(s, "gpu-tests-host-sync", "tests/test_train_speed.py", "tests/test_host_sync.py", "-k",
+              "cuda_graphed or deferred_loss", timeout=300)
+    lanes(lambda: scale_out_run(s.on_gpu(0), 1, 128, HOOKED, "-free"),
+          lambda: scale_out_run(s.on_gpu(1), 1, 128, SYNCING, "-sync"),
+          lambda: scale_out_run(s.on_gpu("2,3"), 2, 128, HOOKED, "-free"))
+    for sets, tag in ((HOOKED, "-free"), (SYNCING, "-sync"), (SYNCING, "-sync-b"), (HOOKED, "-free-b")):
         scale_out_run(s, 4, 128, sets, tag)
+    scale_out_run(s, 4, 128, (*HOOKED, "--profile-steps", "5"), "-free-prof")
     say_training(s)
     return []
 
@@ -399,6 +403,7 @@ def say_training(s: Session) -> None:
               f"prepare, epochs {d.get('train_epoch_s')}, graphs in loop {d.get('compiled_graphs_in_loop')}, "
               f"optimizer step {d.get('optimizer_step')}, graphed layers {d.get('graph_layers')} "
               f"({d.get('cuda_graphs')} CUDA graphs, {d.get('graphed_micro_steps')} graphed micro-steps), "
+              f"hook {d.get('ddp_comm_hook')}, no host sync {d.get('no_host_sync')} (mask prepared {d.get('prepared_mask')}), "
               f"dev F1 {d.get('dev_f1', float('nan')):.2f}")
 
 
@@ -437,7 +442,7 @@ PLANS = {
     "train-speed": [step_train_speed],
     "predict-scaling": [lambda s: predict_scaling(s, ["--set", f"model.name={model_name(MAIN)}"])],
     "scale-out": [step_scale_out],
-    "allreduce-hook": [step_allreduce_hook],
+    "host-sync": [step_host_sync],
     "train-scaling": [lambda s: train_scaling(s, 512, 128, counts=(1, 2, 4), tag="squad-", sets=SQUAD_SIZED)],
 }
 

@@ -70,6 +70,10 @@ def test_a_ddp_setting_off_its_default_makes_its_own_series():
     assert manual.series != one.series and "manual GC" in manual.series
     graphed = train_row(_metrics(1, 80.0, accum=4, graph_layers=True), host="h")
     assert graphed.series not in (one.series, manual.series) and "layers as CUDA graphs" in graphed.series
+    # train.no_host_sync (on since it existed): runs before it synced, so they are another series
+    free = train_row(_metrics(1, 80.0, accum=4, graph_layers=True, no_host_sync=True), host="h")
+    assert free.series == graphed.series + ", no host sync"
+    assert train_row(_metrics(1, 80.0, accum=4, graph_layers=True, no_host_sync=False), host="h").series == graphed.series
 
 
 def test_a_ddp_only_setting_scales_against_the_one_gpu_run_without_it():

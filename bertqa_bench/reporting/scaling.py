@@ -105,7 +105,8 @@ def train_row(metrics: dict, *, host: str, source: str = "", card: str = "", dat
             + (_hook_how(metrics.get("ddp_comm_hook", "none")) + _ddp_how(metrics.get("ddp") or {})
                if ddp_settings else "") \
             + (", manual GC" if metrics.get("manual_gc") else "") \
-            + (", layers as CUDA graphs" if metrics.get("graph_layers") else "")
+            + (", layers as CUDA graphs" if metrics.get("graph_layers") else "") \
+            + (", no host sync" if metrics.get("no_host_sync") else "")
     epochs = metrics.get("train_epoch_s") or []
     sps = float(need("train_samples_per_s"))
     last = (sps * float(metrics["train_s"]) / len(epochs) / float(epochs[-1])

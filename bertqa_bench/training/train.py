@@ -27,7 +27,9 @@ from ..envinfo import device_name
 from ..io import atomic_dir, atomic_write_json
 from ..model.modeling import build_model, count_parameters, load_tokenizer
 from ..tasks import Task, get_task
+from .loss_readback import DeferredLoss
 from .optimizer_step import make_adamw, optimizer_step
+from .prepared_mask import PreparedMask, has_padding
 
 
 
@@ -56,7 +58,7 @@ _EVAL_ONLY = {"dev_file", "max_eval_examples", "target_eval_features", "n_dev_co
 # only watches.
 _HOW_FAST = {"num_threads", "compile", "compile_scope", "graph_layers", "compile_warmup", "grad_accum", "seq_bucket",
              "ddp_bucket_cap_mb", "ddp_static_graph", "ddp_gradient_as_bucket_view", "ddp_comm_hook",
-             "graph_optimizer_step", "manual_gc", "profile_steps"}
+             "graph_optimizer_step", "manual_gc", "no_host_sync", "profile_steps"}
 
 
 def recipe_fields(cfg: SuiteConfig) -> dict:
@@ -366,12 +368,20 @@ class Prefetcher:
             yield item
 
 
-def span_loss(step_fn, loss_fn, batch: dict, label_keys: tuple) -> torch.Tensor:
+_KEEP = object()
+
+
+def span_loss(step_fn, loss_fn, batch: dict, label_keys: tuple, model_mask=_KEEP) -> torch.Tensor:
     """One micro-batch's loss: the model's own (HF's, ``loss_fn`` None), or the padding-masked
-    ``loss_fn`` over the model's logits (the labels are not passed to the model then)."""
+    ``loss_fn`` over the model's logits (the labels are not passed to the model then).
+    ``model_mask``: the attention mask the model gets instead of the batch's 2-D one (a prepared
+    mask or None, prepared_mask.py); the loss keeps the 2-D one."""
+    inputs = batch if loss_fn is None else {k: v for k, v in batch.items() if k not in label_keys}
+    if model_mask is not _KEEP:
+        inputs = {**inputs, "attention_mask": model_mask}
     if loss_fn is None:
-        return step_fn(**batch).loss
-    out = step_fn(**{k: v for k, v in batch.items() if k not in label_keys})
+        return step_fn(**inputs).loss
+    out = step_fn(**inputs)
     return loss_fn(out.start_logits, out.end_logits, batch["attention_mask"], batch["start_positions"],
                    batch["end_positions"], getattr(out, "answer_type_logits", None), batch.get("answer_types"))
 
@@ -456,14 +466,21 @@ def leaves_no_trace(model: torch.nn.Module, device: torch.device):
 
 def shape_batches(representatives, make, device: torch.device):
     """One real batch per micro-batch shape (``representatives``: one row set per shape; ``make``
-    builds its batch), on the device: what the passes before the clock run."""
+    builds its batch), on the device, with whether it pads any row: what the passes before the
+    clock run."""
     for rows in representatives:
-        _, _, batch = make(rows)
-        yield {k: t.to(device, non_blocking=True) for k, t in batch.items()}
+        rows_n, n_tokens, batch = make(rows)
+        yield ({k: t.to(device, non_blocking=True) for k, t in batch.items()},
+               has_padding(rows_n, n_tokens, batch["input_ids"].shape[1]))
+
+
+def model_mask(prepared: Optional[PreparedMask], batch: dict, padded: bool):
+    """What span_loss gives the model as its mask: the prepared one, or the batch's own."""
+    return prepared(batch["attention_mask"], padded) if prepared is not None and prepared.active else _KEEP
 
 
 def capture_layers(model: torch.nn.Module, loss_fn, label_keys: tuple, amp_dtype, device: torch.device,
-                   representatives, make):
+                   representatives, make, prepared: Optional[PreparedMask] = None):
     """train.graph_layers: capture the model's repeated layers as CUDA graphs for every
     micro-batch shape before the clock (``representatives``: one row set per shape). Each shape's
     first-layer inputs come from the model itself on a real batch of that shape, so the graphs
@@ -478,18 +495,18 @@ def capture_layers(model: torch.nn.Module, loss_fn, label_keys: tuple, amp_dtype
     t0 = time.perf_counter()
     graphed = GraphedLayers([b for _, b in blocks])
     with leaves_no_trace(model, device):
-        for batch in shape_batches(representatives, make, device):
+        for batch, padded in shape_batches(representatives, make, device):
             # make_graphed_callables refuses autocast's weight cache (a cached cast would be captured)
             with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None, cache_enabled=False):
-                hidden, mask = first_layer_inputs(model, blocks[0][1],
-                                                  lambda: span_loss(model, loss_fn, batch, label_keys))
+                hidden, mask = first_layer_inputs(model, blocks[0][1], lambda: span_loss(
+                    model, loss_fn, batch, label_keys, model_mask(prepared, batch, padded)))
                 graphed.capture(hidden, mask)
     graphed.install()
     return graphed, time.perf_counter() - t0
 
 
 def compile_warmup(model: torch.nn.Module, loss_fn, label_keys: tuple, amp_dtype, device: torch.device,
-                   representatives, make) -> tuple[float, int]:
+                   representatives, make, prepared: Optional[PreparedMask] = None) -> tuple[float, int]:
     """Compile every micro-batch shape before the clock: one forward + backward of a real batch
     per shape (``representatives``: one row set per shape; ``make`` builds its batch), then the
     gradients are dropped and the RNG state put back, so the timed run draws the same dropout
@@ -498,9 +515,9 @@ def compile_warmup(model: torch.nn.Module, loss_fn, label_keys: tuple, amp_dtype
     t0 = time.perf_counter()
     n = 0
     with leaves_no_trace(model, device):
-        for batch in shape_batches(representatives, make, device):
+        for batch, padded in shape_batches(representatives, make, device):
             with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                loss = span_loss(model, loss_fn, batch, label_keys)
+                loss = span_loss(model, loss_fn, batch, label_keys, model_mask(prepared, batch, padded))
             loss.backward()
             n += 1
     return time.perf_counter() - t0, n
@@ -619,15 +636,22 @@ def _train(cfg: SuiteConfig, *, log: Callable[[str], None], mlrun, evaluate: boo
         return rows_n, trim, bool((lengths[rows] == trim).all())
 
     kinds = {graph_key(rows): rows for ms in micro for rows in ms}
+    # train.no_host_sync: the encoder's mask from the lengths the host knows (prepared_mask.py).
+    # A model compiled whole has no check to skip (dynamo traces it away and always builds the
+    # mask): it keeps the 2-D mask, so its unpadded batches trace no second graph.
+    whole = tc.compile and tc.compile_scope != "layers"
+    prepared = PreparedMask(model) if tc.no_host_sync and not whole else None
     if tc.compile and tc.compile_warmup and compiled_blocks and n_buckets:
         # Before DDP wraps the model: a throwaway backward then runs no all-reduce, so each
         # process compiles its own shapes without waiting for the others'.
-        prepare_s, warmed = compile_warmup(model, loss_fn, label_keys, amp_dtype, device, kinds.values(), make)
+        prepare_s, warmed = compile_warmup(model, loss_fn, label_keys, amp_dtype, device, kinds.values(), make,
+                                           prepared)
         if rank == 0:
             log(f"train: compiled {warmed} micro-batch shapes before the clock in {prepare_s:.1f} s (prepare time)")
     graphed = None
     if tc.graph_layers:
-        graphed, capture_s = capture_layers(model, loss_fn, label_keys, amp_dtype, device, kinds.values(), make)
+        graphed, capture_s = capture_layers(model, loss_fn, label_keys, amp_dtype, device, kinds.values(), make,
+                                            prepared)
         prepare_s += capture_s
         if rank == 0:
             log(f"train: captured {graphed.info()['cuda_graphs']} CUDA graphs ({len(graphed.layers)} layers x "
@@ -666,9 +690,18 @@ def _train(cfg: SuiteConfig, *, log: Callable[[str], None], mlrun, evaluate: boo
     gc_watch = GcWatch(manual=tc.manual_gc)  # right before the try that puts the collector back
     # No host sync inside a step: copies from pinned memory are non-blocking, clipping runs on the
     # device (foreach, no .item(), no error_if_nonfinite), the disabled GradScaler (BF16/FP32)
-    # is skipped, fused AdamW and the scheduler take Python-float learning rates, and the loss is
-    # read back only every log_every steps. (Eager HF BERT still checks `attention_mask.all()`
-    # once per forward to pick its SDPA path; under train.compile that check is traced away.)
+    # is skipped, fused AdamW and the scheduler take Python-float learning rates. With
+    # train.no_host_sync (the default) the logged loss arrives one log step late from a pinned copy
+    # (loss_readback.py) and the encoder's mask is built from host-known lengths, so transformers
+    # does not ask the GPU whether the batch is padded (prepared_mask.py); off, both wait.
+    readback = DeferredLoss(defer=tc.no_host_sync)
+
+    def report(value: float, at: dict) -> None:
+        losses.append(value)
+        bar.update(at["step"] - bar.n, postfix=f"loss={value:.3f}")
+        if mlrun is not None:
+            mlrun.step(at["step"], value, at["samples"], total_steps, lr=at["lr"])
+
     try:
         for ms in micro:
             if prof is not None:
@@ -677,12 +710,14 @@ def _train(cfg: SuiteConfig, *, log: Callable[[str], None], mlrun, evaluate: boo
             with prof.phase("forward_backward") if prof is not None else contextlib.nullcontext():
                 for i, _ in enumerate(ms):
                     rows_n, n_tokens, batch = next(batches)
+                    padded = has_padding(rows_n, n_tokens, batch["input_ids"].shape[1])
                     batch = {key: t.to(device, non_blocking=True) for key, t in batch.items()}
                     # DDP: all-reduce the gradients once, after the last micro-batch of the global batch.
                     sync = contextlib.nullcontext() if world == 1 or i == len(ms) - 1 else ddp_model.no_sync()
                     with sync:
                         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                            loss = span_loss(step_fn, loss_fn, batch, label_keys) / len(ms)
+                            loss = span_loss(step_fn, loss_fn, batch, label_keys,
+                                             model_mask(prepared, batch, padded)) / len(ms)
                         if scaler.is_enabled():
                             scaler.scale(loss).backward()
                         else:
@@ -699,12 +734,13 @@ def _train(cfg: SuiteConfig, *, log: Callable[[str], None], mlrun, evaluate: boo
                 epoch_ends.append(time.perf_counter() - t_train)
                 gc_watch.epoch_end()
             if step % log_every == 0 or step == total_steps:
-                losses.append(float(loss_acc))  # one host sync every few steps, not every step
-                bar.update(step - bar.n, postfix=f"loss={losses[-1]:.3f}")
-                if mlrun is not None:
-                    mlrun.step(step, losses[-1], seen * world, total_steps, lr=scheduler.get_last_lr()[0])
+                for value, at in readback.push(loss_acc, step=step, samples=seen * world,
+                                               lr=scheduler.get_last_lr()[0]):
+                    report(value, at)
         if device.type == "cuda":
             torch.cuda.synchronize()  # a CUDA or NCCL error often surfaces here: still inside the try
+        for value, at in readback.flush():
+            report(value, at)
     finally:
         gc_stats = gc_watch.stop()  # the collector as it was, whatever ended the loop
     bar.close()
@@ -744,6 +780,9 @@ def _train(cfg: SuiteConfig, *, log: Callable[[str], None], mlrun, evaluate: boo
         "ddp": ddp_settings(ddp_model) if world > 1 else None,  # as DDP runs them, read back
         # as configured, at every world size (the 1-GPU row of a series names it too); applies at world > 1
         "optimizer_step": opt_step.kind, "ddp_comm_hook": tc.ddp_comm_hook,
+        # no host sync in the step: the loss read late, and the mask built by the trainer (False
+        # where the encoder does not build it with transformers' create_bidirectional_mask)
+        "no_host_sync": tc.no_host_sync, "prepared_mask": bool(prepared is not None and prepared.active),
         **gc_stats,
         **({"profile": profiled} if profiled else {}),
         "seed": tc.seed, "base": cfg.model.base, "random_init": cfg.model.random_init, **util, **init_info,
