@@ -49,15 +49,16 @@ def _syncing_ops(fn) -> int:
     return sum(e.count for e in prof.key_averages() if e.key in ("aten::is_nonzero", "aten::item"))
 
 
-@pytest.mark.parametrize("family,attn", [(f, "sdpa") for f in PREPARED] + [("bert", "eager")])
+@pytest.mark.parametrize("family", PREPARED)
 @pytest.mark.parametrize("padded", [True, False])
-def test_the_prepared_mask_gives_the_models_logits_and_its_layers_mask_without_asking_the_device(family, attn,
-                                                                                                 padded):
-    """SDPA's boolean mask for each family, and the eager implementation's additive float mask."""
+def test_the_prepared_mask_gives_the_models_logits_and_its_layers_mask_without_asking_the_device(family, padded):
+    """SDPA's boolean mask, family by family (the families ENCODER_TYPES names)."""
     from bertqa_bench.training.graphed_layers import first_layer_inputs
+    from bertqa_bench.training.prepared_mask import ENCODER_TYPES
     from bertqa_bench.training.train import repeated_blocks
 
-    model = _tiny(family, attn)
+    assert set(PREPARED) == set(ENCODER_TYPES)
+    model = _tiny(family)
     prepared = PreparedMask(model)
     assert prepared.active
     batch, real = _batch(padded=padded)
@@ -85,8 +86,22 @@ def test_the_prepared_mask_gives_the_models_logits_and_its_layers_mask_without_a
                                                                                  padding)})) == 0
 
 
-def test_a_family_that_builds_its_mask_otherwise_keeps_the_2d_mask():
-    model = _tiny("deberta-v2")
+def _gpt2():
+    from transformers import GPT2Config, GPT2ForQuestionAnswering
+
+    torch.manual_seed(0)
+    return GPT2ForQuestionAnswering(GPT2Config(vocab_size=100, n_positions=64, n_embd=32, n_layer=2, n_head=2,
+                                               attn_implementation="sdpa")).eval()
+
+
+@pytest.mark.parametrize("make", [lambda: _tiny("deberta-v2"), lambda: _tiny("bert", "eager"), _gpt2],
+                         ids=["deberta-v2", "bert-eager", "gpt2"])
+def test_a_model_outside_the_known_encoders_under_sdpa_keeps_its_2d_mask(make):
+    """DeBERTa-v2 builds its mask its own way; eager attention's float mask would need a dtype
+    guessed (and transformers 5.17 builds it with a blocking copy anyway); GPT-2 imports the same
+    mask function but is causal, and a 4-D mask would pass through to its layers and drop the
+    causality. None of them gets a prepared mask."""
+    model = make()
     prepared = PreparedMask(model)
     batch, _ = _batch()
     assert not prepared.active and prepared(batch["attention_mask"], True) is batch["attention_mask"]
@@ -108,6 +123,34 @@ def test_the_deferred_loss_arrives_one_log_step_late_with_its_own_step_and_the_r
 
 
 @pytest.mark.gpu
+def test_gpu_a_training_step_with_the_prepared_mask_and_the_deferred_loss_never_syncs():
+    """On CUDA, with torch's sync debug mode set to raise: preparing the mask, forward, backward
+    and pushing the loss wait for nothing (the 2-D mask's forward does, which shows the mode is on).
+    The losses pushed are read back unchanged, and the last arrives at flush."""
+    model = _tiny("bert").cuda().train()
+    prepared = PreparedMask(model)
+    batch, real = _batch()
+    rows, seq = batch["input_ids"].shape
+    batch = {k: v.cuda() for k, v in batch.items()}
+    late, expected = DeferredLoss(), []
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with pytest.raises(RuntimeError):
+            model(**batch)
+        for _ in range(3):
+            out = model(**{**batch, "attention_mask": prepared(batch["attention_mask"], has_padding(rows, real, seq))})
+            loss = out.start_logits.float().logsumexp(-1).mean()
+            loss.backward()
+            expected.append(loss.detach().clone())
+            late.push(loss)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    got = late.flush()
+    assert len(got) == 1 and got[0][0] == float(expected[-1])
+
+
+@pytest.mark.gpu
 def test_the_deferred_loss_reads_a_cuda_loss_from_pinned_memory_unchanged():
     late = DeferredLoss()
     values = [torch.tensor(float(i), device="cuda") * 1.5 for i in range(4)]
@@ -119,10 +162,21 @@ def test_the_deferred_loss_reads_a_cuda_loss_from_pinned_memory_unchanged():
 
 
 def test_training_without_host_syncs_trains_the_same_model_and_logs_the_same_losses(tiny_suite, monkeypatch):
-    """The whole trainer with train.no_host_sync on and off (64-token buckets, so some batches
-    are padded and some may not be): the same weights bit for bit, the same logged losses, the
-    same recipe; on, the trainer says it built the mask."""
+    """The whole trainer with train.no_host_sync on and off (32-token buckets: padded and
+    unpadded micro-batches both occur, checked): the same weights bit for bit, the same logged
+    losses, the same recipe; on, the trainer says it built the mask."""
     from safetensors.torch import load_file
+
+    import bertqa_bench.training.train as trainer
+
+    kinds = []
+
+    def spy(rows, real, length):
+        kinds.append(trainer_has_padding(rows, real, length))
+        return kinds[-1]
+
+    trainer_has_padding = trainer.has_padding
+    monkeypatch.setattr(trainer, "has_padding", spy)
 
     from conftest import TINY_BERT
 
@@ -132,6 +186,7 @@ def test_training_without_host_syncs_trains_the_same_model_and_logs_the_same_los
     on = load_suite(str(suite), ["model.name=sync-free", "train.seq_bucket=32"])
     off = load_suite(str(suite), ["model.name=syncing", "train.seq_bucket=32", "train.no_host_sync=false"])
     m_on, m_off = train(on, log=lambda m: None, evaluate=False), train(off, log=lambda m: None, evaluate=False)
+    assert True in kinds and False in kinds
     assert m_on["prepared_mask"] is True and m_off["prepared_mask"] is False
     assert m_on["no_host_sync"] is True and m_off["no_host_sync"] is False
     same = [{k: v for k, v in m["recipe_fields"].items() if k != "model.name"} for m in (m_on, m_off)]

@@ -155,7 +155,8 @@ def with_efficiency(rows: list[ScalingRow]) -> list[ScalingRow]:
     one = {(r.job, r.host, r.series): r for r in rows if r.n_gpus == 1}
 
     def eff(r: ScalingRow, field: str) -> Optional[float]:
-        base = one.get((r.job, r.host, r.series)) or one.get((r.job, r.host, r.baseline_series))
+        base = one.get((r.job, r.host, r.series)) or (one.get((r.job, r.host, r.baseline_series))
+                                                      if r.baseline_series else None)
         mine, theirs = getattr(r, field), getattr(base, field) if base else None
         return mine / (r.n_gpus * theirs) if mine and theirs else None
 

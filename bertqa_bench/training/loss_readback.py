@@ -30,9 +30,9 @@ class DeferredLoss:
             return self.flush() + [(float(loss), info)]
         if loss.device.type == "cuda":
             host = torch.empty((), dtype=loss.dtype, pin_memory=True)
-            host.copy_(loss, non_blocking=True)
+            host.copy_(loss, non_blocking=True)  # queued on the loss's device's current stream
             event = torch.cuda.Event()
-            event.record()
+            event.record(torch.cuda.current_stream(loss.device))  # the stream the copy was queued on
         else:  # a CPU loss is there already; kept the same way, so both devices log alike
             host, event = loss.clone(), None
         ready = self.flush()

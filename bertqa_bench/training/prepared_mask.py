@@ -15,9 +15,15 @@ batch with padding, and passes no mask for a batch without (what the check would
 The encoder returns a prepared 4-D mask as it is. The layers therefore receive the same mask
 tensor as before, or the same ``None``, and the model computes the same numbers.
 
-A model whose encoder does not build its mask this way (another transformers, another family)
-keeps the 2-D mask, and the step keeps its check. So does a model compiled whole
-(``train.compile_scope: model``): dynamo traces the check away and always builds the mask there.
+It is on only where that is known to hold: an encoder of the families below, under SDPA. There
+the mask is boolean, so no dtype is guessed. The encoders are checked by the tests, family by
+family. Other models keep the 2-D mask, and the step keeps its check:
+- other model types: a 4-D mask passes through to the layers as it is, so a causal or
+  sliding-window model would silently lose its own mask;
+- eager attention: its float mask takes the dtype of the hidden states, and transformers 5.17
+  builds it with a blocking copy anyway.
+So does a model compiled whole (``train.compile_scope: model``): dynamo traces the check away
+and always builds the mask there.
 """
 from __future__ import annotations
 
@@ -27,13 +33,22 @@ from typing import Callable, Optional
 import torch
 
 
+# The encoders whose forward turns a 2-D mask into the attention mask with create_bidirectional_mask
+# alone, and passes a prepared 4-D mask through unchanged (tests/test_host_sync.py checks each).
+ENCODER_TYPES = ("bert", "roberta", "distilbert", "albert", "electra")
+
+
 def _mask_builder(model: torch.nn.Module) -> tuple[Optional[Callable], Optional[torch.nn.Module]]:
     """(transformers' create_bidirectional_mask, the encoder that calls it) or (None, None)."""
     for module in model.modules():
         config = getattr(module, "config", None)
         fn = getattr(sys.modules.get(type(module).__module__), "create_bidirectional_mask", None)
-        if fn is not None and config is not None and not getattr(config, "is_decoder", False):
+        if fn is None or config is None:
+            continue
+        if (getattr(config, "model_type", None) in ENCODER_TYPES and not getattr(config, "is_decoder", False)
+                and getattr(config, "_attn_implementation", None) == "sdpa"):
             return fn, module
+        return None, None  # the outermost transformers model decides
     return None, None
 
 
@@ -43,8 +58,6 @@ class PreparedMask:
     def __init__(self, model: torch.nn.Module):
         self.build, encoder = _mask_builder(model)
         self.config = encoder.config if encoder is not None else None
-        # the dtype the encoder's embeddings come out in (an eager implementation's float mask takes it)
-        self.dtype = next(model.parameters()).dtype
 
     @property
     def active(self) -> bool:
@@ -56,8 +69,9 @@ class PreparedMask:
         if not padded:
             return None
         rows, length = mask.shape
-        # create_bidirectional_mask reads only the batch size, length, dtype and device of its embeddings
-        embeds = torch.empty((rows, length, 0), dtype=self.dtype, device=mask.device)
+        # create_bidirectional_mask reads only the batch size, length, dtype and device of its
+        # embeddings; under SDPA the mask is boolean, so the dtype is not used
+        embeds = torch.empty((rows, length, 0), device=mask.device)
         return self.build(config=self.config, inputs_embeds=embeds, attention_mask=mask,
                           allow_is_bidirectional_skip=False)
 

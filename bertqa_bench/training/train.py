@@ -731,6 +731,9 @@ def _train(cfg: SuiteConfig, *, log: Callable[[str], None], mlrun, evaluate: boo
             if prof is not None:
                 prof.end(step)
             if step % steps_per_epoch == 0:
+                if device.type == "cuda":
+                    # the epoch's time is the GPU's: without per-step syncs the host may be steps ahead
+                    torch.cuda.synchronize(device)
                 epoch_ends.append(time.perf_counter() - t_train)
                 gc_watch.epoch_end()
             if step % log_every == 0 or step == total_steps:
