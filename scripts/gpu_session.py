@@ -380,12 +380,12 @@ SYNCING = (*HOOKED, "--set", "train.no_host_sync=false")
 def step_host_sync(s: Session) -> list:
     """On a 4-GPU host: train.no_host_sync on the graphed layers with the allreduce hook, against
     the same with both syncs back (train.no_host_sync=false). First the GPU tests (graphed layers,
-    the deferred loss on CUDA); side by side one GPU without syncs (GPU 0), one GPU with them
+    the deferred loss on CUDA, a step under torch's sync-debug mode); side by side one GPU without syncs (GPU 0), one GPU with them
     (GPU 1), two GPUs without (GPUs 2-3); then alone on the host 4 GPUs without, with, with,
     without (ABBA); last a 5-step profile of the 4-GPU step without syncs (GPU idle against host
     K's 14.4%). ~22 minutes of the host."""
     gpu_tests(s, "gpu-tests-host-sync", "tests/test_train_speed.py", "tests/test_host_sync.py", "-k",
-              "cuda_graphed or deferred_loss", timeout=300)
+              "cuda_graphed or deferred_loss or never_syncs", timeout=300)
     lanes(lambda: scale_out_run(s.on_gpu(0), 1, 128, HOOKED, "-free"),
           lambda: scale_out_run(s.on_gpu(1), 1, 128, SYNCING, "-sync"),
           lambda: scale_out_run(s.on_gpu("2,3"), 2, 128, HOOKED, "-free"))
