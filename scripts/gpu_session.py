@@ -217,11 +217,11 @@ def sweep(s: Session, tag: str, backends: str, env: dict | None = None,
 
 
 def bench_and_profile(s: Session, tag: str, backends: str, profiles: tuple = (), env: dict | None = None,
-                      timeout: float = 1200) -> None:
-    """One `bench` of the given backends (run id gpu-TAG, log bench-TAG), then a 20-batch profile
-    of each of ``profiles`` (GPU idle fraction, top kernels, trace)."""
+                      timeout: float = 1200, extra: tuple = ()) -> None:
+    """One `bench` of the given backends (run id gpu-TAG, log bench-TAG, ``extra`` arguments
+    last), then a 20-batch profile of each of ``profiles`` (GPU idle fraction, top kernels, trace)."""
     s.run(f"bench-{tag}", ["cli", "bench", "--suite", SUITE, "--no-mlflow", "--no-progress", "--run-id", f"gpu-{tag}",
-                           "--backends", backends, "--set", f"model.name={model_name(MAIN)}", *A],
+                           "--backends", backends, "--set", f"model.name={model_name(MAIN)}", *A, *extra],
           timeout=timeout, env=env)
     for backend in profiles:
         s.run(f"profile-{backend}", ["cli", "profile", "--suite", SUITE, "--backend", backend, "--batches", "20",
@@ -328,9 +328,7 @@ def step_perf(s: Session) -> list:
     PERF_BACKENDS at seven passes a row."""
     gpu_tests(s, "gpu-tests-issue22", "tests/test_fp8.py", "tests/test_backends.py", "-k", "head", timeout=600)
     train(s, MAIN)
-    s.run("bench-perf", ["cli", "bench", "--suite", SUITE, "--no-mlflow", "--no-progress", "--run-id", "gpu-perf",
-                         "--backends", PERF_BACKENDS, "--set", f"model.name={model_name(MAIN)}", *A,
-                         "--set", "bench.min_passes=7"], timeout=1500)
+    bench_and_profile(s, "perf", PERF_BACKENDS, timeout=1500, extra=("--set", "bench.min_passes=7"))
     return []
 
 
@@ -380,10 +378,10 @@ SYNCING = (*HOOKED, "--set", "train.no_host_sync=false")
 def step_host_sync(s: Session) -> list:
     """On a 4-GPU host: train.no_host_sync on the graphed layers with the allreduce hook, against
     the same with both syncs back (train.no_host_sync=false). First the GPU tests (graphed layers,
-    the deferred loss on CUDA, a step under torch's sync-debug mode); side by side one GPU without syncs (GPU 0), one GPU with them
-    (GPU 1), two GPUs without (GPUs 2-3); then alone on the host 4 GPUs without, with, with,
-    without (ABBA); last a 5-step profile of the 4-GPU step without syncs (GPU idle against host
-    K's 14.4%). ~22 minutes of the host."""
+    the deferred loss on CUDA, a step under torch's sync-debug mode); side by side one GPU without
+    syncs (GPU 0), one GPU with them (GPU 1), two GPUs without (GPUs 2-3); then alone on the host
+    4 GPUs without, with, with, without (ABBA); last a 5-step profile of the 4-GPU step without
+    syncs (GPU idle against host K's 14.4%). ~22 minutes of the host."""
     gpu_tests(s, "gpu-tests-host-sync", "tests/test_train_speed.py", "tests/test_host_sync.py", "-k",
               "cuda_graphed or deferred_loss or never_syncs", timeout=300)
     lanes(lambda: scale_out_run(s.on_gpu(0), 1, 128, HOOKED, "-free"),

@@ -476,7 +476,7 @@ def shape_batches(representatives, make, device: torch.device):
 
 def model_mask(prepared: Optional[PreparedMask], batch: dict, padded: bool):
     """What span_loss gives the model as its mask: the prepared one, or the batch's own."""
-    return prepared(batch["attention_mask"], padded) if prepared is not None and prepared.active else _KEEP
+    return _KEEP if prepared is None else prepared(batch["attention_mask"], padded)
 
 
 def capture_layers(model: torch.nn.Module, loss_fn, label_keys: tuple, amp_dtype, device: torch.device,
@@ -641,6 +641,8 @@ def _train(cfg: SuiteConfig, *, log: Callable[[str], None], mlrun, evaluate: boo
     # mask): it keeps the 2-D mask, so its unpadded batches trace no second graph.
     whole = tc.compile and tc.compile_scope != "layers"
     prepared = PreparedMask(model) if tc.no_host_sync and not whole else None
+    if prepared is not None and not prepared.active:
+        prepared = None  # an encoder that builds its mask otherwise keeps the 2-D one
     if tc.compile and tc.compile_warmup and compiled_blocks and n_buckets:
         # Before DDP wraps the model: a throwaway backward then runs no all-reduce, so each
         # process compiles its own shapes without waiting for the others'.
@@ -785,7 +787,7 @@ def _train(cfg: SuiteConfig, *, log: Callable[[str], None], mlrun, evaluate: boo
         "optimizer_step": opt_step.kind, "ddp_comm_hook": tc.ddp_comm_hook,
         # no host sync in the step: the loss read late, and the mask built by the trainer (False
         # where the encoder does not build it with transformers' create_bidirectional_mask)
-        "no_host_sync": tc.no_host_sync, "prepared_mask": bool(prepared is not None and prepared.active),
+        "no_host_sync": tc.no_host_sync, "prepared_mask": prepared is not None,
         **gc_stats,
         **({"profile": profiled} if profiled else {}),
         "seed": tc.seed, "base": cfg.model.base, "random_init": cfg.model.random_init, **util, **init_info,
