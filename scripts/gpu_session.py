@@ -15,9 +15,8 @@ sweep, the calibration points, the batching rows), ``tests`` (the GPU tests), ``
 then benchmarked as a user's checkpoint), ``loadgen``, ``loadgen-length-aware`` and ``loadgen-rest`` (issue 21:
 MLPerf LoadGen SingleStream, Server peak and Offline rows), ``perf`` (issue 22: the GPU tests of the newest FP8
 row, then it beside the row it improves on, seven passes each), ``train-speed`` (issue 23: one-GPU training, baseline
-and bucketed + compiled, with step profiles), ``scale-out`` (issue 23 on a 4-GPU host: compiled
-training on 1, 2 and 4 GPUs), ``host-sync`` (issue 23: the training step without host syncs, on
-the layers as CUDA graphs with DDP's allreduce hook, 1, 2 and 4 GPUs), ``predict-scaling`` and ``train-scaling``
+and bucketed + compiled, with step profiles), ``scale-out`` (issue 23 on a 4-GPU host: the fastest
+training recipe on 1, 2 and 4 GPUs), ``predict-scaling`` and ``train-scaling``
 (data-parallel prediction and training on 1, 2 and 4 GPUs of the host). Plans that ran once are
 not kept: the reference tables in results/reference/ record the commands they ran.
 Poll with back-to-back device calls (``sleep N; --status``): a lent machine goes back after 30 s
@@ -364,36 +363,6 @@ def scale_out_run(lane: Session, gpus: int, rows: int, sets: tuple = (), tag: st
               env={"TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"})
 
 
-# Issue 23: the layers as CUDA graphs (train.graph_layers) and DDP's allreduce hook, measured on
-# hosts K and L (h100-scaling.md; the plans that ran there are retired, their steps are in that
-# table's notes). Host K's profile of the 4-GPU graphed step shows two host syncs a step (the
-# logged loss read every step, transformers' `attention_mask.all()` in every forward), after each
-# of which the GPU idles while the host launches the next work: train.no_host_sync (on by default
-# since) takes both out.
-GRAPHED = ("--set", "train.graph_layers=true")
-HOOKED = (*GRAPHED, "--set", "train.ddp_comm_hook=allreduce")
-SYNCING = (*HOOKED, "--set", "train.no_host_sync=false")
-
-
-def step_host_sync(s: Session) -> list:
-    """On a 4-GPU host: train.no_host_sync on the graphed layers with the allreduce hook, against
-    the same with both syncs back (train.no_host_sync=false). First the GPU tests (graphed layers,
-    the deferred loss on CUDA, a step under torch's sync-debug mode); side by side one GPU without
-    syncs (GPU 0), one GPU with them (GPU 1), two GPUs without (GPUs 2-3); then alone on the host
-    4 GPUs without, with, with, without (ABBA); last a 5-step profile of the 4-GPU step without
-    syncs (GPU idle against host K's 14.4%). ~22 minutes of the host."""
-    gpu_tests(s, "gpu-tests-host-sync", "tests/test_train_speed.py", "tests/test_host_sync.py", "-k",
-              "cuda_graphed or deferred_loss or never_syncs", timeout=300)
-    lanes(lambda: scale_out_run(s.on_gpu(0), 1, 128, HOOKED, "-free"),
-          lambda: scale_out_run(s.on_gpu(1), 1, 128, SYNCING, "-sync"),
-          lambda: scale_out_run(s.on_gpu("2,3"), 2, 128, HOOKED, "-free"))
-    for sets, tag in ((HOOKED, "-free"), (SYNCING, "-sync"), (SYNCING, "-sync-b"), (HOOKED, "-free-b")):
-        scale_out_run(s, 4, 128, sets, tag)
-    scale_out_run(s, 4, 128, (*HOOKED, "--profile-steps", "5"), "-free-prof")
-    say_training(s)
-    return []
-
-
 def say_training(s: Session) -> None:
     for f in sorted((ROOT / "models").glob("bb-squad-r*-gpus*/train_metrics.json")):
         d = json.loads(f.read_text())
@@ -405,13 +374,19 @@ def say_training(s: Session) -> None:
               f"dev F1 {d.get('dev_f1', float('nan')):.2f}")
 
 
+# The fastest training recipe measured (h100-scaling.md, host M): the layers as CUDA graphs and DDP's
+# FP32 all-reduce hook, on top of SCALE_OUT; train.no_host_sync is on by default.
+FASTEST = ("--set", "train.graph_layers=true", "--set", "train.ddp_comm_hook=allreduce")
+
+
 def step_scale_out(s: Session) -> list:
-    """Issue 23 on a 4-GPU host, side by side on their own GPUs: one GPU at 256 and at 128 rows per
-    micro-step, and 2 GPUs at 128 rows; then 4 GPUs at 128 rows alone on the host. (Prediction on
-    1, 2 and 4 GPUs: ``predict-scaling``.)"""
-    lanes(lambda: scale_out_run(s.on_gpu(0), 1, 256), lambda: scale_out_run(s.on_gpu(1), 1, 128),
-          lambda: scale_out_run(s.on_gpu("2,3"), 2, 128))
-    scale_out_run(s, 4, 128)
+    """Training scaling on a 4-GPU host with the fastest recipe: side by side on their own GPUs,
+    one GPU (GPU 0) and 2 GPUs (GPUs 2-3); then 4 GPUs twice, alone on the host. ~15 minutes.
+    (Prediction on 1, 2 and 4 GPUs: ``predict-scaling``.)"""
+    lanes(lambda: scale_out_run(s.on_gpu(0), 1, 128, FASTEST),
+          lambda: scale_out_run(s.on_gpu("2,3"), 2, 128, FASTEST))
+    for tag in ("", "-b"):
+        scale_out_run(s, 4, 128, FASTEST, tag)
     say_training(s)
     return []
 
@@ -440,7 +415,6 @@ PLANS = {
     "train-speed": [step_train_speed],
     "predict-scaling": [lambda s: predict_scaling(s, ["--set", f"model.name={model_name(MAIN)}"])],
     "scale-out": [step_scale_out],
-    "host-sync": [step_host_sync],
     "train-scaling": [lambda s: train_scaling(s, 512, 128, counts=(1, 2, 4), tag="squad-", sets=SQUAD_SIZED)],
 }
 

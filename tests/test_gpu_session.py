@@ -86,3 +86,21 @@ def test_lanes_that_need_one_model_train_it_once(gs, tmp_path, monkeypatch):
     assert sorted(calls) == ["train-bert-base-grown-hard-a20", "train-bert-base-grown-hard-a30"]
     assert "trained by another lane of this session" in (tmp_path / "driver.log").read_text()
     assert max(overlaps) == 2  # the two different models did train side by side
+
+
+def test_the_scale_out_plan_composes_commands_the_suite_accepts(gs, tmp_path, monkeypatch):
+    """The reusable 4-GPU training plan: every command it would run names settings the suite knows
+    (a misspelt or retired key fails here, not on a lent host), with the fastest recipe measured."""
+    from bertqa_bench.suite import load_suite
+
+    monkeypatch.setattr(gs, "gpus", lambda: 4)
+    seen = []
+    monkeypatch.setattr(gs.Session, "run", lambda self, name, args, **kw: seen.append((self.lane, name, args)))
+    gs.step_scale_out(gs.Session(tmp_path))
+    assert [(lane, name) for lane, name, _ in seen][-2:] == [("", "train-squad-r128-gpus4"),
+                                                             ("", "train-squad-r128-gpus4-b")]
+    assert sorted(lane for lane, *_ in seen[:2]) == ["[gpu0] ", "[gpu2,3] "]
+    for _, name, args in seen:
+        sets = [args[i + 1] for i, a in enumerate(args) if a == "--set"]
+        assert "train.graph_layers=true" in sets and "train.ddp_comm_hook=allreduce" in sets, name
+        load_suite(args[args.index("--suite") + 1], sets)  # raises on an unknown key

@@ -112,6 +112,18 @@ def test_efficiency_is_taken_against_the_one_gpu_row_of_the_same_host_and_series
     assert eff[4] is None  # no 1-GPU row in its series: no efficiency rather than a cross-recipe ratio
 
 
+def test_of_several_one_gpu_rows_the_fastest_is_the_denominator():
+    rows = [ScalingRow("train", 1, "X", "A", "s", 100.0), ScalingRow("train", 1, "X", "A", "s", 98.0),
+            ScalingRow("train", 4, "X", "A", "s", 360.0)]
+    out = with_efficiency(rows)
+    assert [r.efficiency for r in out] == [pytest.approx(1.0), pytest.approx(0.98), pytest.approx(0.9)]
+    # the same whichever order the runs are listed in
+    assert [r.efficiency for r in with_efficiency(rows[::-1])] == [pytest.approx(0.9), pytest.approx(0.98),
+                                                                   pytest.approx(1.0)]
+    assert "against the fastest of this series' 1-GPU rows" in markdown(out, "t")
+    assert "fastest" not in markdown(with_efficiency([rows[0], rows[2]]), "t")
+
+
 def test_prediction_rows_come_from_a_data_parallel_bundle(tmp_path):
     meta = RunMeta(suite="s", run_id="r", task="squad", metric_names=["exact_match", "f1"], primary_metric="f1",
                    reference="eager", command="bertqa-bench sweep --devices 1,2", date="2026-11-26",

@@ -151,8 +151,14 @@ def predict_rows(bundle: RunBundle, *, host: str) -> list[ScalingRow]:
 
 def with_efficiency(rows: list[ScalingRow]) -> list[ScalingRow]:
     """Efficiency against the 1-GPU row of the same job, host and series, or of the row's baseline
-    series where it has one and its own series has no 1-GPU row (None where there is none)."""
-    one = {(r.job, r.host, r.series): r for r in rows if r.n_gpus == 1}
+    series where it has one and its own series has no 1-GPU row (None where there is none). Where a
+    series has several 1-GPU rows (one beside other jobs, one alone on the host), the fastest is the
+    denominator: the lowest efficiency, so a slow 1-GPU run never flatters the scaling."""
+    one: dict[tuple, ScalingRow] = {}
+    for r in rows:
+        key = (r.job, r.host, r.series)
+        if r.n_gpus == 1 and (key not in one or r.samples_per_s > one[key].samples_per_s):
+            one[key] = r
 
     def eff(r: ScalingRow, field: str) -> Optional[float]:
         base = one.get((r.job, r.host, r.series)) or (one.get((r.job, r.host, r.baseline_series))
@@ -216,6 +222,8 @@ def markdown(rows: list[ScalingRow], title: str, notes: str = "") -> str:
             if not any(r.n_gpus == 1 for r in rs) else set()
         lines += [f"Scaling efficiency against the 1-GPU row of *{b}* on {host} (DDP settings do nothing in one "
                   "process).\n" for b in sorted(borrowed)]
+        if sum(r.n_gpus == 1 for r in rs) > 1:
+            lines += ["Scaling efficiency against the fastest of this series' 1-GPU rows.\n"]
         lines += [f"| GPUs | {unit} | scaling efficiency |"
                   + (" last epoch samples/s | last epoch efficiency |" if job == "train" else "")
                   + " dev EM | dev F1 |"
