@@ -380,13 +380,18 @@ FASTEST = ("--set", "train.graph_layers=true", "--set", "train.ddp_comm_hook=all
 
 
 def step_scale_out(s: Session) -> list:
-    """Training scaling on a 4-GPU host with the fastest recipe: side by side on their own GPUs,
-    one GPU (GPU 0) and 2 GPUs (GPUs 2-3); then 4 GPUs twice, alone on the host. ~15 minutes.
-    (Prediction on 1, 2 and 4 GPUs: ``predict-scaling``.)"""
+    """Training scaling on a 4-GPU host with the fastest recipe: first the GPU tests of its graphed
+    layers and sync-free step; side by side on their own GPUs, one GPU (GPU 0) and 2 GPUs (GPUs
+    2-3); then alone on the host 4 GPUs twice and one GPU (the denominator that shares the host
+    with nothing, as the 4-GPU runs do). ~20 minutes. (Prediction on 1, 2 and 4 GPUs:
+    ``predict-scaling``.)"""
+    gpu_tests(s, "gpu-tests-scale-out", "tests/test_train_speed.py", "tests/test_host_sync.py", "-k",
+              "cuda_graphed or deferred_loss or never_syncs", timeout=300)
     lanes(lambda: scale_out_run(s.on_gpu(0), 1, 128, FASTEST),
           lambda: scale_out_run(s.on_gpu("2,3"), 2, 128, FASTEST))
     for tag in ("", "-b"):
         scale_out_run(s, 4, 128, FASTEST, tag)
+    scale_out_run(s, 1, 128, FASTEST, "-alone")
     say_training(s)
     return []
 

@@ -251,7 +251,7 @@ MUTANTS = [
       ("tests/test_scaling.py", "-k", "ddp_only"),
       "a comm hook's 4-GPU rows get no scaling efficiency (host L's table had none)"),
     M("scaling-denominator-is-the-last-one-gpu-row", "bertqa_bench/reporting/scaling.py",
-      "(key not in one or r.samples_per_s > one[key].samples_per_s)", "True",
+      "(key not in one or rate > one[key].samples_per_s)", "True",
       ("tests/test_scaling.py", "-k", "several_one_gpu"),
       "with two 1-GPU runs in a series, the efficiency depends on which was listed last"),
     M("prepared-mask-drops-the-padding", "bertqa_bench/training/prepared_mask.py",

@@ -358,7 +358,8 @@ def test_tanh_gelu_triton_kernel_in_the_interpreter_matches_torch(tmp_path):
     root = str(Path(gelu_fp8.__file__).resolve().parents[2])  # the same package as this process's
     env = {**os.environ, "TRITON_INTERPRET": "1", "TRITON_CACHE_DIR": str(tmp_path),
            "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    r = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, cwd=root, capture_output=True, text=True,
+                       timeout=300)
     assert r.returncode == 0 and "interpreted kernel matches" in r.stdout, r.stderr[-3000:]
 
 

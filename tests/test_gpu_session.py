@@ -97,8 +97,11 @@ def test_the_scale_out_plan_composes_commands_the_suite_accepts(gs, tmp_path, mo
     seen = []
     monkeypatch.setattr(gs.Session, "run", lambda self, name, args, **kw: seen.append((self.lane, name, args)))
     gs.step_scale_out(gs.Session(tmp_path))
-    assert [(lane, name) for lane, name, _ in seen][-2:] == [("", "train-squad-r128-gpus4"),
-                                                             ("", "train-squad-r128-gpus4-b")]
+    assert seen[0][1] == "gpu-tests-scale-out"  # the GPU tests of the recipe first
+    seen = seen[1:]
+    assert [(lane, name) for lane, name, _ in seen][-3:] == [("", "train-squad-r128-gpus4"),
+                                                             ("", "train-squad-r128-gpus4-b"),
+                                                             ("", "train-squad-r128-gpus1-alone")]
     assert sorted(lane for lane, *_ in seen[:2]) == ["[gpu0] ", "[gpu2,3] "]
     for _, name, args in seen:
         sets = [args[i + 1] for i, a in enumerate(args) if a == "--set"]

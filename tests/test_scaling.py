@@ -122,6 +122,24 @@ def test_of_several_one_gpu_rows_the_fastest_is_the_denominator():
                                                                    pytest.approx(1.0)]
     assert "against the fastest of this series' 1-GPU rows" in markdown(out, "t")
     assert "fastest" not in markdown(with_efficiency([rows[0], rows[2]]), "t")
+    # a row without a rate is never the denominator, wherever it is listed
+    for odd in (float("nan"), None, 0.0):
+        bad = ScalingRow("train", 1, "X", "A", "s", odd)
+        for order in ([bad, *rows], [*rows, bad]):
+            four = [r for r in with_efficiency(order) if r.n_gpus == 4][0]
+            assert four.efficiency == pytest.approx(0.9)
+
+
+def test_a_borrowed_baseline_with_several_one_gpu_rows_says_the_fastest_was_taken():
+    one = ScalingRow("train", 1, "X", "A", "graphed", 100.0)
+    other = ScalingRow("train", 1, "X", "A", "graphed", 95.0)
+    hook = ScalingRow("train", 4, "X", "A", "graphed + hook", 360.0, baseline_series="graphed")
+    out = with_efficiency([other, hook, one])
+    assert out[1].efficiency == pytest.approx(0.9)
+    hook_section = markdown(out, "t").split("graphed + hook — A")[1]
+    assert "against the fastest 1-GPU row of *graphed* on A" in hook_section
+    single = markdown(with_efficiency([one, hook]), "t").split("graphed + hook — A")[1]
+    assert "against the 1-GPU row of *graphed* on A" in single
 
 
 def test_prediction_rows_come_from_a_data_parallel_bundle(tmp_path):

@@ -17,9 +17,11 @@ a series of its own.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -153,11 +155,14 @@ def with_efficiency(rows: list[ScalingRow]) -> list[ScalingRow]:
     """Efficiency against the 1-GPU row of the same job, host and series, or of the row's baseline
     series where it has one and its own series has no 1-GPU row (None where there is none). Where a
     series has several 1-GPU rows (one beside other jobs, one alone on the host), the fastest is the
-    denominator: the lowest efficiency, so a slow 1-GPU run never flatters the scaling."""
+    denominator, by the whole run's rate: the lowest efficiency, so a slow 1-GPU run never flatters
+    the scaling. The last epoch's efficiency is taken against that same run (one denominator a row).
+    A 1-GPU row without a finite positive rate is never a denominator."""
     one: dict[tuple, ScalingRow] = {}
     for r in rows:
-        key = (r.job, r.host, r.series)
-        if r.n_gpus == 1 and (key not in one or r.samples_per_s > one[key].samples_per_s):
+        key, rate = (r.job, r.host, r.series), r.samples_per_s
+        if (r.n_gpus == 1 and rate is not None and math.isfinite(rate) and rate > 0
+                and (key not in one or rate > one[key].samples_per_s)):
             one[key] = r
 
     def eff(r: ScalingRow, field: str) -> Optional[float]:
@@ -214,15 +219,16 @@ def markdown(rows: list[ScalingRow], title: str, notes: str = "") -> str:
     groups: dict[tuple, list[ScalingRow]] = {}
     for r in rows:
         groups.setdefault((r.job, r.host, r.series), []).append(r)
+    ones = collections.Counter((r.job, r.host, r.series) for r in rows if r.n_gpus == 1)
     for (job, host, series), rs in groups.items():
         rs = sorted(rs, key=lambda r: r.n_gpus)
         unit = "training samples/s" if job == "train" else "features/s"
         lines += [f"## {series} — {host}, {rs[0].card}", ""]
         borrowed = {r.baseline_series for r in rs if r.baseline_series and r.efficiency is not None} \
             if not any(r.n_gpus == 1 for r in rs) else set()
-        lines += [f"Scaling efficiency against the 1-GPU row of *{b}* on {host} (DDP settings do nothing in one "
-                  "process).\n" for b in sorted(borrowed)]
-        if sum(r.n_gpus == 1 for r in rs) > 1:
+        lines += [f"Scaling efficiency against the {'fastest ' if ones[(job, host, b)] > 1 else ''}1-GPU row of "
+                  f"*{b}* on {host} (DDP settings do nothing in one process).\n" for b in sorted(borrowed)]
+        if ones[(job, host, series)] > 1:
             lines += ["Scaling efficiency against the fastest of this series' 1-GPU rows.\n"]
         lines += [f"| GPUs | {unit} | scaling efficiency |"
                   + (" last epoch samples/s | last epoch efficiency |" if job == "train" else "")
