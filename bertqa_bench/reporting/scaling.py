@@ -225,7 +225,7 @@ def markdown(rows: list[ScalingRow], title: str, notes: str = "") -> str:
         unit = "training samples/s" if job == "train" else "features/s"
         lines += [f"## {series} — {host}, {rs[0].card}", ""]
         borrowed = {r.baseline_series for r in rs if r.baseline_series and r.efficiency is not None} \
-            if not any(r.n_gpus == 1 for r in rs) else set()
+            if not ones[(job, host, series)] else set()
         lines += [f"Scaling efficiency against the {'fastest ' if ones[(job, host, b)] > 1 else ''}1-GPU row of "
                   f"*{b}* on {host} (DDP settings do nothing in one process).\n" for b in sorted(borrowed)]
         if ones[(job, host, series)] > 1:
