@@ -1,4 +1,22 @@
-"""``bertqa-bench``: train | bench | bench-ddp | loadgen | report | parity | score | score-nq | profile | backends | track | reference."""
+"""``bertqa-bench``: the command line. One function per subcommand parses its arguments and
+calls the pipeline command that does the work (bertqa_bench/commands/, or reporting/ for views
+of finished runs):
+
+  bench       every backend of a suite: full-dataset prediction timed, parity judged (make bench-all)
+  sweep       bench over a grid of backend x batch size x batching
+  loadgen     MLPerf LoadGen scenarios (SingleStream, Server, Offline), each backend the SUT
+  bench-ddp   bench with every rank of a torchrun group predicting its share
+  parity      the accuracy gate: bench the CPU backends, compare with benchmarks/expected/ (make test)
+  train       fine-tune the suite's model (bench trains it when models/ lacks it)
+  profile     a PyTorch profile of one backend's timed passes
+  report      rebuild a run's summary.md and plots from its results
+  score       the official SQuAD (v1.1/v2.0) evaluation of a predictions file
+  score-nq    the NQ micro-F1 of a predictions file
+  reference   a reference table (results/reference/) from run bundles
+  scaling     the multi-GPU scaling table from training and bench records
+  track       log finished run bundles to MLflow
+  backends    the backend catalogue: what each variant is and whether it can run here
+"""
 from __future__ import annotations
 
 import argparse
@@ -38,9 +56,9 @@ def load_resume(target: str, suite: str | None = None, overrides=()):
     """(bundle, config) of the run ``target`` (a results/<run-id> folder or a run id) for
     ``--resume``: the run's own saved config; with --suite/--set, they must describe the same
     config, else the resume is refused with the fields that differ."""
-    from .measuring.bench import config_diff
+    from .commands.bench import config_diff
     from .config import resolve_path
-    from .reporting.results import RunBundle
+    from .record.results import RunBundle
     from .suite import load_suite, suite_from_dict
 
     wanted = load_suite(suite or "default", list(overrides)) if (suite or overrides) else None
@@ -110,7 +128,7 @@ def _bench_config(a, other_host: bool = False):
 
 
 def cmd_bench(a) -> int:
-    from .measuring.bench import run_bench
+    from .commands.bench import run_bench
     from .reporting.tracking import Tracker
 
     resume, cfg = _bench_config(a)
@@ -134,9 +152,9 @@ def cmd_bench(a) -> int:
 def cmd_bench_ddp(a) -> int:
     """``bench`` over the ranks torchrun started (one host or several): every rank predicts its
     share of each backend's plan; rank 0 runs the bench (results, report, MLflow, parity)."""
-    from .measuring.bench import run_bench
+    from .commands.bench import run_bench
     from .measuring.ddp import is_dist_env
-    from .measuring.ddp_launch import Cluster
+    from .commands.bench_ddp import Cluster
     from .reporting.tracking import Tracker
 
     if not is_dist_env():
@@ -194,7 +212,7 @@ def _model_overrides(a) -> list[str]:
 
 
 def cmd_loadgen(a) -> int:
-    from .measuring.loadgen import run_loadgen
+    from .commands.loadgen import run_loadgen
     from .suite import load_suite
     from .reporting.tracking import Tracker
 
@@ -211,9 +229,10 @@ def cmd_loadgen(a) -> int:
 
 
 def cmd_sweep(a) -> int:
-    from .measuring.bench import run_bench
+    from .commands.bench import run_bench
     from .suite import load_suite
-    from .measuring.sweep import expand, write_sweep_report
+    from .commands.sweep import expand
+    from .reporting.sweep import write_sweep_report
     from .reporting.tracking import Tracker
 
     if a.resume:  # the sweep's variants were added to the saved config; its variant list is the run's
@@ -242,7 +261,7 @@ def cmd_sweep(a) -> int:
 def cmd_report(a) -> int:
     from .config import resolve_path
     from .reporting.report import latest_run, write_report
-    from .reporting.results import RunBundle
+    from .record.results import RunBundle
 
     run = Path(a.run_dir) if a.run_dir else latest_run(resolve_path("results"))
     if run is None:
@@ -253,7 +272,7 @@ def cmd_report(a) -> int:
 
 def cmd_parity(a) -> int:
     from .suite import load_suite
-    from .reporting.parity_check import run_parity_check
+    from .commands.parity_gate import run_parity_check
     from .reporting.tracking import Tracker
 
     cfg = load_suite(_suite(a), a.overrides)
@@ -291,7 +310,7 @@ def cmd_score_nq(a) -> int:
 
 def cmd_profile(a) -> int:
     from .suite import load_suite
-    from .measuring.profile import profile_backend
+    from .commands.profile import profile_backend
 
     cfg = load_suite(_suite(a), a.overrides)
     _threads(cfg)
@@ -476,7 +495,7 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--notes", help="a markdown file whose text goes under the title")
     sc.add_argument("--card", help="the GPU, for training metrics saved before they named it")
     sc.add_argument("--date", help="the date, for training metrics saved before they kept it")
-    sc.add_argument("--commands-log", help="a log naming each training command (scripts/gpu_session.py's driver.log), "
+    sc.add_argument("--commands-log", help="a log naming each training command (a device run's driver log: 'HH:MM:SS start NAME: COMMAND'), "
                                            "for training metrics saved before they kept their command")
     sc.set_defaults(fn=cmd_scaling)
 

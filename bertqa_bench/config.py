@@ -207,7 +207,7 @@ class TrainConfig:
     # DDP wraps the model), so the timed loop compiles nothing. train_metrics.json reports the
     # cost as train_prepare_s beside train_samples_per_s; false: compiled inside the timed loop.
     compile_warmup: bool = True
-    # Length buckets (issue 23). 0: every micro-batch is trimmed to its longest feature rounded up
+    # Length buckets, so compiled training sees few shapes. 0: every micro-batch is trimmed to its longest feature rounded up
     # to 8, as before (many shapes; `compile` then traces them dynamically). N > 0: rounded up to a
     # multiple of N instead (capped at the features' seq_len), so training sees at most
     # ceil(seq_len / N) shapes and `compile` builds one static graph per bucket. More padding per
@@ -503,12 +503,12 @@ class ParityConfig:
                           for k, v in (self.overrides or {}).items()}
 
 
-# Later-added fields -> their defaults (issue 20: checkpoints, SQuAD v2.0). At the default they
+# Later-added fields -> their defaults (user checkpoints, SQuAD v2.0, the padding-masked loss). At the default they
 # are left out of model recipes (train.py) and evaluation-set keys (evalset.py), which then stay
 # what they were before the fields existed: models and caches made earlier are still found.
 ADDED_DEFAULTS = {"model.checkpoint": None, "model.allow_pickle": False, "data.synthetic.unanswerable": 0.0,
                   "task_options.null_score_diff_threshold": 0.0, "task_options.version_2": None,
-                  "train.loss_mask_padding": False}  # issue 23
+                  "train.loss_mask_padding": False}
 
 # What `bertqa-bench train` writes beside a saved model (train.py), and what reads it (scaling.py).
 METRICS_FILE = "train_metrics.json"

@@ -9,7 +9,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-device-out}
 mkdir -p "$out"
-export PYTHONPATH="/root/device-site:$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+# DEVICE_SITE: where ../shared/device/pack-wheels unpacked the wheels that machine lacks
+export PYTHONPATH="${DEVICE_SITE:-/root/device-site}:$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export TOKENIZERS_PARALLELISM=false
 python3 -m bertqa_bench.cli backends 2>&1 | tee "$out/backends.txt"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv > "$out/gpu.txt" 2>&1

@@ -33,9 +33,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bertqa_bench.measuring.loadgen_sut import SUT, Codec, Shapes, run_test  # noqa: E402
-from bertqa_bench.measuring.schedule import batch_inputs, make_plan  # noqa: E402
-from bertqa_bench.reporting.loadgen_results import find_peak, test_settings  # noqa: E402
+from bertqa_bench.measuring.loadgen_job import run_test  # noqa: E402
+from bertqa_bench.measuring.loadgen_sut import SUT, Codec, Shapes  # noqa: E402
+from bertqa_bench.record.schedule import batch_inputs, make_plan  # noqa: E402
+from bertqa_bench.measuring.loadgen_log import find_peak, test_settings  # noqa: E402
 
 
 class SimulatedDevice:

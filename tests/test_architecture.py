@@ -1,4 +1,5 @@
-"""The package's shape: no import circles, tasks stay inside their packages, one writer of files."""
+"""The package's shape: every import points down the layer order, no import circles, tasks stay
+inside their packages, one writer of files."""
 import ast
 from pathlib import Path
 
@@ -7,8 +8,8 @@ import pytest
 PKG = Path(__file__).resolve().parent.parent / "bertqa_bench"
 
 
-def _module_name(path: Path) -> str:
-    rel = path.relative_to(PKG.parent).with_suffix("")
+def _module_name(path: Path, root: Path = PKG.parent) -> str:
+    rel = path.relative_to(root).with_suffix("")
     parts = list(rel.parts)
     if parts[-1] == "__init__":
         parts.pop()
@@ -61,8 +62,95 @@ def test_no_import_circles():
     assert not cycles, "import circles: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
-@pytest.mark.parametrize("module", ["measuring.runner", "measuring.schedule", "measuring.launcher",
-                                    "measuring.worker", "measuring.parity", "reporting.results", "measuring.bench",
+# The pipeline, top to bottom. A module may import its own layer and any layer below it, never one
+# above: the folders then read as the flow of a run (a command provisions a model, measures each
+# backend in a worker, judges the records, reports them) and a change low down cannot depend on
+# what calls it. Each entry is a package or a top-level module of bertqa_bench.
+LAYERS = [
+    ("cli",),            # argument parsing, one function per subcommand
+    ("commands",),       # whole-pipeline commands: bench, sweep, loadgen, profile, the parity gate, bench-ddp,
+                         # and provisioning (a missing model is trained here)
+    ("training",),       # the fine-tuning loop, its recipe and instrumentation
+    ("reporting",),      # views of the record: tables, plots, summary, recommendation, MLflow, scaling
+    ("measuring",),      # one backend's process: launcher, worker, timed passes, LoadGen SUT, data-parallel ranks
+    ("record",),         # the typed record (BackendResult, run bundle), parity verdicts, batch plans
+    ("suite",),          # a suite YAML read into the typed config, its variants and task checked
+    ("backends",),       # the Backend interface, the variants table, the implementations
+    ("data",),           # the evaluation set, built once and cached
+    ("model",),          # locate, validate, grow and build a QA model
+    ("tasks",),          # SQuAD, NQ: reader, features record, head, postprocessing, metric
+    ("config", "io", "errors", "envinfo"),  # typed config, atomic files, errors, environment facts
+]
+RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
+
+
+def layer_of(module: str) -> str:
+    """``bertqa_bench.measuring.worker`` -> ``measuring``; the package root itself has no layer."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _import_lines(path: Path, root: Path = PKG.parent):
+    """(line, imported module) for every bertqa_bench import in the file, function-level ones too."""
+    mod = _module_name(path, root)
+    is_pkg = path.name == "__init__.py"
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = mod.split(".") if is_pkg else mod.split(".")[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target == "bertqa_bench":  # `from bertqa_bench import x`: x is what is imported
+                for a in node.names:
+                    yield node.lineno, f"bertqa_bench.{a.name}"
+            elif target.startswith("bertqa_bench."):
+                yield node.lineno, target
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("bertqa_bench."):
+                    yield node.lineno, a.name
+
+
+def upward_imports(pkg: Path = PKG) -> list[str]:
+    """Every import that points up the layer order, as 'file:line: layer imports higher layer (module)'."""
+    out = []
+    for path in sorted(pkg.rglob("*.py")):
+        here = layer_of(_module_name(path, pkg.parent))
+        if here not in RANK:
+            continue
+        for line, target in _import_lines(path, pkg.parent):
+            there = layer_of(target)
+            if there in RANK and RANK[there] < RANK[here]:
+                out.append(f"{path.relative_to(pkg.parent)}:{line}: {here} imports {there} ({target}), "
+                           "a layer above it")
+    return out
+
+
+def test_every_module_belongs_to_a_layer():
+    unknown = sorted({layer_of(_module_name(p)) for p in PKG.rglob("*.py")} - set(RANK) - {""})
+    assert not unknown, f"packages or modules in no layer of LAYERS: {unknown}"
+
+
+def test_every_import_points_down_the_layers():
+    up = upward_imports()
+    assert not up, "imports that go up the layer order:\n" + "\n".join(up)
+
+
+def test_the_layer_check_sees_a_function_level_upward_import(tmp_path):
+    # The check must read imports inside functions too: a planted one in a low layer is found.
+    pkg = tmp_path / "bertqa_bench"
+    (pkg / "model").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "model" / "__init__.py").write_text("")
+    (pkg / "model" / "m.py").write_text("def f():\n    from ..commands.bench import run_bench\n")
+    up = upward_imports(pkg)
+    assert len(up) == 1 and "model/m.py:2: model imports commands" in up[0], up
+
+
+@pytest.mark.parametrize("module", ["measuring.runner", "record.schedule", "measuring.launcher",
+                                    "measuring.worker", "record.parity", "record.results", "commands.bench",
                                     "reporting.report", "reporting.tracking", "backends.base",
                                     "backends.torch_backend", "backends.onnxruntime", "data.evalset"])
 def test_nothing_outside_a_task_branches_on_a_task_name(module):

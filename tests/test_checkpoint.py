@@ -18,7 +18,7 @@ from bertqa_bench.model.checkpoint import CheckpointError, resolve_checkpoint
 from bertqa_bench.cli import main
 from bertqa_bench.config import SyntheticConfig
 from bertqa_bench.model.families import FAMILY_NAMES, build_checkpoint, corpus_from_squad
-from bertqa_bench.reporting.results import RunBundle
+from bertqa_bench.record.results import RunBundle
 
 CPU_BACKENDS = ["eager-fp32", "eager-bf16-cpu", "torch-compile", "onnxruntime", "onnxruntime-int8"]
 SYN = dict(seed=5, n_train_contexts=6, n_dev_contexts=5, questions_per_context=2, min_words=30, max_words=90,
@@ -219,7 +219,7 @@ def test_family_gates_say_why_not_run():
 def test_quant_families_have_their_target_linears(family_checkpoints):
     """QUANT_FAMILIES is a claim about module names: each family named there has the Linears the
     FP8/INT8 swap looks for, and each family left out has none of the q/k/v ones."""
-    from bertqa_bench.backends.torch_backend import QUANT_FAMILIES
+    from bertqa_bench.backends.torch_options import QUANT_FAMILIES
     from bertqa_bench.backends.torch_fp8 import target_linears
     from bertqa_bench.model.modeling import load_inference_module
 

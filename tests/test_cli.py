@@ -8,7 +8,7 @@ import pytest
 from bertqa_bench.cli import main
 from bertqa_bench.tasks.squad.types import Answer, QAExample
 from bertqa_bench.tasks.squad.reader import write_squad_json
-from bertqa_bench.reporting.results import BackendResult, RunBundle, RunMeta
+from bertqa_bench.record.results import BackendResult, RunBundle, RunMeta
 
 
 def _dataset(tmp_path):
@@ -197,7 +197,7 @@ def test_sweep_runs_a_grid_against_one_reference_and_picks_the_best_point_at_par
 def test_memory_columns_are_mib_and_old_mb_columns_load_back():
     """The memory fields hold MiB (2**20 bytes) and say so; bundles and reference CSVs written
     before the rename (``*_mb`` columns, which held MiB too) load into the same fields unchanged."""
-    from bertqa_bench.reporting.results import BackendResult
+    from bertqa_bench.record.results import BackendResult
 
     names = {f.name for f in __import__("dataclasses").fields(BackendResult)}
     assert "predict_host_peak_mib" in names and not any(n.endswith("_mb") for n in names)

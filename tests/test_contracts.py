@@ -4,9 +4,9 @@ import os
 import numpy as np
 import pytest
 
-from bertqa_bench.measuring.bench import run_bench
+from bertqa_bench.commands.bench import run_bench
 from bertqa_bench.errors import ConfigError
-from bertqa_bench.reporting.results import RunBundle
+from bertqa_bench.record.results import RunBundle
 from bertqa_bench.measuring.runner import ContractError, check_contract
 from bertqa_bench.suite import load_suite
 
@@ -97,8 +97,8 @@ def test_the_gate_fails_on_an_inconclusive_run(monkeypatch, tiny_suite, tmp_path
     from types import SimpleNamespace
 
     from bertqa_bench import cli
-    from bertqa_bench.reporting import parity_check
-    from bertqa_bench.reporting.results import BackendResult, RunMeta
+    from bertqa_bench.commands import parity_gate as parity_check
+    from bertqa_bench.record.results import BackendResult, RunMeta
 
     ref = BackendResult("eager-fp32", scores={"exact_match": 90.0, "f1": 92.0})
     noisy = BackendResult("onnxruntime", parity="FAIL", parity_failures="f1 92.00 is 99.80% of reference",

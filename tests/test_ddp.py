@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bertqa_bench.measuring.bench import run_bench
-from bertqa_bench.reporting.results import RunBundle
+from bertqa_bench.commands.bench import run_bench
+from bertqa_bench.record.results import RunBundle
 from bertqa_bench.suite import load_suite
 from tests.conftest import TINY_BERT
 
@@ -45,7 +45,7 @@ def _free_port() -> int:
 
 
 def test_the_rank_named_is_the_one_that_failed_first_on_its_own():
-    from bertqa_bench.measuring.ddp_launch import first_failure
+    from bertqa_bench.commands.bench_ddp import first_failure
 
     ok = {"status": "ok"}
     stopped = {"status": "failed", "error": "stopped: rank 2 failed first", "stopped_by_peer": True}

@@ -6,10 +6,10 @@ import sys
 
 import pytest
 
-from bertqa_bench.measuring.bench import run_bench
+from bertqa_bench.commands.bench import run_bench
 from bertqa_bench.errors import UnknownBackendError
-from bertqa_bench.reporting.parity_check import run_parity_check
-from bertqa_bench.reporting.results import RunBundle
+from bertqa_bench.commands.parity_gate import run_parity_check
+from bertqa_bench.record.results import RunBundle
 from bertqa_bench.suite import load_suite
 from bertqa_bench.reporting.tracking import Tracker
 
@@ -149,7 +149,7 @@ def test_parity_gate_fails_on_a_broken_backend(tiny_suite, tmp_path, capsys):
 
 
 def test_profile_writes_a_trace_and_top_table(tiny_suite):
-    from bertqa_bench.measuring.profile import profile_backend
+    from bertqa_bench.commands.profile import profile_backend
 
     cfg = load_suite(str(tiny_suite(backends=["eager-fp32"])))
     out = profile_backend(cfg, "eager-fp32", n_batches=2, top=10)
@@ -261,7 +261,7 @@ def test_ddp_training_on_two_cpu_processes_takes_the_same_steps_as_one(tiny_suit
 def test_length_grouped_batches_and_rank_shares():
     import numpy as np
 
-    from bertqa_bench.training.train import length_grouped_batches, rank_micro_batches
+    from bertqa_bench.training.steps import length_grouped_batches, rank_micro_batches
 
     rng = np.random.default_rng(0)
     lengths = rng.integers(10, 384, size=1000)
@@ -298,7 +298,7 @@ def test_timing_only_path_builds_random_weights_and_judges_no_parity(tiny_suite)
 
 
 def test_a_model_is_trained_once_per_recipe(tiny_suite):
-    from bertqa_bench.training.train import ensure_model
+    from bertqa_bench.commands.provision import ensure_model
 
     suite = tiny_suite(backends=["eager-fp32"])
     logs = []

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from bertqa_bench.backends import BackendContext, default_table, make_variant
-from bertqa_bench.backends import torch_backend
+from bertqa_bench.backends import torch_backend, torch_builder, torch_options
 from bertqa_bench.backends import torch_fp8 as fp8
 
 TABLE = default_table()
@@ -285,8 +285,8 @@ def test_ffn_hidden_fp8_needs_per_tensor_scales_both_ffn_gemms_and_the_output_ra
     with pytest.raises(ValueError, match="scaling 'tensor'"):
         fp8.swap_to_fp8(copy.deepcopy(model), amax, scaling="static-rowwise", ffn_hidden_fp8=True)
     for bad in ({"ffn_hidden_fp8": True, "scaling": "rowwise"}, {"ffn_hidden_fp8": True, "gemms": "qkv,ffn_out"}):
-        with pytest.raises(torch_backend.ConfigError, match="ffn_hidden_fp8"):
-            torch_backend.Fp8Options(**bad)
+        with pytest.raises(torch_options.ConfigError, match="ffn_hidden_fp8"):
+            torch_options.Fp8Options(**bad)
     # a kept layer keeps its 16-bit FFN; the others get e4m3 hidden activations
     amax = fp8.calibrate_amax(model, [inputs()], targets, fp8.ffn_up_names(targets))
     done = fp8.swap_to_fp8(model, amax, ffn_hidden_fp8=True, keep_layers=[0])
@@ -426,8 +426,8 @@ def test_ffn_tanh_gelu_tracks_the_exact_e4m3_path_and_needs_a_gelu():
         fp8.swap_to_fp8(qa(tiny_bert()), amax, ffn_gelu="tanh")
     for bad, match in (({"ffn_gelu": "tanh"}, "needs ffn_hidden_fp8: true"),
                        ({"ffn_hidden_fp8": True, "ffn_gelu": "fast"}, "not one of exact, tanh")):
-        with pytest.raises(torch_backend.ConfigError, match=match):
-            torch_backend.Fp8Options(**bad)
+        with pytest.raises(torch_options.ConfigError, match=match):
+            torch_options.Fp8Options(**bad)
 
 
 # --------------------------------------------------------------------------- module surgery
@@ -729,15 +729,15 @@ def test_fp8_recipe_with_a_sensitivity_sweep_keeps_the_most_sensitive_layers(tmp
                          sample_batches=(b,), shapes=((4, 32),), max_batch_size=4, max_seq_len=32)
     v = make_variant("fp8-cpu", "torch", "cpu", {"weights": "fp32", "autocast": "none"})
     backend = TorchBackend(v)
-    module, info = backend._build_model(ctx)  # no fp8 asked: nothing swapped
+    module, info = torch_builder.build_model(backend.options, ctx, backend.device, backend.name)  # no fp8 asked: nothing swapped
     assert info == {}
     import dataclasses as dc
 
     opts = dc.replace(v.options, weights="fp16")
-    opts.fp8 = torch_backend.Fp8Options(sensitivity_keep=1)
+    opts.fp8 = torch_options.Fp8Options(sensitivity_keep=1)
     backend.options = opts
     backend.device = "cpu"
-    module, info = backend._build_model(ctx)
+    module, info = torch_builder.build_model(backend.options, ctx, backend.device, backend.name)
     kept = info["sensitivity_kept"]
     assert len(kept.split(",")) == 1 and info["fp8_keep_layers"] == kept
     assert len(info["sensitivity_max_abs_logit_shift"].split(";")) == 3
@@ -783,7 +783,7 @@ def test_a_variants_kept_layers_stay_unquantized_in_the_model_it_builds(tmp_path
     v = make_variant("fp8-keep", "torch", "cpu", {"weights": "fp16", "autocast": "none", "fp8": {"keep_layers": "1"}})
     backend = v.create()
     assert isinstance(backend, TorchBackend)
-    module, info = backend._build_model(ctx)
+    module, info = torch_builder.build_model(backend.options, ctx, backend.device, backend.name)
     assert info["fp8_keep_layers"] == "1"
     Fp8Linear, Fp8SelfAttention, _ = fp8.fp8_classes()
     layers = _encoder(module).layer
@@ -815,7 +815,7 @@ def test_a_variants_kept_layers_stay_unquantized_in_the_model_it_builds(tmp_path
                 assert not torch.equal(got, want) and rel_l2(got, want) < 0.1  # quantized, and close
 
 
-# --------------------------------------------------------------------------- torchao FP8, cuDNN attention, host packing (issue 22)
+# --------------------------------------------------------------------------- torchao FP8, cuDNN attention, host packing
 
 TORCHAO_NAMES = ("torchao-fp8", "torchao-fp8-tensor", "torchao-fp8-packed-graph")
 
@@ -840,10 +840,10 @@ def test_torchao_variants_are_fp8_cuda_rows_with_checked_options():
 
 def test_torchao_quantizes_the_encoder_gemms_named_and_never_the_head():
     model = qa(tiny_bert(hidden=64, layers=3))
-    names = torch_backend.torchao_targets(model, torch_backend.TorchaoOptions())
+    names = torch_options.torchao_targets(model, torch_options.TorchaoOptions())
     assert len(names) == 3 * 5  # query, key, value, intermediate, output per layer; attention output stays 16-bit
     assert not any("qa_outputs" in n or "attention.output" in n for n in names)
-    kept = torch_backend.torchao_targets(model, torch_backend.TorchaoOptions(keep_layers="1", gemms="ffn_in"))
+    kept = torch_options.torchao_targets(model, torch_options.TorchaoOptions(keep_layers="1", gemms="ffn_in"))
     assert sorted(kept) == sorted(n for n in names if n.endswith("intermediate.dense") and ".layer.1." not in n)
 
 
@@ -893,7 +893,7 @@ def test_host_bucket_lengths_equal_the_devices():
                                                   "torch-compile-fp8-packed-ffn8-tanh",
                                                   "torch-compile-fp8-packed-ffn8-tanh-head",
                                                   "torch-compile-fp8-cudnn-ffn8-tanh"))
-def test_issue22_variants_track_fp32_on_gpu(tmp_path, name):
+def test_fp8_attention_and_packing_variants_track_fp32_on_gpu(tmp_path, name):
     reason = TABLE.get(name).unavailable_reason()
     if reason:
         pytest.skip(reason)

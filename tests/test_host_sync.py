@@ -55,7 +55,7 @@ def test_the_prepared_mask_gives_the_models_logits_and_its_layers_mask_without_a
     """SDPA's boolean mask, family by family (the families ENCODER_TYPES names)."""
     from bertqa_bench.training.graphed_layers import first_layer_inputs
     from bertqa_bench.training.prepared_mask import ENCODER_TYPES
-    from bertqa_bench.training.train import repeated_blocks
+    from bertqa_bench.training.steps import repeated_blocks
 
     assert set(PREPARED) == set(ENCODER_TYPES)
     model = _tiny(family)

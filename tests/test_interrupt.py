@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from bertqa_bench.config import PROJECT_ROOT
-from bertqa_bench.reporting.results import RunBundle
+from bertqa_bench.record.results import RunBundle
 
 pytestmark = pytest.mark.slow
 

@@ -12,11 +12,11 @@ from conftest import TINY_BERT
 
 pytest.importorskip("mlperf_loadgen")
 
-from bertqa_bench.measuring.bench import run_bench  # noqa: E402
-from bertqa_bench.measuring.loadgen import run_loadgen  # noqa: E402
-from bertqa_bench.reporting.loadgen_results import decode_accuracy_log, find_peak, read_result  # noqa: E402
+from bertqa_bench.commands.bench import run_bench  # noqa: E402
+from bertqa_bench.commands.loadgen import run_loadgen  # noqa: E402
+from bertqa_bench.measuring.loadgen_log import decode_accuracy_log, find_peak, read_result  # noqa: E402
 from bertqa_bench.measuring.loadgen_sut import Codec, Shapes, batch_buckets  # noqa: E402
-from bertqa_bench.reporting.results import RunBundle  # noqa: E402
+from bertqa_bench.record.results import RunBundle  # noqa: E402
 from bertqa_bench.suite import load_suite  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -392,7 +392,7 @@ OFFLINE_SEQ = 32
 def _offline_case(seed: int):
     """40 features of 4-32 tokens, the sorted plan Offline makes of them (8 rows, 64 tokens a
     batch) and LoadGen's one query over them, shuffled."""
-    from bertqa_bench.measuring.schedule import make_plan
+    from bertqa_bench.record.schedule import make_plan
 
     rng = np.random.default_rng(seed)
     n, seq = 40, OFFLINE_SEQ
@@ -423,7 +423,7 @@ def test_offline_gathers_each_batch_ahead_and_answers_every_sample_when_one_fail
     kept and that batch and every later one are answered empty (the row fails; LoadGen must still
     hear of every sample), while the batches before it keep their answers."""
     from bertqa_bench.backends.base import Backend
-    from bertqa_bench.measuring.schedule import Batch, batch_inputs
+    from bertqa_bench.record.schedule import Batch, batch_inputs
 
     n, lengths, inputs, plan_of, order, items = _offline_case(3)
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from bertqa_bench.config import DataConfig, SuiteConfig, SyntheticConfig, TaskConfig
-from bertqa_bench.data.features import Features
+from bertqa_bench.tasks.features import Features
 from bertqa_bench.errors import DatasetFormatError
 from bertqa_bench.tasks.nq.features import LONG, SHORT, UNKNOWN, YES, build_contexts, featurize_nq
 from bertqa_bench.tasks.nq.metrics import best_threshold, nq_evaluate, score_nq_files

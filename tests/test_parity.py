@@ -2,9 +2,9 @@ import numpy as np
 import pytest
 
 from bertqa_bench.config import ParityConfig, Tolerance
-from bertqa_bench.measuring.parity import (argmax_agreement, check_expected, compare, determinism, logit_diffs, tolerance_for,
+from bertqa_bench.record.parity import (argmax_agreement, check_expected, compare, determinism, logit_diffs, tolerance_for,
                                  verdict, wilson_interval)
-from bertqa_bench.reporting.results import BackendResult
+from bertqa_bench.record.results import BackendResult
 
 rng = np.random.default_rng(0)
 

@@ -1,4 +1,4 @@
-"""The parity gate's expected-scores file (parity_check.py, benchmarks/expected/<suite>.csv).
+"""The parity gate's expected-scores file (commands/parity_gate.py, benchmarks/expected/<suite>.csv).
 
 ``run_parity_check`` runs the bench and then compares each backend's scores with the committed
 file. The bench itself is tested end to end elsewhere; here it is replaced by a stand-in that
@@ -13,9 +13,9 @@ from types import SimpleNamespace
 
 import pytest
 
-import bertqa_bench.reporting.parity_check as gate
+import bertqa_bench.commands.parity_gate as gate
 from bertqa_bench.config import ParityConfig, SuiteConfig
-from bertqa_bench.reporting.results import BackendResult
+from bertqa_bench.record.results import BackendResult
 from bertqa_bench.suite import load_suite
 
 N_QUESTIONS = 400  # the ci suite's dev set: one question is 0.25 points

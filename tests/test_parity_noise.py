@@ -3,9 +3,9 @@ import numpy as np
 import pytest
 
 from bertqa_bench.config import Tolerance
-from bertqa_bench.measuring.parity import (Verdict, compare, paired_bootstrap, questions_to_decide_agreement, verdict,
+from bertqa_bench.record.parity import (Verdict, compare, paired_bootstrap, questions_to_decide_agreement, verdict,
                                  wilson_interval)
-from bertqa_bench.reporting.results import BackendResult
+from bertqa_bench.record.results import BackendResult
 from bertqa_bench.tasks.nq.task import NQTask
 from bertqa_bench.tasks.squad.task import SquadTask
 

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from bertqa_bench.tasks.squad.postprocess import best_spans, nbest_for_example, postprocess_qa
-from bertqa_bench.data.features import Features
+from bertqa_bench.tasks.features import Features
 from bertqa_bench.tasks.squad.types import Answer, QAExample
 
 CONTEXT = "alpha beta gamma delta epsilon"

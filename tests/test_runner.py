@@ -5,7 +5,7 @@ import pytest
 from bertqa_bench.backends.base import Backend
 from bertqa_bench.measuring.flops import bert_flops_per_sequence
 from bertqa_bench.measuring.runner import Timing, materialize, timed_passes, warm_up
-from bertqa_bench.measuring.schedule import PAD_LOGIT, Plan, batch_inputs, empty_outputs, make_plan, scatter
+from bertqa_bench.record.schedule import PAD_LOGIT, Plan, batch_inputs, empty_outputs, make_plan, scatter
 
 TOKEN = ("start_logits", "end_logits")
 
@@ -110,7 +110,7 @@ def test_packed_batches_scatter_back_to_dataset_order():
     rows of different lengths, shuffled, with padding inside a batch and positions past its width.
     After scatter (and the padding mask the bench applies) every row holds exactly its own outputs
     at its own index — checked against arrays built directly from the lengths."""
-    from bertqa_bench.measuring.schedule import mask_padding
+    from bertqa_bench.record.schedule import mask_padding
 
     rng = np.random.default_rng(7)
     lengths = rng.permutation(np.array([3, 17, 5, 64, 9, 33, 2, 48, 12, 7, 26, 40, 4, 61, 19]))
@@ -201,7 +201,7 @@ def test_timing_summary_reports_the_median_pass_and_its_spread():
 
 
 def test_bert_base_flops_match_the_design_figure():
-    # BERT-base at 384 tokens is ~70.7 GFLOP per sequence (DESIGN.md).
+    # BERT-base at 384 tokens is ~70.7 GFLOP per sequence (docs/design.md).
     assert abs(bert_flops_per_sequence(768, 12, 3072, 384) / 1e9 - 70.7) < 0.1
 
 
@@ -224,7 +224,7 @@ def test_progress_in_a_log_is_a_plain_line_every_few_seconds_not_one_per_update(
 
 
 def test_padding_positions_never_reach_postprocessing():
-    from bertqa_bench.measuring.schedule import mask_padding
+    from bertqa_bench.record.schedule import mask_padding
 
     mask = np.array([[1, 1, 0, 0], [1, 1, 1, 0]])
     out = {"start_logits": np.arange(8, dtype=np.float32).reshape(2, 4), "answer_type_logits": np.ones((2, 3))}
@@ -263,7 +263,7 @@ def test_gpu_idle_fraction_is_the_window_minus_the_union_of_kernels(tmp_path):
 
 
 def test_data_parallel_workers_take_the_gpus_the_parent_was_given(monkeypatch):
-    from bertqa_bench.measuring.bench import visible_gpus
+    from bertqa_bench.commands.bench import visible_gpus
     from bertqa_bench.errors import ConfigError
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
@@ -292,7 +292,7 @@ def test_a_content_keyed_cache_entry_finished_first_by_another_process_stays(tmp
 
 
 def test_token_efficiency_is_real_over_computed_tokens():
-    from bertqa_bench.measuring.schedule import make_plan
+    from bertqa_bench.record.schedule import make_plan
 
     lengths = np.array([10, 20, 30, 40, 90, 100, 110, 128])
     padded = make_plan(lengths, batching="padded", batch_size=4, max_seq_len=128)

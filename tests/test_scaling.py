@@ -4,7 +4,7 @@ import json
 import pytest
 
 from bertqa_bench.errors import BenchError
-from bertqa_bench.reporting.results import BackendResult, RunBundle, RunMeta
+from bertqa_bench.record.results import BackendResult, RunBundle, RunMeta
 from bertqa_bench.reporting.scaling import (ScalingRow, commands_from_log, load_rows, markdown, train_row,
                                             with_efficiency)
 

@@ -10,7 +10,7 @@ import pytest
 from bertqa_bench.cli import main
 from bertqa_bench.config import SyntheticConfig
 from bertqa_bench.errors import DatasetFormatError
-from bertqa_bench.data.features import Features
+from bertqa_bench.tasks.features import Features
 from bertqa_bench.tasks.squad.metrics_v2 import evaluate_v2, score_v2_files
 from bertqa_bench.tasks.squad.postprocess import postprocess_qa_v2
 from bertqa_bench.tasks.squad.reader import validate_squad
@@ -222,7 +222,7 @@ def test_bench_on_v2_set_writes_na_probs_and_scores_officially(tmp_path, capsys)
     import yaml
 
     from bertqa_bench.model.families import build_checkpoint, corpus_from_squad
-    from bertqa_bench.reporting.results import RunBundle
+    from bertqa_bench.record.results import RunBundle
     from bertqa_bench.tasks.squad.synthetic import ensure_squad_files
 
     syn = dict(seed=4, n_train_contexts=4, n_dev_contexts=6, questions_per_context=3, min_words=30, max_words=80,
@@ -274,7 +274,7 @@ def test_bench_model_with_a_v2_dev_file(tmp_path):
     import yaml
 
     from bertqa_bench.model.families import build_checkpoint
-    from bertqa_bench.reporting.results import RunBundle
+    from bertqa_bench.record.results import RunBundle
 
     dev = tmp_path / "dev-v2.0.json"
     dev.write_text(json.dumps(_v2([_qa("a", ["Mara Venn"], False, question="Who founded the Hollin Company?"),

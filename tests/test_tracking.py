@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from bertqa_bench.measuring.parity import Verdict
-from bertqa_bench.reporting.results import BackendResult, RunBundle, RunMeta
+from bertqa_bench.record.parity import Verdict
+from bertqa_bench.record.results import BackendResult, RunBundle, RunMeta
 from bertqa_bench.suite import load_suite
 from bertqa_bench.reporting.tracking import Tracker
 from bertqa_bench.training.train import train

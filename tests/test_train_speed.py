@@ -1,4 +1,4 @@
-"""Issue 23, training: length buckets, the padding-masked loss, DDP's options and the step profile."""
+"""Training speed: length buckets, the padding-masked loss, DDP's options and the step profile."""
 import copy
 import json
 import sys
@@ -9,8 +9,10 @@ import torch
 
 from bertqa_bench.config import ConfigError, TrainConfig
 from bertqa_bench.suite import load_suite
-from bertqa_bench.training.train import (ddp_kwargs, ddp_settings, masked_span_loss, model_recipe, profile_window,
-                                recipe_fields, train, trim_length)
+from bertqa_bench.training.steps import ddp_kwargs, ddp_settings, masked_span_loss, trim_length
+from bertqa_bench.training.recipe import model_recipe, recipe_fields
+from bertqa_bench.training.instrument import profile_window
+from bertqa_bench.training.train import train
 
 from conftest import TINY_BERT
 
@@ -291,7 +293,7 @@ def test_cli_profile_steps_sets_train_profile_steps(tiny_suite, monkeypatch):
 def test_repeated_blocks_find_each_familys_layer_stack_and_only_that():
     from transformers import DistilBertConfig, DistilBertForQuestionAnswering
 
-    from bertqa_bench.training.train import compile_blocks, repeated_blocks
+    from bertqa_bench.training.steps import compile_blocks, repeated_blocks
 
     bert = _tiny_qa()
     assert [n for n, _ in repeated_blocks(bert)] == ["bert.encoder.layer.0", "bert.encoder.layer.1"]
@@ -395,7 +397,7 @@ def _hook_rank(rank: int, world: int, port: int, out: str) -> None:
 
     import torch.distributed as dist
 
-    from bertqa_bench.training.train import register_comm_hook
+    from bertqa_bench.training.steps import register_comm_hook
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -485,7 +487,7 @@ def test_gc_watch_counts_the_loops_collections_and_manual_gc_keeps_them_to_epoch
     and the collector is put back as it was afterwards."""
     import gc
 
-    from bertqa_bench.training.train import GcWatch
+    from bertqa_bench.training.instrument import GcWatch
 
     assert gc.isenabled()
     w = GcWatch(manual=False)
@@ -523,7 +525,7 @@ def test_manual_gc_through_the_trainer_collects_once_per_epoch_and_leaves_the_re
 def test_gc_watch_puts_the_collector_back_once_and_leaves_an_earlier_freeze_alone():
     import gc
 
-    from bertqa_bench.training.train import GcWatch
+    from bertqa_bench.training.instrument import GcWatch
 
     gc.freeze()  # somebody else's freeze, before the loop
     before = gc.get_freeze_count()
@@ -561,7 +563,7 @@ def test_gradients_zeroed_in_place_keep_their_tensors_and_accumulate_there():
     own zero gradient up front, autograd adds into it, and the optimizer step zeroes it in place
     (the same tensors after the step); the default step still sets them to None."""
     from bertqa_bench.training.optimizer_step import make_adamw, optimizer_step
-    from bertqa_bench.training.train import zero_grads_in_place
+    from bertqa_bench.training.steps import zero_grads_in_place
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2))
@@ -641,7 +643,7 @@ def test_graphed_layers_give_every_parameter_the_ungraphed_gradient_under_graph_
     shapes captured and used alternately. With one static input shared by the layers, the first
     layers' weight gradients came from the last layer's input (found in review after an H100 run)."""
     from bertqa_bench.training.graphed_layers import GraphedLayers, first_layer_inputs
-    from bertqa_bench.training.train import repeated_blocks
+    from bertqa_bench.training.steps import repeated_blocks
 
     model = _no_dropout_qa()
     batches = [_batch(0, rows=4, seq=24), _batch(1, rows=4, seq=16), _batch(2, rows=4, seq=24)]
@@ -670,7 +672,7 @@ def test_graphed_layers_route_each_layer_to_its_shapes_graphs_and_keep_the_check
     the plain model, the parameters' names untouched, and clear errors for a shape not captured
     or a call with more than hidden states and a mask."""
     from bertqa_bench.training.graphed_layers import GraphedLayers, first_layer_inputs
-    from bertqa_bench.training.train import repeated_blocks
+    from bertqa_bench.training.steps import repeated_blocks
 
     model = _no_dropout_qa(layers=2)
     names = sorted(model.state_dict())
@@ -722,7 +724,7 @@ def test_cuda_graphed_layers_give_the_ungraphed_gradients_on_gpu(compiled, amp):
     its rounding. The shared static input this replaced was ~4% off on a tiny model's first
     layers (CPU emulation)."""
     from bertqa_bench.training.graphed_layers import GraphedLayers, first_layer_inputs
-    from bertqa_bench.training.train import compile_blocks, repeated_blocks, zero_grads_in_place
+    from bertqa_bench.training.steps import compile_blocks, repeated_blocks, zero_grads_in_place
 
     model = _no_dropout_qa().cuda()
     if compiled:

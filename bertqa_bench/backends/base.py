@@ -35,7 +35,7 @@ from typing import Any, Callable, ClassVar, Mapping, Optional
 
 import numpy as np
 
-from ..data.features import INPUT_NAMES
+from ..tasks.features import INPUT_NAMES
 
 # Parity classes decide which tolerances apply (see parity.py).
 FP32_CLASS = "fp32"

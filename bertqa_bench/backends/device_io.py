@@ -11,7 +11,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from ..data.features import INPUT_NAMES
+from ..tasks.features import INPUT_NAMES
 
 
 def cuda_unavailable_reason() -> Optional[str]:

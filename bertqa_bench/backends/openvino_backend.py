@@ -1,6 +1,6 @@
 """OpenVINO on the CPU: fp32, bf16 and static INT8 (NNCF post-training quantization).
 
-Why it is here (issue 22, the CPU default's 3x): on the project's 2-core AMD EPYC (AVX-512 VNNI and
+Why it is here (the CPU suite's fastest rows): on the project's 2-core AMD EPYC (AVX-512 VNNI and
 BF16, no AMX), one 16 x 128 batch of the default model, interleaved in one process
 (2026-11-27): PyTorch eager fp32 397 ms, ONNX Runtime dynamic INT8 156 ms (2.54x), OpenVINO bf16
 134 ms (2.97x), OpenVINO INT8 93 ms (4.28x). ONNX Runtime's INT8 leaves the activations' min/max

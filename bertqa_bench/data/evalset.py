@@ -25,7 +25,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from ..config import ADDED_DEFAULTS, SuiteConfig
-from .features import INPUT_NAMES, Features
+from ..tasks.features import INPUT_NAMES, Features
 from ..io import atomic_dir
 from ..tasks import Task
 

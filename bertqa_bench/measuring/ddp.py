@@ -26,10 +26,10 @@ launcher kills the other ranks as soon as one ends badly, and names the rank tha
 result file, so a timeout names the rank that was behind.
 
 ``bench-ddp`` under torchrun (several hosts): every torchrun rank starts one worker rank per
-variant on its own host (``ddp_launch.Cluster``); rank 0 runs the bench (results, report,
+variant on its own host (``commands.bench_ddp.Cluster``); rank 0 runs the bench (results, report,
 MLflow, parity) and tells the others, over torchrun's own gloo group, which variant to predict
 next. This module is the rank's side only (the worker imports it); starting ranks is
-``ddp_launch.py``'s.
+``commands/bench_ddp.py``'s.
 """
 from __future__ import annotations
 
@@ -257,7 +257,7 @@ def execute_distributed(job, execute) -> tuple[dict, Optional[dict]]:
 def _merge_on_rank0(job, parts: list, outputs: Optional[dict], g: Group) -> tuple[dict, Optional[dict]]:
     from ..data.evalset import load_inputs
     from .flops import model_dims, plan_flops
-    from .schedule import Plan
+    from ..record.schedule import Plan
 
     n = len(parts)
     bad = [p for p in parts if p["status"] != "ok"]

@@ -13,7 +13,7 @@ def load_job(job, plan=None, inputs=None, *, mmap: bool = True, threads: int = 0
     the job's, else ``threads`` when given; ``plan`` and ``inputs`` are loaded unless passed in."""
     from ..backends.variants import Variant
     from ..data.evalset import load_inputs
-    from .schedule import Plan
+    from ..record.schedule import Plan
 
     variant = Variant.from_dict(job.variant)
     why = variant.unavailable_reason()

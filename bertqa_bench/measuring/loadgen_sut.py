@@ -1,6 +1,6 @@
 """The system under test: one backend variant driven by MLPerf LoadGen, inside its worker process.
 
-``worker.py`` runs this for a job of kind ``loadgen`` (``launcher.launch`` starts it exactly as it
+``loadgen_job.py`` drives this for a job of kind ``loadgen`` (``launcher.launch`` starts it exactly as it
 starts a ``bench`` worker: own process group, time limit, crash and hang isolation). In that
 process:
 
@@ -52,19 +52,17 @@ error. A crash or hang ends the process; the launcher reports it and the other r
 """
 from __future__ import annotations
 
-import os
 import queue
 import threading
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Callable, Optional
 
 import numpy as np
 
 from .runner import in_flight_window
-from .schedule import Batch, batch_inputs, make_plan
+from ..record.schedule import Batch, batch_inputs
 
 LENGTH_AWARE = ("sorted", "trimmed", "packed")
 
@@ -430,214 +428,3 @@ class SUT:
         self.lg.DestroySUT(self.handle)
 
 
-def run_test(lg, sut: SUT, qsl, settings, out_dir: Path) -> dict:
-    """One LoadGen test (its logs in ``out_dir``), then its parsed result. Called on the backend
-    thread: SingleStream's IssueQuery runs right here inside StartTest (no hand-off in the
-    latency); for Server and Offline, StartTest runs on a helper thread while this thread
-    batches and predicts, so every backend call of the process stays on one thread."""
-    from ..reporting.loadgen_results import read_result
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    log = lg.LogSettings()
-    log.log_output.outdir = str(out_dir)
-    log.log_output.copy_summary_to_stdout = True
-    log.enable_trace = False  # the trace is large and not read; summary and detail are kept
-    sut._stop = sut._flush = False
-    if sut.scenario == "SingleStream":
-        lg.StartTestWithLogSettings(sut.handle, qsl, settings, log, "")
-    else:
-        failed: list = []
-
-        def drive():
-            try:
-                lg.StartTestWithLogSettings(sut.handle, qsl, settings, log, "")
-            except BaseException as e:  # noqa: BLE001
-                failed.append(e)
-            finally:
-                sut.finish()
-
-        t = threading.Thread(target=drive, name="loadgen", daemon=True)
-        t.start()
-        sut.serve()
-        t.join()
-        if failed:
-            raise failed[0]
-    if sut.error:
-        raise RuntimeError(f"the backend failed under LoadGen: {sut.error}")
-    return read_result(out_dir)
-
-
-def _allow_recompiles(n_shapes: int) -> None:
-    """torch.compile without dynamic shapes compiles once per shape, and dynamo stops at its
-    recompile limit (8) and runs the rest eagerly, silently; a Server shape set (batch sizes x
-    length buckets) can pass it, so the limit is raised to the shapes prepare will compile."""
-    try:
-        import torch._dynamo.config as dc
-    except Exception:  # noqa: BLE001 - no torch, or no dynamo: nothing compiles
-        return
-    for name in ("recompile_limit", "cache_size_limit"):
-        if hasattr(dc, name):
-            setattr(dc, name, max(int(getattr(dc, name)), n_shapes + 8))
-
-
-def on_backend_thread(fn, *args):
-    """Run ``fn`` on one dedicated thread and return (or raise) what it did. Prepare, warm-up,
-    the bench passes and every LoadGen batch then run on the same thread: a thread's CUDA
-    stream and its CPU thread pool are its own, and timings compare like with like (on a
-    contended 2-core CPU, torch ran 2.5x slower on the main thread than on a fresh one)."""
-    box: dict = {}
-
-    def body():
-        try:
-            box["value"] = fn(*args)
-        except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
-            box["error"] = e
-
-    t = threading.Thread(target=body, name="backend")
-    t.start()
-    t.join()
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
-
-
-def execute(job) -> tuple[dict, Optional[dict]]:
-    """A ``loadgen`` job in this process: (result record, bench-path outputs or None)."""
-    return on_backend_thread(_execute, job)
-
-
-def _execute(job) -> tuple[dict, Optional[dict]]:
-    from ..backends.base import BackendContext
-    from ..config import LoadGenConfig, build
-    from .flops import model_dims, plan_flops
-    from ..reporting.loadgen_results import find_peak, test_settings
-    from .measure import Probe
-    from .runner import check_contract, materialize, sample_batches, timed_passes, warm_up
-    from .job_setup import load_job
-
-    try:
-        import mlperf_loadgen as lg
-    except ImportError:
-        from ..errors import BackendUnavailableError
-
-        raise BackendUnavailableError("LoadGen is not installed: pip install mlcommons-loadgen "
-                                      "(module mlperf_loadgen)") from None
-    spec = dict(job.loadgen)
-    scenario = spec["scenario"]
-    cfg = build(LoadGenConfig, dict(spec["settings"]), "loadgen")
-    # the QSL's samples stay in RAM for the whole run (mmap=False)
-    variant, why, inputs, plan = load_job(job, mmap=False)
-    if why:
-        return {"status": "not run", "error": why}, None
-    lengths = np.asarray(inputs["attention_mask"]).sum(axis=1).astype(np.int64)
-    batches = materialize(inputs, plan)
-    max_batch = int(cfg.server_max_batch or spec["batch_size"])
-    tokens = spec.get("tokens_per_batch") or max_batch * job.max_seq_len
-    shapes = Shapes(plan.batching, job.max_seq_len, spec["seq_multiple"], max_batch, cfg.server_batch_sizes,
-                    token_budget=tokens)
-    sut_shapes = shapes.all(lengths, scenario)
-    all_shapes = tuple(sorted(set(plan.shapes) | sut_shapes, key=lambda s: (s[0] * s[1], s), reverse=True))
-    ctx = BackendContext(model_dir=Path(job.model_dir), task=job.task, artifacts_dir=Path(job.artifacts_dir),
-                         output_names=tuple(job.output_names), sample_batches=sample_batches(plan, batches),
-                         shapes=all_shapes, max_batch_size=max(s[0] for s in all_shapes),
-                         max_seq_len=int(job.max_seq_len))
-    _allow_recompiles(len(all_shapes))
-    probe = Probe(cuda=variant.device == "cuda")
-    backend = variant.create()
-    record: dict = {"status": "ok", "pid": os.getpid(), "scenario": scenario}
-    outputs = None
-    try:
-        t0 = time.perf_counter()
-        backend.prepare(ctx)
-        record["prepare_s"] = time.perf_counter() - t0
-        record["prepare_info"] = dict(backend.prepare_info)
-        probe.end_phase("prepare")
-        names, token = tuple(job.output_names), tuple(job.token_outputs)
-        n_warm = warm_up(backend, plan, batches, job.warmup_batches, names, token)  # contract checked, as bench
-        # Every scenario shape once more on real features, so LoadGen never meets a cold shape.
-        order = np.argsort(lengths, kind="stable")
-        for b, s in sorted(sut_shapes):
-            fits = np.array([shapes.seq(int(v)) <= s for v in lengths[order]], dtype=bool)
-            fit = order[fits] if not shapes.packed else order
-            rows = np.resize(fit[-b:] if len(fit) else order[:1], b)
-            x = batch_inputs(inputs, Batch(rows, (b, s)))
-            check_contract(backend.name, backend.predict(x), x, names, token)
-            n_warm += 1
-        record["warmup_batches"] = n_warm
-        probe.end_phase("warmup")
-        example = backend.predict(batches[0])
-        codec = Codec(job.output_names, job.token_outputs, example)
-        record["layout"] = codec.layout
-        bench_fps = None
-        if cfg.compare_bench:
-            probe.start_timed()
-            outputs, timing = timed_passes(backend, plan, batches, ctx.output_names, tuple(job.token_outputs),
-                                           ctx.max_seq_len, min_passes=job.min_passes,
-                                           min_duration_s=job.min_duration_s,
-                                           flops=plan_flops(model_dims(ctx.model_dir), plan, lengths))
-            probe.end_timed(sum(timing.pass_s), timing.n_rows * len(timing.pass_s))
-            record["bench"] = timing.summary()
-            record["pass_s"] = timing.pass_s
-            bench_fps = record["bench"]["features_per_s"]
-        out_root = Path(spec["out_dir"])
-        n = len(lengths)
-        perf_count = min(n, cfg.performance_sample_count or n)
-        qsl = lg.ConstructQSL(n, perf_count, lambda s: None, lambda s: None)  # already in RAM
-        sut = SUT(lg, backend, inputs, lengths, codec, shapes, scenario=scenario, max_batch=max_batch,
-                  max_wait_us=cfg.server_max_wait_us,
-                  offline_plan=lambda lens: make_plan(lens, batching=plan.batching, batch_size=spec["batch_size"],
-                                                      max_seq_len=job.max_seq_len, seq_multiple=spec["seq_multiple"],
-                                                      tokens_per_batch=spec.get("tokens_per_batch"),
-                                                      max_batch_rows=spec.get("max_batch_rows")))
-        try:
-            # Hints LoadGen sizes its queries by (enough for min_duration): from the bench
-            # throughput of this process, doubled, since a run that turns out faster than its
-            # hint ends before min_duration and is INVALID (LoadGen's own slack is 10%); without
-            # a bench timing, a guess.
-            fps = bench_fps or 100.0
-            hints = {"offline_expected_qps": 2.0 * fps, "single_stream_expected_latency_ns": 1e9 / (2.0 * fps)}
-            target = cfg.server_target_qps or max(1.0, fps * cfg.server_qps_fraction)
-            record["accuracy"] = run_test(lg, sut, qsl, test_settings(lg, cfg, scenario, "accuracy", target, **hints),
-                                          out_root / "accuracy")
-            record["accuracy_log"] = str(out_root / "accuracy" / "mlperf_log_accuracy.json")
-            sut.reset_counts()  # from here on: the performance runs only
-            if scenario == "Server" and spec.get("find_peak"):
-                def at(qps: float) -> dict:
-                    return run_test(lg, sut, qsl, test_settings(lg, cfg, scenario, "performance", qps, **hints),
-                                    out_root / "peak" / f"qps-{qps:.6g}")
-
-                best, runs = find_peak(at, target, cfg.peak_precision, cfg.peak_max_runs)
-                record["peak_runs"] = [{"target_qps": q, **{k: r.get(k) for k in ("validity", "why", "p99_ms",
-                                                                                    "achieved_qps")}}
-                                       for q, r in runs]
-                chosen = best if best is not None else min(runs, key=lambda x: x[0])
-                record["performance"] = dict(chosen[1], target_qps=chosen[0],
-                                             log_dir=str(out_root / "peak" / f"qps-{chosen[0]:.6g}"))
-            else:
-                res = run_test(lg, sut, qsl, test_settings(lg, cfg, scenario, "performance", target, **hints),
-                               out_root / "performance")
-                record["performance"] = dict(res, target_qps=target if scenario == "Server" else None,
-                                             log_dir=str(out_root / "performance"))
-            # Energy stays the bench passes' (above): a Server run's joules include idle time
-            # between arrivals, which says more about the target QPS than about the backend.
-            probe.end_phase("predict")
-            # predict's own rate in the performance runs, beside the bench's: equal rates put a
-            # LoadGen shortfall outside predict (batch formation, inputs, answers, LoadGen itself);
-            # a lower one in predict (the device ran slower, or other batches)
-            record["sut"] = {"batches": sut.batches, "mean_batch_rows": sut.batch_rows / max(1, sut.batches),
-                             "predict_s": sut.predict_s,
-                             "predict_features_per_s": sut.batch_rows / sut.predict_s if sut.predict_s else None,
-                             "token_efficiency": sut.tokens_real / max(1, sut.tokens_computed),
-                             "bench_token_efficiency": plan.token_efficiency(lengths),
-                             "max_batch": max_batch, "max_wait_us": cfg.server_max_wait_us,
-                             "grouping": ("length-aware" if shapes.length_aware else "first come, first served"),
-                             "length_aware": shapes.length_aware, "shapes": len(sut_shapes),
-                             "ladder": ({str(q): shapes.ladder(q) for q in sorted({shapes.seq(int(v)) for v in lengths})}
-                                        if scenario == "Server" and shapes.length_aware and not shapes.packed else {})}
-        finally:
-            sut.close()
-            lg.DestroyQSL(qsl)
-        record["measures"] = dict(probe.values)
-    finally:
-        backend.close()
-    return record, outputs

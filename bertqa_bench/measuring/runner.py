@@ -34,7 +34,7 @@ import numpy as np
 from ..backends.base import Backend, BackendContext
 from ..errors import BenchError
 from .progress import Progress
-from .schedule import Plan, batch_inputs, empty_outputs, scatter
+from ..record.schedule import Plan, batch_inputs, empty_outputs, scatter
 
 
 @dataclass

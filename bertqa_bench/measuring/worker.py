@@ -49,7 +49,7 @@ class Job:
     shard_count: int = 1
     dist_timeout_s: float = 1800.0
     # "bench" (execute below) or "loadgen": the variant as MLPerf LoadGen's system under test
-    # (loadgen_sut.execute); ``loadgen`` holds the scenario and its settings
+    # (loadgen_job.execute); ``loadgen`` holds the scenario and its settings
     kind: str = "bench"
     loadgen: dict = dataclasses.field(default_factory=dict)
 
@@ -70,7 +70,7 @@ def execute(job: Job, plan=None, inputs=None, shard: Optional[tuple[int, int]] =
     from .job_setup import load_job
     from .measure import Probe
     from .runner import make_context, materialize, run_backend
-    from .schedule import shard_plan
+    from ..record.schedule import shard_plan
 
     # N CPU ranks side by side: one thread each unless the suite says how many
     variant, why, inputs, plan = load_job(job, plan, inputs, threads=1 if shard else 0)
@@ -112,7 +112,7 @@ def run_job_safely(job: Job) -> dict:
     the child process and the in-process mode report."""
     try:
         if job.kind == "loadgen":
-            from .loadgen_sut import execute as execute_loadgen
+            from .loadgen_job import execute as execute_loadgen
 
             record, outputs = execute_loadgen(job)
         elif job.shard_count > 1:  # one rank of a data-parallel job (ddp.py)

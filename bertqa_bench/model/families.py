@@ -13,12 +13,11 @@ saved with ``save_pretrained`` (safetensors + tokenizer files), exactly what a u
 holds. Random weights time like trained ones; to score, fine-tune the folder first
 (``bertqa-bench train --set model.base=FOLDER``) — the GPU plan does that.
 
-    python -m bertqa_bench.model.families roberta OUT_DIR [--size base] [--corpus FILE | --corpus-suite SUITE]
-    python -m bertqa_bench.model.families distilbert OUT_DIR --size base --grow-from embedded:all-MiniLM-L6-v2
+    python -m bertqa_bench.commands.make_checkpoint roberta OUT_DIR [--size base] [--corpus FILE | --corpus-suite SUITE]
+    python -m bertqa_bench.commands.make_checkpoint distilbert OUT_DIR --size base --grow-from embedded:all-MiniLM-L6-v2
 """
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 from typing import Iterable, Optional
@@ -209,35 +208,3 @@ def build_checkpoint(family: str, out_dir: str | Path, *, texts: Optional[Iterab
         model.save_pretrained(tmp)  # safetensors by default
         tok.save_pretrained(tmp)
     return out
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bertqa_bench.model.families", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("family", choices=FAMILY_NAMES)
-    p.add_argument("out_dir")
-    p.add_argument("--size", default="tiny", choices=("tiny", "base"))
-    p.add_argument("--corpus", help="SQuAD-format file whose text trains a BPE/Unigram tokenizer")
-    p.add_argument("--vocab-size", type=int, default=8000)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--grow-from", help="bert/distilbert: grow the encoder from this pretrained BERT-family encoder "
-                                       "(e.g. embedded:all-MiniLM-L6-v2) instead of random weights")
-    p.add_argument("--layers", type=int, help="encoder layers (default: the size's)")
-    p.add_argument("--corpus-suite", help="train the tokenizer on this suite's training file (generated first)")
-    a = p.parse_args(argv)
-    corpus = a.corpus
-    if a.corpus_suite:
-        from ..suite import load_suite
-        from ..tasks import get_task
-
-        cfg = load_suite(a.corpus_suite)
-        corpus = get_task(cfg.task.name).data_files(cfg.data, "train")[0]
-    texts = corpus_from_squad(corpus) if corpus else None
-    out = build_checkpoint(a.family, a.out_dir, texts=texts, size=a.size, seed=a.seed, vocab_size=a.vocab_size,
-                           grow_from=a.grow_from, layers=a.layers)
-    print(out)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

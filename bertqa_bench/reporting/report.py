@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..io import atomic_write_text
-from .results import BackendResult, RunBundle, RunMeta, rows_to_csv
+from ..record.results import BackendResult, RunBundle, RunMeta, rows_to_csv
 
 def _f(v, fmt: str, empty: str = "—") -> str:
     return empty if v is None else format(v, fmt)
@@ -45,7 +45,7 @@ def _delta(r: BackendResult, metric: str) -> str:
 
 
 def _parity(r: BackendResult) -> str:
-    from ..measuring.parity import noise_note
+    from ..record.parity import noise_note
 
     if not r.parity:
         return "—"

@@ -30,8 +30,8 @@ from typing import Optional
 from ..config import METRICS_FILE
 from ..errors import BenchError
 from ..io import atomic_write_text
-from .results import RunBundle, rows_to_csv
-from ..measuring.sweep import without_devices
+from ..record.results import RunBundle, rows_to_csv
+from .sweep import without_devices
 
 
 @dataclass(frozen=True)
@@ -176,8 +176,8 @@ def with_efficiency(rows: list[ScalingRow]) -> list[ScalingRow]:
 
 
 def commands_from_log(text: str) -> dict[str, str]:
-    """``model name -> command`` from a log that printed each command (scripts/gpu_session.py's
-    driver.log: ``HH:MM:SS start NAME: COMMAND``), for metrics saved before they kept their command."""
+    """``model name -> command`` from a log that printed each command (a device run's
+    driver log: ``HH:MM:SS start NAME: COMMAND``), for metrics saved before they kept their command."""
     out = {}
     for line in text.splitlines():
         m = re.search(r"start [^:]+: (.*model\.name=(\S+).*)$", line)

@@ -47,7 +47,7 @@ from typing import Iterable, Optional
 from urllib.parse import quote
 
 from .colors import BackendColors
-from .results import BackendResult, RunBundle, RunMeta
+from ..record.results import BackendResult, RunBundle, RunMeta
 
 PARAM_FIELDS = ("backend", "implementation", "precision", "parity_class", "device", "device_name", "batching",
                 "batch_size", "max_seq_len", "model", "task", "status")
@@ -558,7 +558,7 @@ class TrainingRun:
 def import_bundle(run_dir: Path, results_root: Path) -> str:
     """Log a result bundle written without MLflow (e.g. on a GPU machine) as a parent run with one
     child per backend, exactly as a live ``bench`` would have."""
-    from ..measuring.parity import Verdict
+    from ..record.parity import Verdict
 
     bundle = RunBundle.load(run_dir)
     tracker = Tracker(results_root)

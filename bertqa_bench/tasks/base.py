@@ -18,7 +18,7 @@ from typing import Any, ClassVar, Mapping, Optional
 import numpy as np
 
 from ..config import DataConfig, SuiteConfig
-from ..data.features import Features
+from .features import Features
 
 # Bump when featurization changes in a way that changes the features of the same inputs:
 # cached evaluation sets keyed by an older version are then rebuilt.

@@ -23,7 +23,7 @@ from typing import Optional
 
 import numpy as np
 
-from ...data.features import Features
+from ..features import Features
 from .reader import Annotation, NQExample, is_html_token
 
 MARKER_TYPES = ("Paragraph", "Table", "List", "Other")

@@ -28,7 +28,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ...data.features import Features
+from ..features import Features
 from .features import LONG, NO, YES
 from .reader import NQExample
 

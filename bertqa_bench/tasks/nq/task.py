@@ -14,7 +14,7 @@ import numpy as np
 
 from ...config import DataConfig, SuiteConfig, resolve_path
 from ...errors import ConfigError
-from ...data.features import Features
+from ..features import Features
 from ..base import Task
 from .model import NQ_OUTPUTS
 

@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ...data.features import Features
+from ..features import Features
 from .types import Answer, QAExample
 
 _CHUNK = 1024  # examples per tokenizer call: batched for speed, bounded for memory

@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ...data.features import Features
+from ..features import Features
 from .types import QAExample
 
 _CHUNK = 4096  # windows scored at once: the [chunk, n_best, n_best] score tensor stays small

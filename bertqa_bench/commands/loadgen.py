@@ -31,7 +31,7 @@ from typing import Callable, Optional
 
 from ..config import SCENARIOS, SuiteConfig
 from ..errors import ConfigError
-from ..reporting.loadgen_results import NS_PER_MS, decode_accuracy_log
+from ..measuring.loadgen_log import NS_PER_MS, decode_accuracy_log
 
 
 # --- the parent side: one row per variant ---------------------------------------------------
@@ -132,10 +132,10 @@ def run_loadgen(cfg: SuiteConfig, scenario: str, *, backends: Optional[list[str]
     from .bench import plan_for, plan_key, plan_path
     from ..envinfo import device_name, environment
     from ..data.evalset import load_evalset
-    from ..reporting.results import RunBundle, RunMeta, new_run_id
+    from ..record.results import RunBundle, RunMeta, new_run_id
     from ..tasks import get_task
     from ..reporting.tracking import Tracker
-    from ..training.train import ensure_model
+    from .provision import ensure_model
 
     if scenario not in SCENARIOS:
         raise ConfigError(f"scenario '{scenario}' is not one of {', '.join(SCENARIOS)}")
@@ -197,9 +197,9 @@ def _rows_of(cfg, scenario, find_peak_qps, variants, task, model, evalset, plans
              progress, log):
     """The variants one after the other (reference first), each row written as it finishes."""
     from .bench import BenchOutcome, Reference, close_complete, identity, judge, plan_key
-    from .launcher import launch
-    from .schedule import mask_padding
-    from .worker import format_error, load_outputs
+    from ..measuring.launcher import launch
+    from ..record.schedule import mask_padding
+    from ..measuring.worker import format_error, load_outputs
 
     reference = cfg.bench.reference
     ref: Optional[Reference] = None

@@ -1,22 +1,14 @@
-"""``bertqa-bench sweep``: backend x batch size x batching, one run, one reference.
-
-A sweep is a bench whose variants are expanded from a grid: ``eager-fp16@b64-sorted`` is the
-variant ``eager-fp16`` run with batch size 64 and sorted batching. Every point is measured in
-its own process and judged for parity against the suite's reference from the same run, so the
-grid is one MLflow parent run with a child per point. On top of the bench's own outputs it
-writes ``sweep.md`` (the best configuration of each backend among the points that keep parity)
-and ``sweep.png`` (throughput against batch size, one line per backend and batching).
-"""
+"""A sweep's own views (``sweep.md``, ``sweep.png``) and the names of its grid points:
+``eager-fp16@b64-sorted`` is the variant ``eager-fp16`` at batch size 64, sorted batching;
+``-x4`` on four GPUs."""
 from __future__ import annotations
 
 import re
 from pathlib import Path
 from typing import Optional, Sequence
 
-from ..config import BATCHINGS, SuiteConfig, VariantConfig
-from ..errors import ConfigError
 from ..io import atomic_write_text
-from ..reporting.results import BackendResult, RunBundle
+from ..record.results import BackendResult, RunBundle
 
 
 def point_name(variant: str, batch_size: int, batching: str, devices: int = 1) -> str:
@@ -27,25 +19,6 @@ def without_devices(name: str) -> str:
     """The one-GPU row a data-parallel row scales from: ``a@b64-sorted-x4`` -> ``a@b64-sorted``
     (also a suite's own ``eager-fp32-x2`` -> ``eager-fp32``)."""
     return re.sub(r"-x\d+$", "", name)
-
-
-def expand(cfg: SuiteConfig, backends: Sequence[str], batch_sizes: Sequence[int], batchings: Sequence[str],
-           devices: Sequence[int] = (1,)) -> list[str]:
-    """Declare one suite variant per grid point; returns their names (the reference first)."""
-    bad = [b for b in batchings if b not in BATCHINGS]
-    if bad:
-        raise ConfigError(f"unknown batching {', '.join(bad)}; valid: {', '.join(BATCHINGS)}")
-    if not backends or not batch_sizes or not batchings:
-        raise ConfigError("a sweep needs at least one backend, batch size and batching")
-    names = []
-    for v in backends:
-        for bt in batchings:
-            for bs in batch_sizes:
-                for d in devices:
-                    name = point_name(v, int(bs), bt, int(d))
-                    cfg.variants[name] = VariantConfig(base=v, batch_size=int(bs), batching=bt, devices=int(d))
-                    names.append(name)
-    return [cfg.bench.reference] + [n for n in names if n != cfg.bench.reference]
 
 
 def _point(r: BackendResult) -> Optional[tuple[str, int, str]]:
@@ -109,7 +82,7 @@ def plot(results: list[BackendResult], path: Path, variants: Sequence[str] = ())
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ..reporting.colors import for_results
+    from .colors import for_results
 
     colour = for_results(results, variants)  # the same colour as the backend's bar in comparison.png
     fig, ax = plt.subplots(figsize=(9, 5))

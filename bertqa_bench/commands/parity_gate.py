@@ -12,11 +12,11 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from ..measuring.bench import run_bench
+from .bench import run_bench
 from ..config import SuiteConfig, resolve_path
 from ..io import atomic_write_text
-from ..measuring.parity import check_expected, noise_note, verdict
-from .results import BackendResult, rows_to_csv
+from ..record.parity import check_expected, noise_note, verdict
+from ..record.results import BackendResult, rows_to_csv
 from ..tasks import get_task
 
 

@@ -1,6 +1,6 @@
 """``bench``: every variant of a suite, each in its own process, judged against the reference.
 
-The flow (DESIGN.md): load the suite; make sure the model exists (train it if not); load the
+The flow (docs/design.md): load the suite; make sure the model exists (train it if not); load the
 evaluation set (built once, cached); make the batch plan; then for each variant, reference
 first: launch its worker (prepare, warm-up, timed passes, outputs to the run folder), and in
 this process postprocess its outputs into answers, score them and compare them with the
@@ -23,15 +23,15 @@ from ..errors import ConfigError
 from ..envinfo import cuda_visible_devices, device_name, environment
 from ..data.evalset import EvalSet, load_evalset
 from ..io import atomic_write_json
-from .launcher import launch
-from .parity import Verdict, compare, determinism, tolerance_for, verdict
+from ..measuring.launcher import launch
+from ..record.parity import Verdict, compare, determinism, tolerance_for, verdict
 from ..reporting.report import write_report
-from ..reporting.results import BackendResult, RunBundle, RunMeta, new_run_id
-from .schedule import Plan, make_plan, mask_padding
+from ..record.results import BackendResult, RunBundle, RunMeta, new_run_id
+from ..record.schedule import Plan, make_plan, mask_padding
 from ..tasks import Task, get_task
 from ..reporting.tracking import Tracker
-from ..training.train import ModelInfo, ensure_model
-from .worker import Job, load_outputs
+from .provision import ModelInfo, ensure_model
+from ..measuring.worker import Job, load_outputs
 
 
 @dataclass
@@ -176,7 +176,7 @@ def run_bench(cfg: SuiteConfig, *, backends: Optional[list[str]] = None, run_id:
                           f"{model_digest(mdir) if mdir.is_dir() else 'missing'} "
                           "(retrained or replaced); start a new run")
     if cluster is not None:
-        from .ddp import without_dist_env
+        from ..measuring.ddp import without_dist_env
 
         with without_dist_env():  # a missing model trains here, as one process
             model = ensure_model(cfg, log, tracker)
@@ -286,7 +286,7 @@ def close_interrupted(bundle: RunBundle, reference: str, timing_only: bool, prob
                       e: BaseException):
     """An interrupted run's record (bench and loadgen): the verdict of what finished, run.json
     ``interrupted`` with the signal, the report, MLflow runs KILLED. Returns (Interrupted, verdict)."""
-    from .interrupt import as_interrupted
+    from ..measuring.interrupt import as_interrupted
 
     stop = as_interrupted(e)
     v = verdict(bundle.results, reference, timing_only=timing_only, problems=problems)
@@ -394,7 +394,7 @@ def _run_variant(cfg, task, variant, model, evalset, bundle, plans, tiling, ref,
         if variant.name != reference and not cfg.bench.keep_outputs:
             Path(rec["outputs"]).unlink(missing_ok=True)
     except Exception as e:  # noqa: BLE001 - scoring one backend must not lose the others
-        from .worker import format_error
+        from ..measuring.worker import format_error
 
         r.status, r.error = "failed", f"while scoring: {format_error(e)}"
     return r, new_ref, problems
@@ -417,7 +417,7 @@ def run_data_parallel(job: Job, n: int, timeout_s: float, bundle: RunBundle, var
     writes the one outputs file and result record a single worker would (dataset order, a pass
     as long as the slowest rank's, memory peaks per GPU, energy summed). A rank that fails fails
     the variant, named: "data-parallel rank 1 of 2: crashed: killed by SIGKILL"."""
-    from .ddp_launch import run_local_ranks
+    from .bench_ddp import run_local_ranks
 
     gpus = visible_gpus(n) if variant.device == "cuda" else None
     return run_local_ranks(job, n, timeout_s, bundle.path("logs"), gpus)

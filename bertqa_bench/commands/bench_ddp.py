@@ -12,7 +12,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Optional
 
-from .ddp import PHASES, free_port, rank_env, read_phase, without_dist_env
+from ..measuring.ddp import PHASES, free_port, rank_env, read_phase, without_dist_env
 from ..errors import ConfigError
 
 
@@ -51,7 +51,7 @@ def run_local_ranks(job, n: int, timeout_s: float, logs_dir: Path, gpus: Optiona
     merged record, or the failure naming the rank."""
     import dataclasses
 
-    from .launcher import launch_all
+    from ..measuring.launcher import launch_all
 
     port = free_port()
     jobs = [dataclasses.replace(job, shard_index=i, shard_count=n, dist_timeout_s=timeout_s,
@@ -160,7 +160,7 @@ class Cluster:
         import dataclasses
 
         from ..envinfo import cuda_visible_devices
-        from .launcher import launch_all
+        from ..measuring.launcher import launch_all
 
         job = dataclasses.replace(job, shard_index=self.rank, shard_count=self.world,
                                   dist_timeout_s=cmd["timeout_s"])
@@ -187,8 +187,8 @@ class Cluster:
 
         from ..data.evalset import load_evalset
         from ..tasks import get_task
-        from ..training.train import ensure_model
-        from .worker import Job
+        from .provision import ensure_model
+        from ..measuring.worker import Job
 
         scratch = cfg.results_root / ".ddp" / f"rank{self.rank}"
         model = evalset = None
@@ -209,7 +209,7 @@ class Cluster:
                         evalset = load_evalset(cfg, task, str(model.dir), log=log)
                     info.update(digest=model.digest, evalset=evalset.key)
                 except Exception as e:  # noqa: BLE001 - rank 0 reports it and stops
-                    from .worker import format_error
+                    from ..measuring.worker import format_error
 
                     info["error"] = format_error(e)
                 self._all_gather(info)

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..io import atomic_write_json, atomic_write_text
-from ..measuring.parity import ParityResult
+from .parity import ParityResult
 
 
 def new_run_id(suite: str) -> str:

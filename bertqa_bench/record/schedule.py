@@ -27,7 +27,7 @@ from typing import Mapping, Optional
 
 import numpy as np
 
-from ..data.features import INPUT_NAMES
+from ..tasks.features import INPUT_NAMES
 from ..io import atomic_write_with
 
 PAD_LOGIT = np.float32(-1e4)  # fills positions a trimmed batch never computed; postprocessing skips them

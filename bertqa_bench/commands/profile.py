@@ -15,9 +15,9 @@ from ..backends.variants import VariantTable
 from ..config import SuiteConfig
 from ..errors import BackendUnavailableError
 from ..data.evalset import load_evalset
-from .runner import make_context, materialize, stream, warm_up
+from ..measuring.runner import make_context, materialize, stream, warm_up
 from ..tasks import get_task
-from .trace_tables import write_profile
+from ..measuring.trace_tables import write_profile
 
 
 def profile_backend(cfg: SuiteConfig, name: str, *, n_batches: int = 5, top: int = 25) -> dict:
@@ -25,7 +25,7 @@ def profile_backend(cfg: SuiteConfig, name: str, *, n_batches: int = 5, top: int
     from torch.profiler import ProfilerActivity, profile
 
     from .bench import plan_for, plan_key
-    from ..training.train import ensure_model
+    from .provision import ensure_model
 
     variant = VariantTable.for_suite(cfg).get(name)
     reason = variant.unavailable_reason()

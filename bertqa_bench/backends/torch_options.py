@@ -1,0 +1,183 @@
+"""The typed options of the PyTorch backends (a variant's ``options:``): the model builder's
+(weights dtype, attention implementation, FP8 / INT8 / torchao quantization, the padding-free
+encoder) and the executor's (compile, CUDA graphs, autocast, TF32), checked when a suite loads."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ..errors import ConfigError
+from ..model.checkpoint import PACKED_FAMILIES  # noqa: F401 - the families the padding-free encoder computes
+from .torch_fp8 import SCALINGS, check_ffn_hidden, parse_gemms
+
+DTYPES = ("fp32", "fp16", "bf16")
+# Families whose encoder is BertModel's layout (tests/test_checkpoint.py checks the FP8/INT8
+# target Linears are found in each).
+QUANT_FAMILIES = ("bert", "roberta", "xlm-roberta", "camembert", "electra")
+COMPILE_MODES = ("none", "default", "max-autotune", "max-autotune-no-cudagraphs")
+CUDA_GRAPHS = ("none", "trees", "manual")
+SDPA_BACKENDS = ("cudnn", "efficient", "flash", "math")
+
+
+def parse_layers(text: str) -> tuple[int, ...]:
+    """'0, 11' -> (0, 11): encoder layers named in an option."""
+    return tuple(int(x) for x in str(text).split(",") if x.strip())
+
+
+@dataclass
+class Fp8Options:
+    scaling: str = "tensor"  # tensor | rowwise | static-rowwise
+    gemms: str = "qkv,ffn_in,ffn_out"  # some of qkv, attn_out, ffn_in, ffn_out, or "all"
+    fuse_qkv: bool = True
+    fast_accum: bool = True
+    act_margin: float = 2.0  # static scale = calibrated amax x margin / 448
+    calibration_batches: int = 8  # real batches of the run the activation ranges are taken over
+    keep_layers: str = ""  # encoder layers left in 16 bits, e.g. "0,11"
+    # keep this many more layers in 16 bits: the most sensitive ones by a per-layer sweep in
+    # prepare (quantize one layer at a time, measure max |Δ logit| on the calibration batches)
+    sensitivity_keep: int = 0
+    # the FFN's hidden activations in e4m3: the up-projection GEMM writes FP8 and GELU reads it
+    # (torch_fp8.Fp8Intermediate); needs scaling: tensor and both FFN GEMMs in FP8
+    ffn_hidden_fp8: bool = False
+    # that hidden path's GELU: exact (the model's erf form) or tanh (one Triton kernel with the
+    # GPU's tanh.approx; torch_fp8.FFN_GELUS, gelu_fp8.py); tanh needs ffn_hidden_fp8
+    ffn_gelu: str = "exact"
+
+    def __post_init__(self):
+        if self.scaling not in SCALINGS:
+            raise ConfigError(f"fp8.scaling '{self.scaling}' is not one of {', '.join(SCALINGS)}")
+        try:
+            parse_gemms(self.gemms)
+        except ValueError as e:
+            raise ConfigError(f"fp8.gemms: {e}") from None
+        try:
+            check_ffn_hidden(self.scaling, self.gemms, self.ffn_hidden_fp8, self.ffn_gelu)
+        except ValueError as e:
+            raise ConfigError(f"fp8.{e}") from None
+        if self.act_margin <= 0 or self.calibration_batches < 1:
+            raise ConfigError("fp8: act_margin must be > 0 and calibration_batches >= 1")
+        try:
+            self.layers_kept()
+        except ValueError:
+            raise ConfigError(f"fp8.keep_layers must be comma-separated layer indices, not {self.keep_layers!r}") from None
+
+    def layers_kept(self) -> tuple[int, ...]:
+        return parse_layers(self.keep_layers)
+
+
+@dataclass
+class Int8Options:
+    gemms: str = "all"  # some of qkv, attn_out, ffn_in, ffn_out, or "all"
+    keep_layers: str = ""
+    sensitivity_keep: int = 0  # as Fp8Options.sensitivity_keep
+    calibration_batches: int = 8  # batches the sensitivity sweep measures on
+
+    def __post_init__(self):
+        try:
+            parse_gemms(self.gemms)
+            self.layers_kept()
+        except ValueError as e:
+            raise ConfigError(f"int8: {e}") from None
+        if self.sensitivity_keep < 0 or self.calibration_batches < 1:
+            raise ConfigError("int8: sensitivity_keep must be >= 0 and calibration_batches >= 1")
+
+    def layers_kept(self) -> tuple[int, ...]:
+        return parse_layers(self.keep_layers)
+
+
+TORCHAO_GRANULARITIES = ("tensor", "row")
+
+
+@dataclass
+class TorchaoOptions:
+    """torchao's FP8 inference (``Float8DynamicActivationFloat8WeightConfig``), the maintained
+    library beside the suite's own FP8 path (``fp8:``): dynamic activation scales, e4m3 weights,
+    swapped into the same encoder Linears by ``torchao.quantization.quantize_``."""
+
+    granularity: str = "row"  # tensor | row (per-token activations x per-channel weights)
+    gemms: str = "qkv,ffn_in,ffn_out"  # the encoder Linears, named as fp8.gemms names them
+    keep_layers: str = ""  # encoder layers left in 16 bits
+
+    def __post_init__(self):
+        if self.granularity not in TORCHAO_GRANULARITIES:
+            raise ConfigError(f"torchao.granularity '{self.granularity}' is not one of "
+                              f"{', '.join(TORCHAO_GRANULARITIES)}")
+        try:
+            parse_gemms(self.gemms)
+            parse_layers(self.keep_layers)
+        except ValueError as e:
+            raise ConfigError(f"torchao: {e}") from None
+
+
+def torchao_targets(module, t: TorchaoOptions) -> set[str]:
+    """The encoder Linears torchao quantizes: the kinds ``t.gemms`` names outside the kept layers."""
+    from .torch_fp8 import layer_index, target_linears
+
+    keep = set(parse_layers(t.keep_layers))
+    return {n for n in target_linears(module, parse_gemms(t.gemms)) if layer_index(n) not in keep}
+
+
+@dataclass
+class TorchOptions:
+    weights: str = "fp32"  # fp32 | fp16 | bf16
+    autocast: str = "none"  # none | fp16 | bf16 (weights stay as they are; matmuls run in this dtype)
+    tf32: bool = False  # TF32 matmuls on CUDA
+    attn_implementation: str = "sdpa"  # sdpa | eager
+    compile: str = "none"  # none | default | max-autotune | max-autotune-no-cudagraphs
+    dynamic: Optional[bool] = False  # torch.compile(dynamic=...)
+    fullgraph: bool = False
+    cuda_graph: str = "none"  # none | trees (inductor's) | manual (one torch.cuda.CUDAGraph per shape)
+    fp8: Optional[Fp8Options] = None
+    int8: Optional[Int8Options] = None  # W8A8 dynamic int8 encoder GEMMs (quantize.py)
+    torchao: Optional[TorchaoOptions] = None  # torchao's FP8 inference instead of the suite's own
+    sdpa_backend: Optional[str] = None  # restrict SDPA's kernel while compiling/capturing
+    inductor_config: dict = field(default_factory=dict)  # patched into torch._inductor.config while compiling
+    num_threads: Optional[int] = None  # CPU threads (default: torch's)
+    packed: bool = False  # real tokens only: the padding-free encoder (packed_bert.py)
+    # packed only: round each batch's token count up to a multiple of this and capture one CUDA
+    # graph per bucket (packed_bert.TokenBuckets); 0 = the exact token count, no graphs
+    token_bucket: int = 0
+    # token_bucket on CUDA only: pack each batch on the host into the bucket graph's inputs
+    # (packed_bert.HostPacker) instead of on the device (two host syncs and ~15 kernels a batch)
+    host_pack: bool = False
+    # packed only: the QA span head runs on the packed tokens inside the encoder (and its token
+    # buckets' graphs), so 2 logits a token are scattered back instead of the hidden states
+    # (packed_bert.fuse_token_head)
+    head_first: bool = False
+    # CUDA only: keep two batches in flight (Backend.submit), so the host prepares batch i+1 and
+    # scatters batch i's outputs while the GPU computes; every buffer the host writes or reads
+    # (pinned inputs, packing, outputs) has one copy per batch in flight
+    pipeline: bool = False
+
+    def __post_init__(self):
+        for name, value, valid in (("weights", self.weights, DTYPES), ("autocast", self.autocast, ("none",) + DTYPES[1:]),
+                                   ("compile", self.compile, COMPILE_MODES), ("cuda_graph", self.cuda_graph, CUDA_GRAPHS),
+                                   ("attn_implementation", self.attn_implementation, ("sdpa", "eager"))):
+            if value not in valid:
+                raise ConfigError(f"torch option {name} '{value}' is not one of {', '.join(valid)}")
+        if self.sdpa_backend is not None and self.sdpa_backend not in SDPA_BACKENDS:
+            raise ConfigError(f"torch option sdpa_backend '{self.sdpa_backend}' is not one of {', '.join(SDPA_BACKENDS)}")
+        if self.cuda_graph == "trees" and self.compile == "none":
+            raise ConfigError("cuda_graph: trees are inductor's; they need compile other than none")
+        if self.fp8 is not None and self.weights == "fp32":
+            raise ConfigError("fp8 needs 16-bit weights for the parts that stay out of FP8 (weights: fp16 or bf16)")
+        if sum(q is not None for q in (self.fp8, self.int8, self.torchao)) > 1:
+            raise ConfigError("fp8, int8 and torchao are three ways of quantizing the same GEMMs: name one")
+        if self.torchao is not None and self.weights == "fp32":
+            raise ConfigError("torchao FP8 keeps the rest of the model in 16 bits (weights: bf16 or fp16)")
+        if self.packed and self.cuda_graph != "none":
+            raise ConfigError("packed (padding-free) runs eager or compiled; its token count changes every batch, "
+                              "so no whole-model CUDA graphs (cuda_graph: none); token_bucket captures its graphs")
+        if self.token_bucket < 0 or (self.token_bucket and not self.packed):
+            raise ConfigError(f"token_bucket {self.token_bucket}: a bucket size in tokens (>= 1) for packed: true, "
+                              "or 0 for none")
+        if self.head_first and not self.packed:
+            raise ConfigError("head_first runs the QA head on the packed tokens before the scatter: it needs packed: true")
+        if self.host_pack and not self.token_bucket:
+            raise ConfigError("host_pack feeds the token buckets' CUDA graphs: it needs packed: true and token_bucket")
+
+    def inductor_mode(self) -> str:
+        """torch.compile's mode: graph trees come with reduce-overhead / max-autotune."""
+        if self.cuda_graph == "trees":
+            return "reduce-overhead" if self.compile == "default" else "max-autotune"
+        return "max-autotune-no-cudagraphs" if self.compile == "max-autotune" else self.compile

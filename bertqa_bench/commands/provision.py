@@ -1,0 +1,87 @@
+"""A model to benchmark: the user's checkpoint as it is, or the suite's own fine-tuned model,
+trained only when models/ lacks it or holds one of another recipe. Every command that needs a
+model (bench, sweep, loadgen, profile, bench-ddp) gets it here."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+from ..config import METRICS_FILE, SuiteConfig
+from ..io import atomic_dir, atomic_write_json
+from ..model.modeling import build_model, count_parameters, load_tokenizer
+from ..tasks import get_task
+from ..training.recipe import model_is_trained, model_recipe, recipe_diff, recipe_fields
+from ..training.train import train
+
+
+@dataclass
+class ModelInfo:
+    dir: Path
+    params: Optional[int]
+    metrics: dict  # train_metrics.json
+    dev_primary: Optional[float]  # the model's primary dev metric (e.g. F1) from training
+    timing_only: bool
+    note: str
+    # a user's checkpoint (model.checkpoint): its name as given, digest and family; empty for the
+    # suite's own models
+    checkpoint: str = ""
+    digest: str = ""
+    family: str = "bert"
+
+
+def checkpoint_model(cfg: SuiteConfig, log: Callable[[str], None] = print) -> ModelInfo:
+    """``model.checkpoint``: checked (checkpoint.py) and used as it is; nothing is trained."""
+    from ..model.checkpoint import resolve_checkpoint
+
+    ck = resolve_checkpoint(cfg.model.checkpoint, allow_pickle=cfg.model.allow_pickle)
+    log(f"model: checkpoint {ck.name} ({ck.model_type}, {ck.weights}, {ck.digest}) from {ck.path}, "
+        "benchmarked as it is (no training)")
+    note = (f"checkpoint {ck.name} ({ck.model_type}, {ck.digest}), benchmarked as it is"
+            + ("; weights unpickled (allow_pickle)" if ck.weights == "pickle" else ""))
+    return ModelInfo(ck.path, count_parameters(ck.path), {}, None, False, note, checkpoint=ck.name,
+                     digest=ck.digest, family=ck.model_type)
+
+
+def ensure_model(cfg: SuiteConfig, log: Callable[[str], None] = print, tracker=None) -> ModelInfo:
+    """The suite's model, trained first if models/ lacks it; random-weight timing models are just built.
+    A ``model.checkpoint`` is used as it is."""
+    if cfg.model.checkpoint:
+        return checkpoint_model(cfg, log)
+    task = get_task(cfg.task.name)
+    model_dir = cfg.model_dir
+    wanted = recipe_fields(cfg)
+    recipe = model_recipe(cfg, wanted)
+    saved_metrics = json.loads((model_dir / METRICS_FILE).read_text()) if model_is_trained(model_dir) else {}
+    saved = saved_metrics.get("recipe")
+    if saved == recipe:
+        log(f"model: reusing {model_dir} (recipe {recipe})")
+    elif cfg.model.timing_only:
+        log(f"model: building {cfg.model.base} with random weights (timing only) in {model_dir}")
+        model, _ = build_model(cfg.task.name, cfg.model.base, random_init=True,
+                               config_overrides=cfg.model.config_overrides, seed=cfg.train.seed)
+        with atomic_dir(model_dir) as tmp:
+            model.save_pretrained(tmp)
+            load_tokenizer(cfg.model.base).save_pretrained(tmp)
+            atomic_write_json(tmp / METRICS_FILE, {"random_init": True, "note": "timing only", "recipe": recipe})
+    else:
+        if not saved_metrics:
+            why = "not found"
+        else:
+            fields = saved_metrics.get("recipe_fields")
+            why = f"was trained by another recipe ({saved} != {recipe}" + (
+                f": {recipe_diff(fields, wanted)})" if fields else ")")
+        log(f"model: {model_dir} {why}; fine-tuning {cfg.model.base} (suite {cfg.name})")
+        train(cfg, log=log, tracker=tracker)
+    metrics = json.loads((model_dir / METRICS_FILE).read_text())
+    primary = metrics.get(f"dev_{task.primary_metric}")
+    if cfg.model.timing_only:
+        note = "random weights: timing only, accuracy columns not meaningful"
+    else:
+        note = "fine-tuned by bertqa-bench train; dev " + ", ".join(
+            f"{m}={metrics[f'dev_{m}']:.2f}" for m in task.metric_names if f"dev_{m}" in metrics)
+    from ..model.checkpoint import model_digest, model_family
+
+    return ModelInfo(model_dir, count_parameters(model_dir), metrics, primary, cfg.model.timing_only, note,
+                     digest=model_digest(model_dir), family=model_family(model_dir))
