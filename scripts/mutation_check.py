@@ -184,9 +184,6 @@ MUTANTS = [
     M("scaling-last-epoch-is-the-first", "bertqa_bench/reporting/scaling.py",
       "/ len(epochs) / float(epochs[-1])", "/ len(epochs) / float(epochs[0])",
       ("tests/test_scaling.py",), "the last epoch's rate is taken over the first (compiling) epoch"),
-    M("gpu-session-lanes-retrain", "scripts/gpu_session.py",
-      "        if name in _TRAINED:", "        if False:",
-      ("tests/test_gpu_session.py",), "a second lane trains the same model again over the same folder"),
     # --- the evaluation-set cache key
     M("cache-key-tokenizer-by-name", "bertqa_bench/data/evalset.py",
       '"tokenizer": _tokenizer_fingerprint(tokenizer_source)', '"tokenizer": tokenizer_source',
