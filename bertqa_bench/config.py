@@ -35,7 +35,7 @@ ISOLATIONS = ("process", "inprocess")
 
 @dataclass
 class SyntheticConfig:
-    """Shape of the generated SQuAD/NQ-format set (see bertqa_bench/data/synthetic.py)."""
+    """Shape of the generated SQuAD/NQ-format set (see tasks/squad/synthetic.py, tasks/nq/synthetic.py)."""
 
     seed: int = 13
     n_train_contexts: int = 2000
