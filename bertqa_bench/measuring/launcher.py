@@ -32,7 +32,7 @@ from ..io import atomic_write_json
 from .worker import Job, run_job_safely
 
 # NVLink multicast stays off in every process this suite starts: on shared multi-GPU hosts a
-# program that uses it can take the host's GPUs out of service (see the README's GPU section).
+# program that uses it can take the host's GPUs out of service (docs/multi-gpu.md).
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 TAIL_LINES = 15
 
