@@ -384,7 +384,8 @@ def _output_args(p: argparse.ArgumentParser, progress: bool = True) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="bertqa-bench", description=__doc__)
+    p = argparse.ArgumentParser(prog="bertqa-bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train", help="fine-tune the suite's model and save it under models/")
