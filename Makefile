@@ -15,7 +15,7 @@ export TOKENIZERS_PARALLELISM ?= false
 .PHONY: help install bench-all bench bench-ddp train train-ddp sweep loadgen report parity-check test ui-test ui-shots mutation-check mlflow-ui clean
 
 help:
-	@echo "make bench-all [SUITE=default|gpu-bert-base|bert-base-squad|nq] [ARGS='--set bench.batch_size=16']"
+	@echo "make bench-all [SUITE=default|cpu|gpu-bert-base|bert-base-squad|nq|experiments] [ARGS='--set bench.batch_size=16']"
 	@echo "make test | make ui-test | make parity-check | make mutation-check | make mlflow-ui | make clean"
 	@echo "make train-ddp NPROC=4 SUITE=gpu-bert-base | make sweep SUITE=... ARGS='--batch-sizes 16,64,256'"
 	@echo "make bench-ddp NNODES=1 NPROC=2 SUITE=gpu-bert-base ARGS='--backends eager-fp16' [RDZV_ENDPOINT=host:port when NNODES>1]"
@@ -66,7 +66,7 @@ sweep: install
 	$(BIN)/bertqa-bench sweep --suite $(SUITE) $(ARGS)
 
 # MLPerf LoadGen scenarios (SingleStream | Server | Offline), each backend as the system under
-# test: make loadgen SUITE=ci SCENARIO=Server ARGS="--find-peak-qps --backends onnxruntime"
+# test: make loadgen SUITE=ci SCENARIO=Server ARGS="--find-peak-qps --backends ort-fp32"
 SCENARIO ?= SingleStream
 loadgen: install
 	$(BIN)/bertqa-bench loadgen --suite $(SUITE) --scenario $(SCENARIO) $(ARGS)

@@ -129,6 +129,7 @@ def _bench_config(a, other_host: bool = False):
 
 def cmd_bench(a) -> int:
     from .commands.bench import run_bench
+    from .reporting.report import console_summary
     from .reporting.tracking import Tracker
 
     resume, cfg = _bench_config(a)
@@ -137,7 +138,7 @@ def cmd_bench(a) -> int:
     out = run_bench(cfg, backends=_backend_list(a.backends), run_id=a.run_id, tracker=tracker,
                     progress=not a.no_progress, command=_command_line(), resume=resume)
     print()
-    print(out.summary)
+    print(console_summary(out.bundle))
     print(f"results: {out.run_dir}")
     print(f"verdict: {out.verdict}")
     if out.verdict.status == "INCONCLUSIVE":
@@ -155,6 +156,7 @@ def cmd_bench_ddp(a) -> int:
     from .commands.bench import run_bench
     from .measuring.ddp import is_dist_env
     from .commands.bench_ddp import Cluster
+    from .reporting.report import console_summary
     from .reporting.tracking import Tracker
 
     if not is_dist_env():
@@ -188,7 +190,7 @@ def cmd_bench_ddp(a) -> int:
     finally:
         cluster.close(error)  # the other ranks stop waiting for work, whatever happened here
     print()
-    print(out.summary)
+    print(console_summary(out.bundle))
     print(f"results: {out.run_dir}")
     print(f"verdict: {out.verdict}")
     return 0
@@ -213,6 +215,7 @@ def _model_overrides(a) -> list[str]:
 
 def cmd_loadgen(a) -> int:
     from .commands.loadgen import run_loadgen
+    from .reporting.report import console_summary
     from .suite import load_suite
     from .reporting.tracking import Tracker
 
@@ -222,7 +225,7 @@ def cmd_loadgen(a) -> int:
     out = run_loadgen(cfg, a.scenario, backends=_backend_list(a.backends), find_peak_qps=a.find_peak_qps,
                       run_id=a.run_id, tracker=tracker, progress=not a.no_progress, command=_command_line())
     print()
-    print(out.summary)
+    print(console_summary(out.bundle))
     print(f"results: {out.run_dir}")
     print(f"verdict: {out.verdict}")
     return 0
@@ -232,7 +235,8 @@ def cmd_sweep(a) -> int:
     from .commands.bench import run_bench
     from .suite import load_suite
     from .commands.sweep import expand
-    from .reporting.sweep import write_sweep_report
+    from .reporting.report import recommendation
+    from .reporting.sweep import sweep_tables, write_sweep_report
     from .reporting.tracking import Tracker
 
     if a.resume:  # the sweep's variants were added to the saved config; its variant list is the run's
@@ -248,10 +252,12 @@ def cmd_sweep(a) -> int:
     tracker = Tracker(cfg.results_root, enabled=not a.no_mlflow)
     out = run_bench(cfg, backends=names, run_id=a.run_id, tracker=tracker, progress=not a.no_progress,
                     command=_command_line(), resume=resume)
-    md = write_sweep_report(out.bundle)
+    write_sweep_report(out.bundle)
     if tracker.active and tracker.parent_id:  # the sweep's own views beside the bench's, on its parent run
         tracker._try(tracker.artifacts, tracker.parent_id, [out.run_dir / "sweep.md", out.run_dir / "sweep.png"])
-    print(md)
+    print(sweep_tables(out.bundle))  # the tables, then the recommendation (sweep.md has it first)
+    print(recommendation(out.bundle).text())
+    print()
     print(f"results: {out.run_dir}")
     if tracker.active and tracker.parent_id:
         print("\n".join(tracker.links()))
@@ -349,6 +355,7 @@ def cmd_track(a) -> int:
 
 
 def cmd_backends(a) -> int:
+    from .backends.catalogue import listing
     from .backends.variants import VariantTable
 
     cfg = None
@@ -356,13 +363,7 @@ def cmd_backends(a) -> int:
         from .suite import load_suite
 
         cfg = load_suite(_suite(a), a.overrides)
-    table = VariantTable.for_suite(cfg)
-    for v in table.all():
-        why = v.unavailable_reason()
-        print(f"{v.name:34s} {v.implementation:12s} {v.device:5s} {v.precision:9s} {v.parity_class:8s} "
-              f"{'available' if why is None else 'unavailable: ' + why}")
-    for name, why in table.broken().items():
-        print(f"{name:34s} invalid: {why}")
+    print(listing(VariantTable.for_suite(cfg), show_all=a.all))
     return 0
 
 
@@ -504,10 +505,11 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("run_dirs", nargs="+")
     tr.set_defaults(fn=cmd_track)
 
-    lb = sub.add_parser("backends", help="list backend variants (built-in, plug-ins, a suite's own) and whether each "
-                                         "can run here")
+    lb = sub.add_parser("backends", help="the backend catalogue by device: when to use each and whether it can run "
+                                         "here (plug-ins and a suite's own variants too)")
     lb.add_argument("--suite", help="also list the variants this suite declares")
     lb.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+    lb.add_argument("--all", action="store_true", help="also list the research variants (benchmarks/experiments.yaml)")
     lb.set_defaults(fn=cmd_backends)
     return p
 

@@ -328,6 +328,9 @@ class BenchConfig:
     isolation: str = "process"  # process: each variant in its own spawned process; inprocess: debugging/tests
     timeout_s: float = 1800.0  # per variant (prepare + warm-up + timed passes); past it the child is killed
     keep_outputs: bool = False  # keep every variant's logits in the run folder (the reference's are always kept)
+    # cpu | cuda: where a variant name that exists on both devices runs (eager-fp32, eager-bf16);
+    # unset: cpu. Names on one device only run there whatever this says.
+    device: Optional[str] = None
 
     def __post_init__(self):
         if not self.backends:
@@ -339,6 +342,8 @@ class BenchConfig:
             raise ConfigError("bench.batch_size must be >= 1")
         if self.batching not in BATCHINGS:
             raise ConfigError(f"bench.batching '{self.batching}' is not one of {', '.join(BATCHINGS)}")
+        if self.device is not None and self.device not in ("cpu", "cuda"):
+            raise ConfigError(f"bench.device '{self.device}' is not one of cpu, cuda")
         if self.isolation not in ISOLATIONS:
             raise ConfigError(f"bench.isolation '{self.isolation}' is not one of {', '.join(ISOLATIONS)}")
         if self.warmup_batches < 1:

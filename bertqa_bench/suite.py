@@ -131,9 +131,9 @@ def load_suite(name_or_path: str = "default", overrides: Optional[list[str]] = N
         raw["task"] = {"name": task.get("name", "squad"), "options": {k: v for k, v in task.items() if k != "name"}}
     cfg = build(SuiteConfig, raw, str(path))
     resolve_task(cfg)
-    from .backends.variants import VariantTable
+    from .backends.variants import canonicalize
 
-    VariantTable.for_suite(cfg).require(cfg.bench.backends)  # unknown names fail before any work
+    canonicalize(cfg)  # old names -> the catalogue's (a note each); unknown names fail before any work
     return cfg
 
 

@@ -32,7 +32,7 @@ def pytest_collection_modifyitems(config, items):
 def tiny_suite(tmp_path):
     """Write a tiny suite YAML (tiny random BERT trained for a few steps on a tiny generated set)."""
 
-    def make(backends=("eager-fp32", "onnxruntime"), **sections):
+    def make(backends=("eager-fp32", "ort-fp32"), **sections):
         raw = {
             "name": "tiny",
             "data": {"source": "synthetic", "data_dir": str(tmp_path / "data"), "max_seq_len": 96, "doc_stride": 48,

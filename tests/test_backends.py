@@ -23,35 +23,38 @@ LAYERS = 2
 MAX_BATCH, MAX_SEQ = 4, 64
 PRECISIONS = {"fp32", "tf32", "amp-fp16", "fp16", "bf16", "int8", "fp8"}
 FP32_CLASS_PRECISIONS = {"fp32", "tf32"}  # TF32 keeps fp32 storage/accumulation: FP32-class tolerances
+# (name, device) -> (precision, parity class): the catalogue, and a few research rows (experiments.yaml)
 EXPECTED = {
-    "eager-fp32": ("cpu", "fp32", "fp32"),
-    "eager-fp32-cuda": ("cuda", "fp32", "fp32"),
-    "eager-tf32": ("cuda", "tf32", "fp32"),
-    "eager-amp-fp16": ("cuda", "amp-fp16", "reduced"),
-    "eager-fp16": ("cuda", "fp16", "reduced"),
-    "eager-bf16": ("cuda", "bf16", "reduced"),
-    "eager-bf16-cpu": ("cpu", "bf16", "reduced"),
-    "torch-compile": ("cpu", "fp32", "fp32"),
-    "torch-compile-fp16": ("cuda", "fp16", "reduced"),
-    "torch-compile-fp16-max-autotune": ("cuda", "fp16", "reduced"),
-    "torch-compile-fp16-cudagraphs": ("cuda", "fp16", "reduced"),
-    "onnxruntime": ("cpu", "fp32", "fp32"),
-    "onnxruntime-int8": ("cpu", "int8", "reduced"),
-    "onnxruntime-int8-static": ("cpu", "int8", "reduced"),
-    "onnxruntime-int8-static-sorted": ("cpu", "int8", "reduced"),
-    "openvino": ("cpu", "fp32", "fp32"),
-    "openvino-bf16": ("cpu", "bf16", "reduced"),
-    "openvino-int8": ("cpu", "int8", "reduced"),
-    "ort-cuda-fp32": ("cuda", "fp32", "fp32"),
-    "ort-cuda-fp16": ("cuda", "fp16", "reduced"),
-    "ort-cuda-fp16-graph": ("cuda", "fp16", "reduced"),
-    "tensorrt-fp16": ("cuda", "fp16", "reduced"),
-    "torch-compile-fp16-graph": ("cuda", "fp16", "reduced"),
-    "torch-compile-fp8": ("cuda", "fp8", "reduced"),
-    "eager-fp16-packed": ("cuda", "fp16", "reduced"),
-    "torch-compile-fp16-packed": ("cuda", "fp16", "reduced"),
-    "eager-fp8-packed": ("cuda", "fp8", "reduced"),
-    "torch-compile-fp8-packed": ("cuda", "fp8", "reduced"),
+    ("eager-fp32", "cpu"): ("fp32", "fp32"),
+    ("eager-bf16", "cpu"): ("bf16", "reduced"),
+    ("torch-compile-fp32", "cpu"): ("fp32", "fp32"),
+    ("ort-fp32", "cpu"): ("fp32", "fp32"),
+    ("ort-int8", "cpu"): ("int8", "reduced"),
+    ("openvino-fp32", "cpu"): ("fp32", "fp32"),
+    ("openvino-bf16", "cpu"): ("bf16", "reduced"),
+    ("openvino-int8", "cpu"): ("int8", "reduced"),
+    ("openvino-int8-sorted", "cpu"): ("int8", "reduced"),
+    ("eager-fp32", "cuda"): ("fp32", "fp32"),
+    ("eager-tf32", "cuda"): ("tf32", "fp32"),
+    ("eager-fp16", "cuda"): ("fp16", "reduced"),
+    ("eager-bf16", "cuda"): ("bf16", "reduced"),
+    ("torch-compile-fp16-graph", "cuda"): ("fp16", "reduced"),
+    ("torch-compile-fp16-packed", "cuda"): ("fp16", "reduced"),
+    ("torch-compile-fp8-graph", "cuda"): ("fp8", "reduced"),
+    ("torch-compile-fp8-graph-packed", "cuda"): ("fp8", "reduced"),
+    ("ort-fp16-graph", "cuda"): ("fp16", "reduced"),
+    ("tensorrt-fp16", "cuda"): ("fp16", "reduced"),
+    ("eager-amp-fp16", "cuda"): ("amp-fp16", "reduced"),
+    ("torch-compile-fp16-max-autotune", "cuda"): ("fp16", "reduced"),
+    ("torch-compile-fp16-cudagraphs", "cuda"): ("fp16", "reduced"),
+    ("onnxruntime-int8-static", "cpu"): ("int8", "reduced"),
+    ("onnxruntime-int8-static-sorted", "cpu"): ("int8", "reduced"),
+    ("ort-cuda-fp32", "cuda"): ("fp32", "fp32"),
+    ("ort-cuda-fp16", "cuda"): ("fp16", "reduced"),
+    ("torch-compile-fp8", "cuda"): ("fp8", "reduced"),
+    ("eager-fp16-packed", "cuda"): ("fp16", "reduced"),
+    ("eager-fp8-packed", "cuda"): ("fp8", "reduced"),
+    ("torch-compile-fp8-packed", "cuda"): ("fp8", "reduced"),
 }
 TABLE = default_table()
 
@@ -170,12 +173,12 @@ def test_unknown_backend_lists_valid_names():
         TABLE.get("onnx-runtime-typo")
     msg = str(e.value)
     assert "onnx-runtime-typo" in msg
-    for valid in ("eager-fp32", "onnxruntime", "tensorrt-fp16"):
+    for valid in ("eager-fp32", "ort-fp32", "tensorrt-fp16", "torch-compile-fp8-packed-ffn8"):
         assert valid in msg
 
 
 def test_every_variant_declares_device_precision_and_parity_class():
-    variants = {v.name: v for v in TABLE.all()}
+    variants = {(v.name, v.device): v for v in TABLE.all()}
     assert set(EXPECTED) <= set(variants), set(EXPECTED) - set(variants)
     for v in variants.values():
         assert v.device in ("cpu", "cuda"), v.name
@@ -184,10 +187,10 @@ def test_every_variant_declares_device_precision_and_parity_class():
         assert (v.parity_class == "fp32") == (v.precision in FP32_CLASS_PRECISIONS), v.name
         backend = v.create()
         assert backend.name == v.name and backend.device == v.device
-    for name, (device, precision, parity) in EXPECTED.items():
-        v = variants[name]
+    for (name, device), (precision, parity) in EXPECTED.items():
+        v = variants[name, device]
         assert (v.device, v.precision, v.parity_class) == (device, precision, parity), name
-    assert TABLE.names() == sorted(variants)
+    assert TABLE.names() == sorted({name for name, _ in variants})
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
@@ -312,7 +315,7 @@ def test_eager_fp32_cpu_shapes(reference):
 def test_onnxruntime_matches_eager_and_fuses_attention(make_ctx, reference):
     batches, ref = reference
     ctx = make_ctx()
-    backend, outs = run("onnxruntime", ctx, batches)
+    backend, outs = run("ort-fp32", ctx, batches)
     for (b, s), out, r in zip(SHAPES, outs, ref):
         check_outputs(out, b, s)
         assert max_diff(out, r) < 1e-4, (b, s)
@@ -325,13 +328,13 @@ def test_onnxruntime_matches_eager_and_fuses_attention(make_ctx, reference):
     assert info["validation_max_abs_diff"] < 1e-3
     assert not info["onnx_cache_hit"] and not info["optimized_cache_hit"]
     # A second prepare reuses both cached files (and still validates at the run's shapes).
-    again, _ = run("onnxruntime", ctx, [])
+    again, _ = run("ort-fp32", ctx, [])
     assert again.prepare_info["onnx_cache_hit"] and again.prepare_info["optimized_cache_hit"]
 
 
 def test_onnxruntime_int8_is_close(make_ctx, reference):
     batches, ref = reference
-    backend, outs = run("onnxruntime-int8", make_ctx(), batches)
+    backend, outs = run("ort-int8", make_ctx(), batches)
     scale = max(float(np.abs(r[n]).max()) for r in ref for n in OUTPUTS)
     for (b, s), out, r in zip(SHAPES, outs, ref):
         check_outputs(out, b, s)
@@ -345,7 +348,7 @@ def test_torch_compile_cpu_compiles_every_run_shape_in_prepare_and_never_while_p
     from torch._dynamo.utils import counters
 
     batches, ref = reference
-    backend = TABLE.get("torch-compile").create()
+    backend = TABLE.get("torch-compile-fp32").create()
     backend.prepare(make_ctx())
     try:
         graphs = counters["stats"]["unique_graphs"]
@@ -427,7 +430,7 @@ def test_gpu_packed_fp16_matches_fp32_cuda_on_real_tokens(name, make_ctx, cuda_r
 
 
 def test_eager_bf16_cpu_runs(make_ctx, reference):
-    backend, outs = run("eager-bf16-cpu", make_ctx(), reference[0])
+    backend, outs = run("eager-bf16", make_ctx(), reference[0])
     for (b, s), out, r in zip(SHAPES, outs, reference[1]):
         check_outputs(out, b, s)
         assert max_diff(out, r) < 0.2
@@ -740,7 +743,7 @@ def test_onnxruntime_int8_static_options_validate_and_change_the_cache_key(tiny_
 
 def test_openvino_fp32_reproduces_pytorch_and_reports_what_it_compiled(tiny_model, tmp_path, reference):
     batches, ref = reference
-    backend, outs = run("openvino", _calibration_ctx(tiny_model, tmp_path / "a", [make_batch(MAX_BATCH, 48)]), batches)
+    backend, outs = run("openvino-fp32", _calibration_ctx(tiny_model, tmp_path / "a", [make_batch(MAX_BATCH, 48)]), batches)
     info = backend.prepare_info
     assert info["inference_precision"] == "f32" and info["validation_max_abs_diff"] < 1e-3
     assert info["num_threads"] == torch.get_num_threads() and "cpu_flags" in info
@@ -786,6 +789,6 @@ def test_openvino_options_are_checked_and_a_missing_package_names_what_to_instal
     assert "CPU only" in make_variant("x", "openvino", "cuda", {}).unavailable_reason()
     monkeypatch.setitem(sys.modules, "nncf", None)
     assert "pip install nncf" in TABLE.get("openvino-int8").unavailable_reason()
-    assert TABLE.get("openvino").unavailable_reason() is None  # fp32 needs no nncf
+    assert TABLE.get("openvino-fp32").unavailable_reason() is None  # fp32 needs no nncf
     monkeypatch.setitem(sys.modules, "openvino", None)
-    assert "pip install openvino" in TABLE.get("openvino").unavailable_reason()
+    assert "pip install openvino" in TABLE.get("openvino-fp32").unavailable_reason()

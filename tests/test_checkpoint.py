@@ -20,7 +20,7 @@ from bertqa_bench.config import SyntheticConfig
 from bertqa_bench.model.families import FAMILY_NAMES, build_checkpoint, corpus_from_squad
 from bertqa_bench.record.results import RunBundle
 
-CPU_BACKENDS = ["eager-fp32", "eager-bf16-cpu", "torch-compile", "onnxruntime", "onnxruntime-int8"]
+CPU_BACKENDS = ["eager-fp32", "eager-bf16", "torch-compile-fp32", "ort-fp32", "ort-int8"]
 SYN = dict(seed=5, n_train_contexts=6, n_dev_contexts=5, questions_per_context=2, min_words=30, max_words=90,
            mean_words=50, long_context_fraction=0.2)
 
@@ -54,7 +54,7 @@ def _suite(tmp_path, corpus, backends, **bench):
            # the exporter fallback (dynamo, tried when attention does not fuse) is tested in
            # test_backends; here one exporter keeps six families inside the CI time budget
            "variants": {n: {"base": n, "options": {"exporter": "torchscript"}}
-                        for n in ("onnxruntime", "onnxruntime-int8") if n in backends},
+                        for n in ("ort-fp32", "ort-int8") if n in backends},
            "models_dir": str(tmp_path / "models"), "results_dir": str(tmp_path / "results"),
            "cache_dir": str(tmp_path / "cache")}
     p = tmp_path / "ckpt.yaml"
@@ -97,7 +97,7 @@ def test_bench_model_folder_every_cpu_backend(family, family_checkpoints, corpus
     assert ref.ok and ref.n_questions == 10 and ref.scores["f1"] >= 0
     assert bundle.meta.model_checkpoint == str(family_checkpoints[family]) and bundle.meta.model_digest == ck.digest
     # fp32-class backends are run for every family and agree to rounding
-    for name in ("torch-compile", "onnxruntime"):
+    for name in ("torch-compile-fp32", "ort-fp32"):
         assert rows[name].ok and rows[name].max_abs_logit_diff < 1e-2, (name, rows[name].error)
     # nothing trained: the checkpoint folder is untouched and no model was written under models/
     assert not (tmp_path / "models" / family / "train_metrics.json").exists()

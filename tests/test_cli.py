@@ -76,7 +76,7 @@ def test_score_rejects_a_dataset_without_questions(tmp_path, capsys):
 def test_unknown_backend_lists_valid_names(capsys):
     assert main(["bench", "--suite", "default", "--backends", "eager-fp32,tensor-rt", "--no-mlflow"]) == 2
     err = capsys.readouterr().err
-    assert "tensor-rt" in err and "tensorrt-fp16" in err and "onnxruntime" in err
+    assert "tensor-rt" in err and "tensorrt-fp16" in err and "ort-fp32" in err
 
 
 def test_unknown_suite_is_a_clear_error(capsys):
@@ -84,14 +84,28 @@ def test_unknown_suite_is_a_clear_error(capsys):
     assert "unknown suite 'nope'" in capsys.readouterr().err
 
 
-def test_backends_lists_every_variant(capsys):
+def test_backends_lists_the_catalogue_by_device_and_all_with_all(capsys):
     from bertqa_bench.backends import default_table
+    from bertqa_bench.backends.variants import CATALOGUE
 
+    table = default_table()
     assert main(["backends"]) == 0
     out = capsys.readouterr().out
-    for name in default_table().names():
-        assert name in out
+    cpu, cuda = out.index("\nCPU\n"), out.index("\nCUDA GPU")
+    for d in CATALOGUE:  # each under its device's heading, with its one line of when to use it
+        line = next(x for x in out[cpu if d["device"] == "cpu" else cuda:].splitlines()
+                    if x.split()[:1] == [d["name"]])
+        assert line.rstrip().endswith(d["when"]) or f"{d['when']} [not here:" in line, line
+        assert line.split()[3] in ("yes", "no"), line  # whether it can run here
+    research = [d["name"] for d in table.declarations("experiments")]
+    assert research and f"+ {len(research)} research and superseded variants" in out
+    assert not any(f"\n  {n} " in out for n in research)
+    assert "onnxruntime -> ort-fp32" in out  # the old names that still resolve
     assert "tensorrt" in out and "pip install tensorrt" in out  # the missing package is named
+    assert main(["backends", "--all"]) == 0
+    out = capsys.readouterr().out
+    for name in table.names():
+        assert f"\n  {name} " in out, name
 
 
 def _bundle(run_dir, suite="x", results=()):
@@ -192,6 +206,12 @@ def test_sweep_runs_a_grid_against_one_reference_and_picks_the_best_point_at_par
     point = {r.backend: r for r in bundle.results}["eager-fp32@b16-sorted"]
     assert point.batch_size == 16 and point.batching == "sorted" and point.parity == "pass"
     assert "| eager-fp32 |" in (run / "sweep.md").read_text() and (run / "sweep.png").stat().st_size > 1000
+    # the recommendation: printed after the tables, first in sweep.md; 18 questions decide no
+    # verdict (every pass lies within their noise), and it says so, point by point
+    assert out.index("Best configuration per backend") < out.index("Recommendation (from this run")
+    assert "- None: no backend passed parity decidedly." in out
+    assert "  - eager-fp32@b16-sorted: parity pass, not decided (within noise: ~" in out
+    assert (run / "sweep.md").read_text().split("\n")[2].startswith("Recommendation (from this run")
 
 
 def test_memory_columns_are_mib_and_old_mb_columns_load_back():

@@ -107,7 +107,7 @@ def test_the_gate_fails_on_an_inconclusive_run(monkeypatch, tiny_suite, tmp_path
                            bundle=SimpleNamespace(meta=RunMeta("tiny", "r", "squad", [], "f1", "eager-fp32")),
                            run_dir=tmp_path)
     monkeypatch.setattr(parity_check, "run_bench", lambda *a, **k: fake)
-    suite = tiny_suite(backends=["eager-fp32", "onnxruntime"])
+    suite = tiny_suite(backends=["eager-fp32", "ort-fp32"])
     rc = cli.main(["parity", "--suite", str(suite), "--no-mlflow", "--no-progress",
                    "--set", f"parity.expected_file={tmp_path / 'none.csv'}"])
     err = capsys.readouterr()

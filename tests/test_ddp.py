@@ -66,7 +66,7 @@ def test_the_rank_named_is_the_one_that_failed_first_on_its_own():
 
 def test_a_rank_that_dies_or_fails_fails_its_variant_named_and_nothing_is_left(tiny_suite, monkeypatch):
     monkeypatch.setenv("BERTQA_TEST_KILL_RANK", "eager-fp32-x2:1")  # rank 1 SIGKILLs itself after warm-up
-    suite = tiny_suite(backends=["eager-fp32", "eager-fp32-x2", "fails-x2", "onnxruntime"],
+    suite = tiny_suite(backends=["eager-fp32", "eager-fp32-x2", "fails-x2", "ort-fp32"],
                        variants={"eager-fp32-x2": {"base": "eager-fp32", "devices": 2},
                                  "fails-x2": {"implementation": f"{PLUGINS}:FailsOnRank1", "device": "cpu",
                                               "devices": 2}})
@@ -78,10 +78,10 @@ def test_a_rank_that_dies_or_fails_fails_its_variant_named_and_nothing_is_left(t
     # rank 1's prepare raised: it told rank 0 at the warm-up barrier, which stopped there
     assert failed.status == "failed" and failed.error.startswith("data-parallel rank 1 of 2: RuntimeError: kaboom on rank 1"), failed.error
     # the other backends' results are all there
-    assert rows["eager-fp32"].ok and rows["onnxruntime"].ok and rows["onnxruntime"].parity == "pass"
+    assert rows["eager-fp32"].ok and rows["ort-fp32"].ok and rows["ort-fp32"].parity == "pass"
     # no worker left behind: every rank's pid is gone, and no process names this one as its parent
     pids = [int(p.read_text()) for p in (out.run_dir / "workers").glob("*.pid")]
-    assert len(pids) == 6  # eager-fp32, onnxruntime, 2 ranks each of the data-parallel variants
+    assert len(pids) == 6  # eager-fp32, ort-fp32, 2 ranks each of the data-parallel variants
     assert not [p for p in pids if Path(f"/proc/{p}").exists()]
     assert not _live_workers_of(os.getpid())
 

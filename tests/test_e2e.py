@@ -30,7 +30,7 @@ def _children(tracker, suite="tiny"):
 
 
 def test_end_to_end_cpu(tiny_suite, tmp_path):
-    suite = tiny_suite(backends=["eager-fp32", "onnxruntime", "exploding", "eager-fp16", "sorted-eager"],
+    suite = tiny_suite(backends=["eager-fp32", "ort-fp32", "exploding", "eager-fp16", "sorted-eager"],
                        variants={"exploding": {"implementation": f"{PLUGINS}:Exploding", "device": "cpu"},
                                  "sorted-eager": {"base": "eager-fp32", "batching": "sorted"}})
     cfg = load_suite(str(suite))
@@ -39,8 +39,8 @@ def test_end_to_end_cpu(tiny_suite, tmp_path):
 
     bundle = RunBundle.load(out.run_dir)
     rows = {r.backend: r for r in bundle.results}
-    assert list(rows) == ["eager-fp32", "onnxruntime", "exploding", "eager-fp16", "sorted-eager"]
-    ref, ort = rows["eager-fp32"], rows["onnxruntime"]
+    assert list(rows) == ["eager-fp32", "ort-fp32", "exploding", "eager-fp16", "sorted-eager"]
+    ref, ort = rows["eager-fp32"], rows["ort-fp32"]
     assert ref.ok and ort.ok
     # one backend failing is recorded and loses nothing else
     assert rows["exploding"].status == "failed" and "kaboom" in rows["exploding"].error
@@ -65,17 +65,17 @@ def test_end_to_end_cpu(tiny_suite, tmp_path):
     assert srt.parity == "pass" and srt.answer_agreement == 1.0 and srt.max_abs_logit_diff < 1e-4
     assert out.verdict.status == "FAIL" and "exploding" in str(out.verdict)
     # bundle
-    assert (out.run_dir / "summary.md").read_text().count("| onnxruntime |") == 1
+    assert (out.run_dir / "summary.md").read_text().count("| ort-fp32 |") == 1
     assert (out.run_dir / "comparison.png").stat().st_size > 1000
-    preds = json.loads((out.run_dir / "predictions" / "onnxruntime.json").read_text())
+    preds = json.loads((out.run_dir / "predictions" / "ort-fp32.json").read_text())
     assert len(preds) == ref.n_questions
     assert (out.run_dir / "outputs" / "eager-fp32.npz").exists()  # the reference's logits stay
-    assert not (out.run_dir / "outputs" / "onnxruntime.npz").exists()
+    assert not (out.run_dir / "outputs" / "ort-fp32.npz").exists()
     assert "kaboom" in (out.run_dir / "logs" / "exploding.log").read_text()
     # MLflow: a parent run and one child per backend, failed ones included
     parent, children = _children(tracker)
     assert sorted(r.data.params["backend"] for r in children) == sorted(rows)
-    ort_run = next(r for r in children if r.data.params["backend"] == "onnxruntime")
+    ort_run = next(r for r in children if r.data.params["backend"] == "ort-fp32")
     assert ort_run.data.metrics["f1"] == pytest.approx(ort.scores["f1"], abs=1e-3)
     assert ort_run.data.tags["parity"] == "pass"
     assert parent.data.tags["verdict"] == "FAIL" and parent.info.status == "FAILED"
@@ -102,16 +102,16 @@ def test_a_crash_and_a_hang_between_working_backends_lose_nothing(tiny_suite, tm
     _plugin_dist(site)
     monkeypatch.syspath_prepend(str(site))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
-    suite = tiny_suite(backends=["eager-fp32", "segfault", "onnxruntime", "hang", "torch-compile"],
+    suite = tiny_suite(backends=["eager-fp32", "segfault", "ort-fp32", "hang", "torch-compile-fp32"],
                        variants={"hang": {"implementation": "hang", "device": "cpu", "timeout_s": 25}})
     cfg = load_suite(str(suite))
     tracker = Tracker(cfg.results_root)
     out = run_bench(cfg, tracker=tracker, progress=False)
     rows = {r.backend: r for r in RunBundle.load(out.run_dir).results}
-    assert list(rows) == ["eager-fp32", "segfault", "onnxruntime", "hang", "torch-compile"]
+    assert list(rows) == ["eager-fp32", "segfault", "ort-fp32", "hang", "torch-compile-fp32"]
     assert rows["segfault"].status == "failed" and "SIGSEGV" in rows["segfault"].error
     assert rows["hang"].status == "failed" and "timed out after 25 s" in rows["hang"].error
-    for name in ("eager-fp32", "onnxruntime", "torch-compile"):
+    for name in ("eager-fp32", "ort-fp32", "torch-compile-fp32"):
         assert rows[name].ok and rows[name].parity == "pass" and rows[name].predict_s > 0, name
     parent, children = _children(tracker)
     assert sorted(r.data.params["backend"] for r in children) == sorted(rows)
@@ -122,14 +122,14 @@ def test_a_crash_and_a_hang_between_working_backends_lose_nothing(tiny_suite, tm
 def test_unknown_backend_fails_before_any_work(tiny_suite):
     with pytest.raises(UnknownBackendError) as e:
         load_suite(str(tiny_suite(backends=["eager-fp32", "onnx-runtime"])))
-    assert "onnxruntime" in str(e.value) and "onnx-runtime" in str(e.value)
+    assert "ort-fp32" in str(e.value) and "onnx-runtime" in str(e.value)
 
 
 def test_a_suite_variant_with_a_typo_in_its_options_fails_before_any_work(tiny_suite):
     from bertqa_bench.errors import ConfigError
 
     suite = tiny_suite(backends=["eager-fp32", "mine"],
-                       variants={"mine": {"base": "onnxruntime", "options": {"opt_levle": 2}}})
+                       variants={"mine": {"base": "ort-fp32", "options": {"opt_levle": 2}}})
     with pytest.raises(ConfigError, match="opt_levle.*valid: .*opt_level"):
         load_suite(str(suite))
 
@@ -282,9 +282,9 @@ def test_length_grouped_batches_and_rank_shares():
 def test_timing_only_path_builds_random_weights_and_judges_no_parity(tiny_suite):
     """model.timing_only: random weights, no training; every row is timed, logit differences are
     reported, but answer-level parity is 'n/a' and so is the run's verdict."""
-    suite = tiny_suite(backends=["eager-fp32", "onnxruntime"],
+    suite = tiny_suite(backends=["eager-fp32", "ort-fp32"],
                        model={"name": "tiny-timing", "timing_only": True},
-                       bench={"backends": ["eager-fp32", "onnxruntime"], "batch_size": 8, "warmup_batches": 1,
+                       bench={"backends": ["eager-fp32", "ort-fp32"], "batch_size": 8, "warmup_batches": 1,
                               "min_passes": 1, "min_duration_s": 0, "isolation": "inprocess"})
     cfg = load_suite(str(suite))
     logs = []
@@ -293,7 +293,7 @@ def test_timing_only_path_builds_random_weights_and_judges_no_parity(tiny_suite)
     assert not any("fine-tuning" in m for m in logs)
     rows = {r.backend: r for r in out.results}
     assert all(r.ok and r.parity == "n/a" and r.predict_s > 0 for r in rows.values())
-    assert rows["onnxruntime"].max_abs_logit_diff < 1e-3  # the numbers are still compared
+    assert rows["ort-fp32"].max_abs_logit_diff < 1e-3  # the numbers are still compared
     assert out.verdict.status == "N/A" and out.bundle.meta.timing_only
 
 

@@ -556,11 +556,11 @@ def _suite_raw() -> dict:
         "model": {"name": "tiny-qa", "base": "embedded:all-MiniLM-L6-v2", "random_init": True,
                   "config_overrides": {"hidden_size": 32, "num_hidden_layers": 2}},
         "train": {"epochs": 1, "batch_size": 8, "learning_rate": 1e-3, "seed": 1, "mixed_precision": "no"},
-        "bench": {"backends": ["eager-fp32", "onnxruntime", "my-ort"], "reference": "eager-fp32", "batch_size": 8,
+        "bench": {"backends": ["eager-fp32", "ort-fp32", "my-ort"], "reference": "eager-fp32", "batch_size": 8,
                   "batching": "padded", "warmup_batches": 1, "min_passes": 2, "min_duration_s": 0, "timeout_s": 60.0},
         "parity": {"fp32": {"min_f1_ratio": 0.999, "min_agreement": 0.99},
-                   "overrides": {"onnxruntime": {"min_f1_ratio": 0.9, "min_agreement": 0.9}}},
-        "variants": {"my-ort": {"base": "onnxruntime", "options": {"opt_level": 2}},
+                   "overrides": {"ort-fp32": {"min_f1_ratio": 0.9, "min_agreement": 0.9}}},
+        "variants": {"my-ort": {"base": "ort-fp32", "options": {"opt_level": 2}},
                      "my-torch": {"implementation": "torch", "device": "cpu", "options": {"weights": "bf16"}}},
     }
 
@@ -568,7 +568,7 @@ def _suite_raw() -> dict:
 # Values a suite is likely to be wrong with (no ':' in strings: no arbitrary import paths).
 YAML_VALUES = st.one_of(
     JUNK.filter(lambda v: ":" not in json.dumps(v, default=str)),
-    st.sampled_from(["eager-fp32", "onnxruntime", "nope", "1e-4", "8e-5", "yes", "no", "squad", "nq", "squad-json",
+    st.sampled_from(["eager-fp32", "ort-fp32", "onnxruntime", "nope", "1e-4", "8e-5", "yes", "no", "squad", "nq", "squad-json",
                      "torch", "onnxruntime-int8", "sorted", "cuda", "bf16", "default", "ci", "nq-jsonl",
                      "nope.module:Cls", ".:x", "a..b:C", "os:path", [], {}]))
 
@@ -599,8 +599,8 @@ def _load_suite_file(raw_bytes: bytes, name="fuzz.yaml"):
 
 
 @VALID
-@given(st.lists(st.sampled_from(["eager-fp32", "onnxruntime", "onnxruntime-int8", "torch-compile", "my-ort",
-                                 "my-torch", "eager-bf16-cpu"]), min_size=1, max_size=4, unique=True),
+@given(st.lists(st.sampled_from(["eager-fp32", "ort-fp32", "ort-int8", "torch-compile-fp32", "my-ort",
+                                 "my-torch", "eager-bf16", "openvino-int8-sorted"]), min_size=1, max_size=4, unique=True),
        st.sampled_from(BATCHINGS), st.integers(1, 256), st.sampled_from(["squad", "nq"]))
 def test_valid_suites_load(backends, batching, batch_size, task):
     raw = _suite_raw()

@@ -48,7 +48,7 @@ def suite(tmp_path_factory):
         # One torch thread: on a 2-core machine shared with other jobs, two OpenMP threads ran the
         # tiny model 18x slower (bench 59 vs 1,060 features/s) and a Server run saturated at a
         # third of that (measured 2026-11-26, load average 8 on 2 cores).
-        "bench": {"backends": ["eager-fp32", "onnxruntime"], "batch_size": 8, "warmup_batches": 1, "min_passes": 2,
+        "bench": {"backends": ["eager-fp32", "ort-fp32"], "batch_size": 8, "warmup_batches": 1, "min_passes": 2,
                   "min_duration_s": 0, "num_threads": 1},
         "loadgen": dict(CI_LOADGEN),
         "variants": {"sorted-eager": {"base": "eager-fp32", "batching": "sorted"},
@@ -70,9 +70,9 @@ def _rows(out):
 
 
 @pytest.mark.parametrize("scenario,backends,sets", [
-    ("SingleStream", ["eager-fp32", "onnxruntime"], []),
+    ("SingleStream", ["eager-fp32", "ort-fp32"], []),
     ("Server", ["eager-fp32", "sorted-eager"], SERVER),
-    ("Offline", ["eager-fp32", "onnxruntime"], []),
+    ("Offline", ["eager-fp32", "ort-fp32"], []),
 ])
 def test_each_scenario_end_to_end_for_two_backends(suite, scenario, backends, sets, tmp_path):
     from bertqa_bench.reporting.tracking import Tracker
@@ -105,7 +105,7 @@ def test_each_scenario_end_to_end_for_two_backends(suite, scenario, backends, se
     assert (out.run_dir / "loadgen" / "eager-fp32" / "accuracy" / "mlperf_log_accuracy.json").exists()
     if scenario == "SingleStream":
         assert ref.loadgen_query_count >= 100 and ref.target_qps is None
-        assert rows["onnxruntime"].max_abs_logit_diff < 1e-3
+        assert rows["ort-fp32"].max_abs_logit_diff < 1e-3
         # The accuracy log round-trips to bench's answers: eager FP32 one sample at a time through
         # LoadGen (responses decoded from its accuracy log) answers exactly as bench's batches of 8.
         bench = run_bench(load_suite(suite, ["bench.isolation=inprocess"]), backends=["eager-fp32"], progress=False)

@@ -507,7 +507,7 @@ def test_suite_yaml_loads():
 
     s = load_suite("nq")
     assert s.task.name == "nq" and s.data.source == "nq-synthetic" and s.task.options.top_k == 5
-    assert s.bench.backends == ["eager-fp32", "torch-compile", "onnxruntime"]
+    assert s.bench.backends == ["eager-fp32", "torch-compile-fp32", "ort-fp32"]
 
 
 # ----------------------------------------------------------------------------- model

@@ -20,7 +20,7 @@ from bertqa_bench.suite import load_suite
 
 N_QUESTIONS = 400  # the ci suite's dev set: one question is 0.25 points
 TOLERANCE_Q = 4
-BACKENDS = ("eager-fp32", "torch-compile", "onnxruntime")
+BACKENDS = ("eager-fp32", "torch-compile-fp32", "ort-fp32")
 
 
 @dataclass
@@ -94,11 +94,11 @@ def test_a_drift_past_the_tolerance_in_questions_fails(tmp_path, monkeypatch, ca
     cfg = _cfg(tmp_path)
     expected = _scores(em=50.0, f1=60.0)
     _write_expected(cfg.parity.expected_file, expected)
-    moved = _scores(em=50.0, f1=60.0, **{"onnxruntime": questions * 100.0 / N_QUESTIONS})
+    moved = _scores(em=50.0, f1=60.0, **{"ort-fp32": questions * 100.0 / N_QUESTIONS})
     assert _gate(monkeypatch, cfg, moved) is passes
     err = capsys.readouterr().err
     if not passes:
-        assert "onnxruntime: exact_match" in err and "vs expected 50.00" in err and "--update-expected" in err
+        assert "ort-fp32: exact_match" in err and "vs expected 50.00" in err and "--update-expected" in err
         assert "eager-fp32:" not in err  # only the backend that moved is named
 
 
@@ -127,3 +127,15 @@ def test_without_an_expected_file_the_gate_says_how_to_make_one(tmp_path, monkey
     monkeypatch.setattr(gate, "run_bench", bench)
     assert gate.run_parity_check(cfg, progress=False, log=logs.append) is True
     assert any("--update-expected" in m and "expected.csv" in m for m in logs)
+
+
+def test_an_expected_file_under_the_old_backend_names_still_gates(tmp_path, monkeypatch, capsys):
+    """An expected file written before the catalogue's names (torch-compile, onnxruntime) is read
+    under the new ones: the same rows are compared, and a drift is still caught."""
+    cfg = _cfg(tmp_path)
+    old = {"eager-fp32": "eager-fp32", "torch-compile-fp32": "torch-compile", "ort-fp32": "onnxruntime"}
+    _write_expected(cfg.parity.expected_file, {old[b]: s for b, s in _scores(em=50.0, f1=60.0).items()})
+    assert _gate(monkeypatch, cfg, _scores(em=50.0, f1=60.0)) is True
+    moved = _scores(em=50.0, f1=60.0, **{"ort-fp32": (TOLERANCE_Q + 1) * 100.0 / N_QUESTIONS})
+    assert _gate(monkeypatch, cfg, moved) is False
+    assert "ort-fp32: exact_match" in capsys.readouterr().err

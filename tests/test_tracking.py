@@ -105,6 +105,35 @@ def test_training_run_is_live_with_per_step_metrics(tiny_suite, tmp_path):
         assert all(m.value > 0 for m in hist), key
         # inside the run's span, all by MLflow's one clock (an order, not a margin)
         assert info.start_time <= hist[0].timestamp <= hist[-1].timestamp <= info.end_time, key
+    # samples/s at every point, the last one included, is samples over the time they took: the
+    # intervals it implies tile the training (their sum is the training's own time, give or take
+    # the set-up between the plan and the first step), and no point is the ~70 us between two
+    # loggings (it read 57,598.7 samples/s against a run average of 10)
+    hist = client.get_metric_history(info.run_id, "samples_per_s")
+    seen = [0] + [min(s * 8, metrics["train_features"]) for s in [m.step for m in hist]]
+    spans = [(b - a) / m.value for a, b, m in zip(seen, seen[1:], hist)]
+    assert sum(spans) == pytest.approx(metrics["train_s"], rel=0.5)
+    assert max(m.value for m in hist) < 20 * metrics["train_samples_per_s"], [m.value for m in hist]
+
+
+def test_samples_per_s_is_timed_between_the_points_clock_readings_not_their_logging(tmp_path):
+    """Points logged late (the loss read back one log step behind, the last two back to back) keep
+    the rate of the steps they stand for."""
+    from types import SimpleNamespace
+
+    tracker = Tracker(tmp_path)
+    cfg = SimpleNamespace(name="tiny", model=SimpleNamespace(name="m", base="b"), task=SimpleNamespace(name="squad"),
+                          data=SimpleNamespace(max_seq_len=96, doc_stride=48, source="synthetic"),
+                          train=SimpleNamespace(seed=1), model_dir=tmp_path / "m")
+    with tracker.training(cfg) as run:
+        run.plan(4)
+        t0 = run._last_t
+        # step k done at t0 + 2k seconds, 8 samples a step; step 3's point is logged at step 4's
+        # time and step 4's right after it, as the deferred readback does
+        for step in range(1, 5):
+            run.step(step, loss=1.0, seen=8 * step, total_steps=4, at_time=t0 + 2.0 * step)
+    hist = _client(tracker).get_metric_history(run.run_id, "samples_per_s")
+    assert [(m.step, m.value) for m in hist] == [(1, 4.0), (2, 4.0), (3, 4.0), (4, 4.0)]
 
 
 def test_a_long_training_logs_a_few_hundred_points_at_most(tmp_path):
@@ -202,6 +231,11 @@ def test_bench_parent_run_has_the_comparison_table(tmp_path):
     assert table.loc[1, "features_per_s"] == pytest.approx(1200.0) and table.loc[1, "f1"] == 80.0
     assert table.loc[2, "status"] == "not run" and "needs CUDA" in table.loc[2, "error"]
     assert parent.info.status == "FINISHED"
+    # the run's recommendation, as tags the runs table can show (recommend.py decides it)
+    assert parent.data.tags["recommended_backend"] == "onnxruntime"
+    assert parent.data.tags["recommendation"].startswith("onnxruntime: 4.00× eager-fp32")
+    assert parent.data.tags["recommended_fp32_backend"] == ""  # no precision given: not FP32 class
+    assert parent.data.metrics["best_speedup_at_parity"] == 4.0
 
 
 def _bench(tmp_path, verdict="PASS", results=None):
@@ -229,12 +263,13 @@ def test_children_log_few_chosen_metrics_and_the_rest_as_one_json(tmp_path):
                         scores={"f1": 80.0, "exact_match": 70.0})
     tracker, client, parent, kids = _bench(tmp_path, "FAIL", [ref, slow])
     ort = kids["onnxruntime"]
-    assert set(ort.data.metrics) == {"features_per_s", "speedup", "f1", "exact_match", "parity_pass", "latency_p50_ms",
-                                     "latency_p99_ms", "prepare_s", "peak_host_mib"}
+    assert set(ort.data.metrics) == {"Speedup", "Time_s", "Parity_pass", "features_per_s", "f1", "exact_match",
+                                     "latency_p50_ms", "latency_p99_ms", "prepare_s", "peak_host_mib"}
+    assert ort.data.metrics["Speedup"] == 4.0 and ort.data.metrics["Time_s"] == 0.25
     assert ort.data.metrics["features_per_s"] == 1200.0  # 4 significant digits for the table
     assert ort.data.metrics["peak_host_mib"] == 900.0  # the larger of prepare's and prediction's peaks
     # parity as a value that sorts, beside the readable tag
-    assert ort.data.metrics["parity_pass"] == 0.0 and kids["eager-fp32"].data.metrics["parity_pass"] == 1.0
+    assert ort.data.metrics["Parity_pass"] == 0.0 and kids["eager-fp32"].data.metrics["Parity_pass"] == 1.0
     assert ort.data.tags["parity"] == "FAIL"
     # a FAIL within the noise of the questions: between the two, and said so
     from bertqa_bench.reporting.tracking import child_metrics, result_view
@@ -242,7 +277,10 @@ def test_children_log_few_chosen_metrics_and_the_rest_as_one_json(tmp_path):
     noisy = BackendResult("x", parity="FAIL", parity_within_noise=True)
     noisy.questions_to_decide = 3
     tags = result_view(noisy)[2]
-    assert child_metrics(noisy)["parity_pass"] == 0.5 and tags["parity"] == "FAIL"
+    assert child_metrics(noisy)["Parity_pass"] == 0.5 and tags["parity"] == "FAIL"
+    # the primary metric's change against the reference leads too, named after the metric
+    noisy.deltas = {"f1": -0.5, "exact_match": -1.0}
+    assert child_metrics(noisy, ["exact_match", "f1"], "f1")["F1_delta"] == -0.5
     assert tags["parity_within_noise"] == "3 questions would decide it"
     # the whole record, unrounded, in one JSON artifact
     path = client.download_artifacts(ort.info.run_id, "result.json", dst_path=str(tmp_path))
@@ -263,8 +301,14 @@ def test_each_bench_saves_its_view_and_prints_its_links(tmp_path):
     envelope = json.loads(exp.tags[f"mlflow.sharedViewState.{key}"])
     assert envelope["name"] == "bench 20260101-000000-tiny (PASS)" and isinstance(envelope["createdAt"], int)
     state = json.loads(envelope["state"])
-    assert state["selectedColumns"][:5] == ["tags.`parity`", "metrics.`features_per_s`", "metrics.`speedup`",
-                                            "metrics.`exact_match`", "metrics.`f1`"]
+    assert state["selectedColumns"][:6] == ["tags.`parity`", "metrics.`Speedup`", "metrics.`Time_s`",
+                                            "metrics.`Parity_pass`", "metrics.`features_per_s`", "metrics.`exact_match`"]
+    assert state["selectedColumns"][-1] == "tags.`recommendation`"
+    # the chart mode plots every run of the bench, not MLflow's first 10, and opens on the
+    # comparison's bar charts, one a row (MLflow's legend gives each two lines of names)
+    assert state["runsHiddenMode"] == "SHOW_ALL"
+    assert [c["metricKey"] for c in state["compareRunCharts"]][:3] == ["Speedup", "Time_s", "Parity_pass"]
+    assert state["compareRunSections"][0]["columns"] == 1
     assert "metrics.`verdict_pass`" in state["selectedColumns"] and state["columnOrder"] == state["selectedColumns"]
     assert "metrics.`peak_gpu_mib`" not in state["selectedColumns"]  # no CUDA row here: no empty GPU column
     # the filter keeps exactly this bench's runs

@@ -22,10 +22,11 @@ import dataclasses
 import importlib
 import importlib.metadata
 import logging
+import re
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional
 
-from ..config import SuiteConfig, build
+from ..config import BENCHMARKS_DIR, SuiteConfig, build
 from ..errors import ConfigError, UnknownBackendError
 from .base import DEVICES, Backend, parity_class_of
 
@@ -148,170 +149,121 @@ def make_variant(name: str, implementation: str, device: str, options: Mapping |
                    **{k: run.get(k) for k in RUN_FIELDS})
 
 
-def _v(name: str, impl: str, device: str, description: str, **options) -> dict:
-    return {"name": name, "implementation": impl, "device": device, "options": options, "description": description}
+def _v(name: str, impl: str, device: str, description: str, when: str = "", **options) -> dict:
+    return {"name": name, "implementation": impl, "device": device, "options": options, "description": description,
+            "when": when}
 
 
 _FP8 = {"scaling": "tensor", "gemms": "qkv,ffn_in,ffn_out"}
+# The FP8 recipe of the fastest rows measured (results/reference/h100-perf.md): FP8 e4m3 GEMMs on
+# the fused QKV and the FFN, the FFN's hidden activations kept in e4m3 between its two GEMMs, and
+# the GELU between them in its tanh form (one Triton kernel, gelu_fp8.py).
+_FP8_FAST = {**_FP8, "ffn_hidden_fp8": True, "ffn_gelu": "tanh"}
 
-# The built-in variants. Each name means one thing in every results table.
-BUILTIN = (
-    _v("eager-fp32", "torch", "cpu", "PyTorch eager fp32 on CPU, SDPA attention (the CPU reference)"),
-    _v("eager-bf16-cpu", "torch", "cpu", "PyTorch eager with bf16 weights on CPU", weights="bf16"),
-    _v("torch-compile", "torch", "cpu", "torch.compile (inductor) fp32 on CPU", compile="default"),
-    _v("onnxruntime", "onnxruntime", "cpu", "ONNX Runtime CPU, fp32, fused BERT graph"),
+# --- the catalogue ------------------------------------------------------------------------------
+# The variants a user chooses from, named by one rule:
+#
+#     <runtime>-<precision>[-<executor>][-<batching>]
+#
+# runtime    eager (PyTorch eager) | torch-compile (PyTorch under torch.compile / Inductor) |
+#            ort (ONNX Runtime) | openvino (OpenVINO) | tensorrt (TensorRT)
+# precision  fp32 | tf32 | bf16 | fp16 | int8 | fp8: the arithmetic of the encoder's GEMMs (fp8 and
+#            int8 keep the rest in 16 bits, or fp32 on the CPU)
+# executor   absent: kernels launched batch by batch; graph: every shape (padded) or 1,024-token
+#            bucket (packed) replayed from one captured CUDA graph
+# batching   absent: padded to the run's fixed shapes; sorted: length-sorted batches under a token
+#            budget; packed: padding-free (real tokens only). ``<name>-sorted`` and
+#            ``<name>-trimmed`` exist for every name (the table derives them).
+#
+# The device is a field, never part of the name: a name on both devices (eager-fp32, eager-bf16)
+# runs on the suite's ``bench.device``. ``when`` is the one line ``bertqa-bench backends`` shows.
+# Research rows and superseded recipes are declared in benchmarks/experiments.yaml (``base:`` a
+# catalogue name + typed options) under the names they were measured by; old names of catalogue
+# rows are ALIASES below.
+CATALOGUE = (
+    # CPU
+    _v("eager-fp32", "torch", "cpu", "PyTorch eager fp32, SDPA attention",
+       "the CPU reference: every CPU speedup and parity verdict is against it"),
+    _v("eager-bf16", "torch", "cpu", "PyTorch eager with bf16 weights",
+       "stay in PyTorch on a CPU with native BF16 (AMX, avx512_bf16); answers may move slightly", weights="bf16"),
+    _v("torch-compile-fp32", "torch", "cpu", "torch.compile (Inductor), fp32",
+       "stay in PyTorch with fp32 answers; a little faster than eager", compile="default"),
+    _v("ort-fp32", "onnxruntime", "cpu", "ONNX Runtime CPU, fp32, fused BERT graph",
+       "deploy an ONNX model with fp32 answers"),
     # per_channel: measured on the CI model, per-tensor weight scales cost 13% of F1, per-channel 0.1%.
-    _v("onnxruntime-int8", "onnxruntime", "cpu",
-       "ONNX Runtime CPU, dynamic int8 (per-channel QInt8 weights) on the fused graph", graph="int8",
-       per_channel=True),
-    # Static INT8 (QDQ): activation ranges calibrated on real batches of the run, u8s8 per-channel
-    # weights, the QA head in fp32, attention left unfused so Q/K/V are int8 too (ort_static.py).
-    _v("onnxruntime-int8-static", "onnxruntime", "cpu",
-       "ONNX Runtime CPU, static int8 QDQ (calibrated on the run's batches, per-channel weights, head fp32)",
-       graph="int8-static"),
-    {**_v("onnxruntime-int8-static-sorted", "onnxruntime", "cpu",
-          "as onnxruntime-int8-static, with length-sorted batches", graph="int8-static"), "batching": "sorted"},
+    _v("ort-int8", "onnxruntime", "cpu",
+       "ONNX Runtime CPU, dynamic int8 (per-channel QInt8 weights) on the fused graph",
+       "INT8 with ONNX Runtime and no calibration step", graph="int8", per_channel=True),
     # OpenVINO's CPU plugin (openvino_backend.py): fp32, bf16 where the CPU has it natively, and
     # NNCF's static INT8 (calibrated on the run's batches, SmoothQuant, the QA head fp32).
-    _v("openvino", "openvino", "cpu", "OpenVINO CPU, fp32 (inference precision f32), from the ONNX export"),
-    _v("openvino-bf16", "openvino", "cpu", "OpenVINO CPU, bf16 inference precision (native BF16 CPUs only)",
-       precision="bf16"),
+    _v("openvino-fp32", "openvino", "cpu", "OpenVINO CPU, fp32 (inference precision f32), from the ONNX export",
+       "the fastest CPU backend with fp32 answers measured"),
+    _v("openvino-bf16", "openvino", "cpu", "OpenVINO CPU, bf16 inference precision",
+       "CPUs with native BF16 only; answers may move slightly", precision="bf16"),
     _v("openvino-int8", "openvino", "cpu",
-       "OpenVINO CPU, NNCF static INT8 (calibrated on the run's batches, SmoothQuant, head fp32)", precision="int8"),
-    _v("eager-fp32-cuda", "torch", "cuda", "PyTorch eager fp32 on CUDA, TF32 off (the GPU reference)"),
-    _v("eager-tf32", "torch", "cuda", "PyTorch eager fp32 weights on CUDA with TF32 matmuls", tf32=True),
-    _v("eager-amp-fp16", "torch", "cuda", "PyTorch eager, fp32 weights, torch.autocast fp16", autocast="fp16"),
-    _v("eager-fp16", "torch", "cuda", "PyTorch eager with fp16 weights", weights="fp16"),
-    _v("eager-bf16", "torch", "cuda", "PyTorch eager with bf16 weights", weights="bf16"),
-    _v("torch-compile-fp16", "torch", "cuda", "torch.compile (inductor) with fp16 weights", weights="fp16",
-       compile="default"),
-    _v("torch-compile-fp16-max-autotune", "torch", "cuda", "torch.compile max-autotune (no CUDA graphs), fp16",
-       weights="fp16", compile="max-autotune-no-cudagraphs"),
-    _v("torch-compile-fp16-cudagraphs", "torch", "cuda",
-       "torch.compile with inductor's CUDA graph trees (mode reduce-overhead), fp16", weights="fp16",
-       compile="default", cuda_graph="trees"),
+       "OpenVINO CPU, NNCF static INT8 (calibrated on the run's batches, SmoothQuant, head fp32)",
+       "static INT8 at fixed shapes (padded batches)", precision="int8"),
+    {**_v("openvino-int8-sorted", "openvino", "cpu", "openvino-int8 with length-sorted batches",
+          "the fastest CPU backend measured at parity", precision="int8"), "batching": "sorted"},
+    # CUDA
+    _v("eager-fp32", "torch", "cuda", "PyTorch eager fp32 on CUDA, TF32 off",
+       "the GPU reference: every GPU speedup and parity verdict is against it"),
+    _v("eager-tf32", "torch", "cuda", "PyTorch eager, fp32 weights, TF32 matmuls",
+       "fp32-class answers (TF32 keeps fp32 storage and accumulation) at a few times fp32's speed", tf32=True),
+    _v("eager-fp16", "torch", "cuda", "PyTorch eager with fp16 weights",
+       "the simplest reduced precision, no compile step", weights="fp16"),
+    _v("eager-bf16", "torch", "cuda", "PyTorch eager with bf16 weights",
+       "bf16's fp32 range where fp16 would overflow", weights="bf16"),
     _v("torch-compile-fp16-graph", "torch", "cuda",
-       "torch.compile, one captured torch.cuda.CUDAGraph per shape of the run, fp16", weights="fp16",
-       compile="default", cuda_graph="manual"),
-    {**_v("eager-fp16-packed", "torch", "cuda",
-          "PyTorch fp16, padding-free: real tokens only, variable-length FlashAttention (packed_bert.py)",
-          weights="fp16", packed=True), "batching": "packed"},
-    # The levers the packed row's profile names (results/reference/h100-batching.md): fused
-    # elementwise work (compile, the token count dynamic: it changes every batch) and FP8 GEMMs.
+       "torch.compile fp16, one captured torch.cuda.CUDAGraph per shape of the run",
+       "fixed-shape fp16 on GPUs without FP8 (before Hopper/Ada)", weights="fp16", compile="default",
+       cuda_graph="manual"),
     {**_v("torch-compile-fp16-packed", "torch", "cuda",
-          "as eager-fp16-packed, under torch.compile with a dynamic token count", weights="fp16", compile="default",
-          dynamic=True, packed=True), "batching": "packed"},
-    {**_v("eager-fp8-packed", "torch", "cuda",
-          "padding-free with the FP8 GEMMs of torch-compile-fp8 (calibrated on the padded model), eager",
-          weights="fp16", packed=True, fp8=_FP8), "batching": "packed"},
-    {**_v("torch-compile-fp8-packed", "torch", "cuda",
-          "padding-free with FP8 GEMMs, under torch.compile with a dynamic token count", weights="fp16",
-          compile="default", dynamic=True, packed=True, fp8=_FP8), "batching": "packed"},
-    # The packed rows' GPU idled 22% (h100-batching.md): one CUDA graph per 1,024-token bucket
-    # (packed_bert.TokenBuckets) removes the host's launches, for up to ~4% of dummy tokens a batch.
-    {**_v("eager-fp16-packed-graph", "torch", "cuda",
-          "as eager-fp16-packed, one CUDA graph per 1,024-token bucket of the token count", weights="fp16",
-          packed=True, token_bucket=1024), "batching": "packed"},
-    {**_v("torch-compile-fp8-packed-graph", "torch", "cuda",
-          "as torch-compile-fp8-packed, one CUDA graph per 1,024-token bucket of the token count",
-          weights="fp16", compile="default", packed=True, token_bucket=1024, fp8=_FP8), "batching": "packed"},
-    _v("torch-compile-fp8", "torch", "cuda",
-       "FP8 e4m3 GEMMs (_scaled_mm; fused QKV and the FFN; static activation scales calibrated in prepare), "
-       "fp16 elsewhere, torch.compile, one CUDA graph per shape", weights="fp16", compile="default",
-       cuda_graph="manual", fp8=_FP8),
-    _v("torch-compile-fp8-all", "torch", "cuda", "as torch-compile-fp8, with the attention output projection in FP8 too",
-       weights="fp16", compile="default", cuda_graph="manual", fp8={**_FP8, "gemms": "all"}),
-    _v("torch-compile-fp8-rowwise", "torch", "cuda",
-       "as torch-compile-fp8, with dynamic per-token x per-channel FP8 scales (bf16 GEMM output)",
-       weights="fp16", compile="default", cuda_graph="manual", fp8={**_FP8, "scaling": "rowwise"}),
-    # torchao's FP8 inference (the maintained library), beside the suite's own FP8 rows: if it
-    # matches them at parity, the hand-written path goes. bf16: torchao's row-wise GEMMs write bf16.
-    _v("torchao-fp8", "torch", "cuda",
-       "torchao Float8DynamicActivationFloat8WeightConfig (per-row dynamic scales) on the encoder GEMMs, bf16 "
-       "elsewhere, torch.compile, one CUDA graph per shape", weights="bf16", compile="default", cuda_graph="manual",
-       torchao={"granularity": "row"}),
-    _v("torchao-fp8-tensor", "torch", "cuda", "as torchao-fp8 with per-tensor dynamic scales", weights="bf16",
-       compile="default", cuda_graph="manual", torchao={"granularity": "tensor"}),
-    {**_v("torchao-fp8-packed-graph", "torch", "cuda",
-          "padding-free with torchao's FP8 (per-row), compiled, one CUDA graph per 1,024-token bucket, packed on "
-          "the host", weights="bf16", compile="default", packed=True, token_bucket=1024, host_pack=True,
-          torchao={"granularity": "row"}), "batching": "packed"},
-    # The packed FP8 graph row's GPU idled 14%: its packing (nonzero, the longest length) waits
-    # on the device twice a batch; here the host packs into the graph's inputs (HostPacker).
-    {**_v("torch-compile-fp8-packed-host", "torch", "cuda",
-          "as torch-compile-fp8-packed-graph, each batch packed on the host into the bucket graph's inputs",
-          weights="fp16", compile="default", packed=True, token_bucket=1024, host_pack=True, fp8=_FP8),
+          "padding-free fp16 (real tokens only, variable-length FlashAttention, packed_bert.py) under "
+          "torch.compile with a dynamic token count",
+          "the fastest fp16 backend on GPUs without FP8", weights="fp16", compile="default", dynamic=True,
+          packed=True), "batching": "packed"},
+    _v("torch-compile-fp8-graph", "torch", "cuda",
+       "FP8 e4m3 GEMMs (fused QKV and the FFN, static activation scales calibrated in prepare; the FFN's hidden "
+       "activations in e4m3, its GELU in tanh form), fp16 elsewhere, SDPA on cuDNN attention, torch.compile, one "
+       "CUDA graph per shape, two batches in flight",
+       "the fastest fixed-shape backend measured (FP8: Hopper or Ada GPUs)", weights="fp16", compile="default",
+       cuda_graph="manual", fp8=_FP8_FAST, sdpa_backend="cudnn", pipeline=True),
+    {**_v("torch-compile-fp8-graph-packed", "torch", "cuda",
+          "padding-free with torch-compile-fp8-graph's FP8 GEMMs, one CUDA graph per 1,024-token bucket, each "
+          "batch packed on the host, the QA head on the packed tokens inside the graphs, two batches in flight",
+          "the fastest backend measured (FP8: Hopper or Ada GPUs)", weights="fp16", compile="default",
+          packed=True, token_bucket=1024, host_pack=True, fp8=_FP8_FAST, pipeline=True, head_first=True),
      "batching": "packed"},
-    {**_v("eager-fp16-packed-host", "torch", "cuda", "as eager-fp16-packed-graph, each batch packed on the host",
-          weights="fp16", packed=True, token_bucket=1024, host_pack=True), "batching": "packed"},
-    # Hopper-native attention for the padded rows: SDPA restricted to cuDNN's kernel while
-    # compiling/capturing (measured 0.209 ms against FlashAttention-2's 0.302 ms for 174
-    # sequences padded to 384 on an H100).
-    _v("torch-compile-fp16-graph-cudnn", "torch", "cuda", "as torch-compile-fp16-graph, SDPA on cuDNN attention",
-       weights="fp16", compile="default", cuda_graph="manual", sdpa_backend="cudnn"),
-    _v("torch-compile-fp8-cudnn", "torch", "cuda", "as torch-compile-fp8, SDPA on cuDNN attention", weights="fp16",
-       compile="default", cuda_graph="manual", fp8=_FP8, sdpa_backend="cudnn"),
-    # The packed FP8 row's GPU idled 14.8% with host packing too (h100-perf.md): each predict
-    # waited for its logits before the host built the next batch. Pipelined, the host prepares
-    # batch i+1 and scatters batch i while the GPU computes (Backend.submit, two in flight).
-    {**_v("torch-compile-fp8-packed-pipelined", "torch", "cuda",
-          "as torch-compile-fp8-packed-host, two batches in flight (the host's work overlaps the GPU's)",
-          weights="fp16", compile="default", packed=True, token_bucket=1024, host_pack=True, fp8=_FP8,
-          pipeline=True), "batching": "packed"},
-    _v("torch-compile-fp8-cudnn-pipelined", "torch", "cuda", "as torch-compile-fp8-cudnn, two batches in flight",
-       weights="fp16", compile="default", cuda_graph="manual", fp8=_FP8, sdpa_backend="cudnn", pipeline=True),
-    _v("torch-compile-fp16-graph-pipelined", "torch", "cuda", "as torch-compile-fp16-graph, two batches in flight",
-       weights="fp16", compile="default", cuda_graph="manual", pipeline=True),
-    # GELU + FP8 quantize after the FFN-up GEMM is 17.6% of the packed FP8 row's GPU time as its
-    # own pass (h100-perf.md). Inductor fuses such epilogues only into its own GEMM templates: here
-    # it may pick, per GEMM, cuBLAS or its persistent TMA Triton template with the epilogue fused.
-    {**_v("torch-compile-fp8-packed-autotune", "torch", "cuda",
-          "as torch-compile-fp8-packed-pipelined, GEMMs autotuned between cuBLAS and Inductor's persistent TMA "
-          "Triton templates (epilogues fused into the template)", weights="fp16", compile="max-autotune",
-          packed=True, token_bucket=1024, host_pack=True, fp8=_FP8, pipeline=True,
-          inductor_config={"max_autotune_gemm_backends": "ATEN,TRITON", "triton.enable_persistent_tma_matmul": True}),
-     "batching": "packed", "timeout_s": 420},  # autotuning is prepare time, and it can be long
-    # Inductor's fused epilogue did not pay in isolation either (0.311-0.351 ms against 0.332 for
-    # the cuBLAS GEMM + GELU/quantize pass, h100-perf.md). What cuBLASLt can do instead: write the
-    # FFN-up GEMM's output in e4m3 itself, so the GELU + quantize pass between the FFN GEMMs moves
-    # one byte per element each way instead of two in (and two out of the GEMM) and one out.
-    {**_v("torch-compile-fp8-packed-ffn8", "torch", "cuda",
-          "as torch-compile-fp8-packed-pipelined, the FFN's hidden activations in e4m3 (the FFN-up GEMM writes "
-          "FP8, GELU reads it)", weights="fp16", compile="default", packed=True, token_bucket=1024,
-          host_pack=True, fp8={**_FP8, "ffn_hidden_fp8": True}, pipeline=True), "batching": "packed"},
-    _v("torch-compile-fp8-cudnn-ffn8", "torch", "cuda",
-       "as torch-compile-fp8-cudnn-pipelined, the FFN's hidden activations in e4m3", weights="fp16",
-       compile="default", cuda_graph="manual", fp8={**_FP8, "ffn_hidden_fp8": True}, sdpa_backend="cudnn",
-       pipeline=True),
-    # The e4m3 hidden path halved that pass's bytes and it did not get faster (185 us per layer per
-    # 32k tokens, ~3x its memory floor, h100-perf.md): it is bound by the erf polynomial's
-    # instructions. The tanh form of GELU in one Triton kernel with the GPU's tanh.approx.f32.
-    {**_v("torch-compile-fp8-packed-ffn8-tanh", "torch", "cuda",
-          "as torch-compile-fp8-packed-ffn8, the GELU between the FFN GEMMs in its tanh form (one Triton kernel, "
-          "e4m3 in and out)", weights="fp16", compile="default", packed=True, token_bucket=1024, host_pack=True,
-          fp8={**_FP8, "ffn_hidden_fp8": True, "ffn_gelu": "tanh"}, pipeline=True), "batching": "packed"},
-    # After the encoder, scattering the packed [T, 768] back to [batch, 384, 768] (index_put at ~4x
-    # its memory floor), zeroing that tensor and the QA head over the padded rows took ~1.6% of
-    # this row's GPU time (h100-perf.md): the head runs on the packed rows inside the graph instead.
-    {**_v("torch-compile-fp8-packed-ffn8-tanh-head", "torch", "cuda",
-          "as torch-compile-fp8-packed-ffn8-tanh, the QA span head on the packed tokens inside the token buckets' "
-          "graphs (2 logits a token scattered back instead of the hidden states)", weights="fp16",
-          compile="default", packed=True, token_bucket=1024, host_pack=True,
-          fp8={**_FP8, "ffn_hidden_fp8": True, "ffn_gelu": "tanh"}, pipeline=True, head_first=True),
-     "batching": "packed"},
-    _v("torch-compile-fp8-cudnn-ffn8-tanh", "torch", "cuda",
-       "as torch-compile-fp8-cudnn-ffn8, the GELU in its tanh form (one Triton kernel)", weights="fp16",
-       compile="default", cuda_graph="manual", fp8={**_FP8, "ffn_hidden_fp8": True, "ffn_gelu": "tanh"},
-       sdpa_backend="cudnn", pipeline=True),
-    _v("torch-compile-int8", "torch", "cuda",
-       "INT8 W8A8 GEMMs (torch._int_mm; per-channel weights, dynamic per-token activations), fp16 elsewhere, "
-       "torch.compile, one CUDA graph per shape", weights="fp16", compile="default", cuda_graph="manual", int8={}),
-    _v("ort-cuda-fp32", "onnxruntime", "cuda", "ONNX Runtime CUDA EP, fp32 (TF32 off), IO binding"),
-    _v("ort-cuda-fp16", "onnxruntime", "cuda", "ONNX Runtime CUDA EP, fp16 fused graph, IO binding", graph="fp16"),
-    _v("ort-cuda-fp16-graph", "onnxruntime", "cuda", "ONNX Runtime CUDA EP, fp16, one CUDA graph per shape",
-       graph="fp16", cuda_graph=True),
-    _v("tensorrt-fp16", "tensorrt", "cuda", "TensorRT 10 fp16 engine from the ONNX export (execute_async_v3)"),
+    _v("ort-fp16-graph", "onnxruntime", "cuda", "ONNX Runtime CUDA EP, fp16 fused graph, one CUDA graph per shape",
+       "deploy an ONNX model on a GPU", graph="fp16", cuda_graph=True),
+    _v("tensorrt-fp16", "tensorrt", "cuda", "TensorRT 10 fp16 engine from the ONNX export (execute_async_v3)",
+       "deploy with TensorRT (pip install .[tensorrt])"),
 )
+
+# Variants being measured (added by GPU work, one block): once measured, each joins the catalogue
+# under its grammar name or moves to benchmarks/experiments.yaml.
+NEW_VARIANTS: tuple = ()
+
+BUILTIN = CATALOGUE + NEW_VARIANTS
+
+# Old names -> (catalogue name, device or None). results/reference/ and old commands keep working:
+# a suite or --backends naming one runs the new variant, and bench prints the new name.
+ALIASES = {
+    "eager-fp32-cuda": ("eager-fp32", "cuda"),
+    "eager-bf16-cpu": ("eager-bf16", "cpu"),
+    "torch-compile": ("torch-compile-fp32", "cpu"),
+    "onnxruntime": ("ort-fp32", "cpu"),
+    "onnxruntime-int8": ("ort-int8", "cpu"),
+    "openvino": ("openvino-fp32", "cpu"),
+    "ort-cuda-fp16-graph": ("ort-fp16-graph", "cuda"),
+    "torch-compile-fp8-cudnn-ffn8-tanh": ("torch-compile-fp8-graph", "cuda"),
+    "torch-compile-fp8-packed-ffn8-tanh-head": ("torch-compile-fp8-graph-packed", "cuda"),
+}
+# Research rows and superseded recipes, under the names they were measured by.
+EXPERIMENTS_FILE = BENCHMARKS_DIR / "experiments.yaml"
+# Batchings the table derives for any name: ``<name>-sorted`` is <name> with sorted batching.
+DERIVED_BATCHINGS = ("sorted", "trimmed")
 
 
 def _entry_point_variants() -> list[dict]:
@@ -359,29 +311,59 @@ def _plugin_variant(name, spec, implementation: str, default_device: str, doc: s
 
 
 class VariantTable:
-    """Every variant a suite can name, resolved and validated."""
+    """Every variant a suite can name, resolved and validated: the catalogue (and plug-ins), the
+    research rows of benchmarks/experiments.yaml, the suite's own ``variants:``; old names through
+    ``ALIASES``; ``<name>-sorted`` / ``<name>-trimmed`` derived from any name. A name may exist on
+    several devices (eager-fp32 on cpu and cuda): the suite's ``bench.device`` picks, else cpu."""
 
-    def __init__(self, declared: Iterable[dict]):
-        self._raw: dict[str, dict] = {}
+    def __init__(self, declared: Iterable[dict], device: Optional[str] = None):
+        self._raw: dict[str, list[dict]] = {}  # name -> its declarations, one per device
+        self.device = device
         for d in declared:
-            self._raw[d["name"]] = d
-        self._resolved: dict[str, Variant] = {}
+            self._add(d)
+        self._resolved: dict[tuple, Variant] = {}
+
+    def _add(self, d: dict) -> None:
+        """A built-in or plug-in declaration: one per (name, device), a later one replacing it."""
+        others = [x for x in self._raw.get(d["name"], []) if x.get("device") != d.get("device")]
+        self._raw[d["name"]] = others + [d]
 
     @classmethod
     def for_suite(cls, cfg: Optional[SuiteConfig] = None) -> "VariantTable":
-        table = cls(list(BUILTIN) + _entry_point_variants())
+        table = cls(list(BUILTIN) + _entry_point_variants(), getattr(getattr(cfg, "bench", None), "device", None))
+        for name, decl in experiment_declarations().items():  # never shadowing a catalogue name
+            if name not in table._raw:
+                table._raw[name] = [{**table._from_suite(name, decl), "source": "experiments"}]
         for name, decl in ((cfg.variants if cfg else {}) or {}).items():
-            table._raw[name] = table._from_suite(name, decl)
-        for name in list(table._raw):  # validate everything now: a bad option fails before any work
-            if not table._raw[name].get("error"):  # (a broken plug-in variant fails when it is used)
-                table.get(name)
+            table._raw[name] = [table._from_suite(name, decl)]  # a suite's own name means what it says
+        for decls in table._raw.values():  # validate everything now: a bad option fails before any work
+            for d in decls:
+                if not d.get("error"):  # (a broken plug-in variant fails when it is used)
+                    make_variant(d["name"], d["implementation"], d["device"], d.get("options"),
+                                 d.get("description", ""), d.get("source", "builtin"),
+                                 **{k: d.get(k) for k in RUN_FIELDS})
         return table
+
+    def _pick(self, name: str, device: Optional[str] = None) -> Optional[dict]:
+        """``name``'s declaration on ``device``; without one, on the table's device, else the only one
+        or the CPU one."""
+        decls = self._raw.get(name) or []
+        if device:
+            return next((d for d in decls if d.get("device") == device), None)
+        if len(decls) <= 1:
+            return decls[0] if decls else None
+        want = self.device or "cpu"
+        return next((d for d in decls if d.get("device") == want), decls[0])
 
     def _from_suite(self, name: str, decl) -> dict:
         if decl.base:
-            if decl.base not in self._raw:
-                raise UnknownBackendError(decl.base, self._raw, what=f"base of variant '{name}'")
-            base = self._raw[decl.base]
+            try:
+                _, base = self._lookup(decl.base, decl.device)
+            except UnknownBackendError:  # a base on another device: its options, this device
+                try:
+                    _, base = self._lookup(decl.base)
+                except UnknownBackendError:
+                    raise UnknownBackendError(decl.base, self.names(), what=f"base of variant '{name}'") from None
             options = _merge(base.get("options") or {}, decl.options)
             run = {k: getattr(decl, k) if getattr(decl, k) is not None else base.get(k) for k in RUN_FIELDS}
             return {"name": name, "implementation": base["implementation"], "device": decl.device or base["device"],
@@ -390,30 +372,111 @@ class VariantTable:
                 "options": decl.options, "description": decl.description, "source": "suite",
                 **{k: getattr(decl, k) for k in RUN_FIELDS}}
 
+    def _lookup(self, name: str, device: Optional[str] = None) -> tuple[str, dict]:
+        """(the name its row gets, its declaration)."""
+        if name in self._raw:
+            d = self._pick(name, device)
+            if d is not None:
+                return name, d
+        elif name in ALIASES:
+            new, dev = ALIASES[name]
+            d = self._pick(new, device or dev)
+            if d is not None:
+                # the new name where it means this device in this table; else (eager-fp32-cuda in a
+                # CPU suite) the row keeps the old name, so it never collides with the new one's row
+                return (new if d is self._pick(new) else name), d
+        m = re.fullmatch(rf"(.+)-({'|'.join(DERIVED_BATCHINGS)})", name)
+        if m and name not in self._raw:
+            try:
+                row, base = self._lookup(m[1], device)
+            except UnknownBackendError:
+                base = None
+            if base is not None and base.get("batching") in (None, "padded"):
+                return f"{row}-{m[2]}", {**base, "name": f"{row}-{m[2]}", "batching": m[2],
+                                         "description": f"{row} with {m[2]} batching"}
+        raise UnknownBackendError(name, self.names()) if device is None else UnknownBackendError(
+            name, [n for n in self.names() if self._pick(n, device)], what=f"backend on {device}")
+
     def names(self) -> list[str]:
         return sorted(self._raw)
 
-    def get(self, name: str) -> Variant:
-        if name not in self._resolved:
-            if name not in self._raw:
-                raise UnknownBackendError(name, self._raw)
-            d = self._raw[name]
+    def get(self, name: str, device: Optional[str] = None) -> Variant:
+        """The variant ``name`` means in this table (an old name: its new variant, named as
+        ``canonical`` says); ``device`` picks among a name's devices."""
+        key = (name, device)
+        if key not in self._resolved:
+            row, d = self._lookup(name, device)
             if d.get("error"):
                 raise ConfigError(d["error"])
-            self._resolved[name] = make_variant(d["name"], d["implementation"], d["device"], d.get("options"),
-                                                d.get("description", ""), d.get("source", "builtin"),
-                                                **{k: d.get(k) for k in RUN_FIELDS})
-        return self._resolved[name]
+            self._resolved[key] = make_variant(row, d["implementation"], d["device"], d.get("options"),
+                                               d.get("description", ""), d.get("source", "builtin"),
+                                               **{k: d.get(k) for k in RUN_FIELDS})
+        return self._resolved[key]
 
     def require(self, names: Iterable[str]) -> list[Variant]:
         return [self.get(n) for n in names]
 
+    def canonical(self, name: str) -> str:
+        """The name ``name``'s row gets (old names: the catalogue's)."""
+        return self.get(name).name
+
+    def alias_note(self, name: str) -> Optional[str]:
+        """What an old name means now, in one line; None for a current name."""
+        base = re.sub(rf"-({'|'.join(DERIVED_BATCHINGS)})$", "", name) if name not in self._raw else name
+        if base in self._raw or base not in ALIASES:
+            return None
+        v = self.get(name)
+        new = ALIASES[base][0] + name[len(base):]
+        if v.name == name:
+            return (f"'{name}' is an old name of '{new}' on {v.device}; this suite's device is "
+                    f"{self.device or 'cpu'}, so its row keeps the old name")
+        return f"'{name}' is an old name: its row is '{v.name}'"
+
+    def canonical_names(self, names: Iterable[str], note: Optional[Callable[[str], None]] = None) -> list[str]:
+        """Each name as its row is named, in order, without repeats; ``note`` gets a line for each old name."""
+        out: list[str] = []
+        for n in names:
+            msg = self.alias_note(n)
+            if msg and note is not None:
+                note(f"note: {msg}")
+            c = self.canonical(n)
+            if c not in out:
+                out.append(c)
+        return out
+
+    def declarations(self, source: Optional[str] = None) -> list[dict]:
+        """Every declaration (one per name and device) in the order declared (the catalogue's first),
+        optionally of one source: builtin (the catalogue), entry point <dist>, experiments, suite."""
+        return [d for decls in self._raw.values() for d in decls if source is None or d.get("source", "builtin") == source]
+
     def all(self) -> list[Variant]:
-        return [self.get(n) for n in self.names() if not self._raw[n].get("error")]
+        """Every usable variant, one per name and device."""
+        return [self.get(d["name"], d.get("device") if len(self._raw[d["name"]]) > 1 else None)
+                for d in self.declarations() if not d.get("error")]
 
     def broken(self) -> dict[str, str]:
         """Declared variants that cannot be used, with why (plug-ins with bad fields)."""
-        return {n: d["error"] for n, d in self._raw.items() if d.get("error")}
+        return {d["name"]: d["error"] for d in self.declarations() if d.get("error")}
+
+
+def experiment_declarations() -> dict:
+    """benchmarks/experiments.yaml's ``variants:`` (research rows and superseded recipes), typed;
+    none when the file is absent (an installed package without the benchmarks folder)."""
+    global _EXPERIMENTS
+    if _EXPERIMENTS is None:
+        import yaml
+
+        from ..config import VariantConfig
+
+        raw = {}
+        if EXPERIMENTS_FILE.is_file():
+            raw = (yaml.safe_load(EXPERIMENTS_FILE.read_text(encoding="utf-8")) or {}).get("variants") or {}
+        _EXPERIMENTS = {name: build(VariantConfig, dict(decl or {}), f"{EXPERIMENTS_FILE}: variant '{name}'")
+                        for name, decl in raw.items()}
+    return _EXPERIMENTS
+
+
+_EXPERIMENTS: Optional[dict] = None
 
 
 def _describe(decl) -> str:
@@ -432,5 +495,34 @@ def default_table() -> VariantTable:
     return VariantTable.for_suite(None)
 
 
-__all__ = ["BUILTIN", "ENTRY_POINT_GROUP", "IMPLEMENTATIONS", "Variant", "VariantTable", "default_table",
-           "import_object", "make_variant"]
+_NOTED: set = set()
+
+
+def note_once(line: str) -> None:
+    """An old name's note, on stderr, once per process."""
+    if line not in _NOTED:
+        _NOTED.add(line)
+        import sys
+
+        print(line, file=sys.stderr)
+
+
+def canonicalize(cfg: SuiteConfig, note: Optional[Callable[[str], None]] = note_once) -> VariantTable:
+    """The suite's backend names as their rows will be named (old names: the catalogue's, with a
+    note each); an unknown name fails here, before any work. Returns the suite's table."""
+    table = VariantTable.for_suite(cfg)
+    b = cfg.bench
+    b.reference = table.canonical_names([b.reference], note)[0]
+    b.backends = [b.reference] + [n for n in table.canonical_names(b.backends, note) if n != b.reference]
+    renamed = {}
+    for name, tol in cfg.parity.overrides.items():
+        try:
+            renamed[table.canonical(name)] = tol
+        except (UnknownBackendError, ConfigError):  # a tolerance for a name this suite never runs
+            renamed[name] = tol
+    cfg.parity.overrides = renamed
+    return table
+
+
+__all__ = ["ALIASES", "BUILTIN", "CATALOGUE", "ENTRY_POINT_GROUP", "IMPLEMENTATIONS", "Variant", "VariantTable", "default_table",
+           "canonicalize", "import_object", "make_variant"]

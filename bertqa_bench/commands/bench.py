@@ -9,6 +9,7 @@ starts. A variant that crashes, hangs or cannot run here is recorded as such; th
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from ..backends.variants import Variant, VariantTable
+from ..backends.variants import Variant, VariantTable, note_once
 from ..model.checkpoint import model_digest
 from ..config import SuiteConfig
 from ..errors import ConfigError
@@ -24,6 +25,7 @@ from ..envinfo import cuda_visible_devices, device_name, environment
 from ..data.evalset import EvalSet, load_evalset
 from ..io import atomic_write_json
 from ..measuring.launcher import launch
+from ..measuring.progress import rows_line
 from ..record.parity import Verdict, compare, determinism, tolerance_for, verdict
 from ..reporting.report import write_report
 from ..record.results import BackendResult, RunBundle, RunMeta, new_run_id
@@ -164,9 +166,12 @@ def run_bench(cfg: SuiteConfig, *, backends: Optional[list[str]] = None, run_id:
         if backends:
             raise ConfigError("--resume finishes the run as it was planned; it takes no --backends")
         names = list(resume.meta.variants) or [r.backend for r in resume.results]
-    else:
-        names = [reference] + [n for n in (backends or cfg.bench.backends) if n != reference]
-    variants = table.require(names)  # an unknown name fails here, before any work
+    else:  # old names as the catalogue's, with a note each (an unknown name fails here, before any work)
+        names = table.canonical_names([reference] + list(backends or cfg.bench.backends), note_once)
+        reference = cfg.bench.reference = names[0]
+    variants = table.require(names)
+    if resume is not None:  # a run started under old names finishes under them
+        variants = [v if v.name == n else dataclasses.replace(v, name=n) for n, v in zip(names, variants)]
     tracker = tracker or Tracker(cfg.results_root, enabled=False)
     task = get_task(cfg.task.name)
     mdir = measured_model_dir(cfg) if resume is not None else cfg.model_dir
@@ -240,16 +245,21 @@ def run_bench(cfg: SuiteConfig, *, backends: Optional[list[str]] = None, run_id:
     bundle.write_meta()
 
     problems: list[str] = list(meta.problems)
+    t_rows, row_s = time.perf_counter(), []  # the wall time of each row run here, for the estimate
     try:
         ref = _saved_reference(cfg, task, evalset, bundle, reference) if resume is not None else None
+        todo = [v for v in variants if not _kept(bundle, v, reference, ref)]
         for variant in variants:
-            done = next((r for r in bundle.results if r.backend == variant.name), None)
-            if done is not None and done.status in KEPT and (variant.name != reference or ref is not None):
+            if _kept(bundle, variant, reference, ref):
                 continue
+            done = next((r for r in bundle.results if r.backend == variant.name), None)
             if done is not None:  # a failed row (or a reference without its saved outputs) runs again
                 tracker.delete_run(meta.mlflow_children.pop(done.backend, ""))
+            log(rows_line(len(row_s), len(todo), variant.name, row_s, time.perf_counter() - t_rows))
+            t_row = time.perf_counter()
             r, new_ref, found = _run_variant(cfg, task, variant, model, evalset, bundle, plans, tiling, ref, progress,
                                              log, check_determinism and variant.name == reference, cluster)
+            row_s.append(time.perf_counter() - t_row)
             ref = new_ref or ref
             problems += found
             meta.problems = list(problems)
@@ -301,6 +311,11 @@ def close_interrupted(bundle: RunBundle, reference: str, timing_only: bool, prob
 
 # Rows a resume keeps as they are; a failed row runs again.
 KEPT = ("ok", "not run")
+
+
+def _kept(bundle: RunBundle, variant: Variant, reference: str, ref: Optional["Reference"]) -> bool:
+    done = next((r for r in bundle.results if r.backend == variant.name), None)
+    return done is not None and done.status in KEPT and (variant.name != reference or ref is not None)
 
 
 def _saved_reference(cfg: SuiteConfig, task: Task, evalset: EvalSet, bundle: RunBundle,

@@ -128,7 +128,7 @@ def run_loadgen(cfg: SuiteConfig, scenario: str, *, backends: Optional[list[str]
                 find_peak_qps: bool = False, run_id: Optional[str] = None, tracker=None, progress: bool = True,
                 command: str = "", log: Callable[[str], None] = print):
     """Every variant (reference first) as LoadGen's SUT in ``scenario``; one BackendResult each."""
-    from ..backends.variants import VariantTable
+    from ..backends.variants import VariantTable, note_once
     from .bench import plan_for, plan_key, plan_path
     from ..envinfo import device_name, environment
     from ..data.evalset import load_evalset
@@ -145,9 +145,9 @@ def run_loadgen(cfg: SuiteConfig, scenario: str, *, backends: Optional[list[str]
         import mlperf_loadgen  # noqa: F401
     except ImportError:
         raise ConfigError("LoadGen is not installed: pip install mlcommons-loadgen (module mlperf_loadgen)") from None
-    reference = cfg.bench.reference
     table = VariantTable.for_suite(cfg)
-    names = [reference] + [n for n in (backends or cfg.bench.backends) if n != reference]
+    names = table.canonical_names([cfg.bench.reference] + list(backends or cfg.bench.backends), note_once)
+    reference = cfg.bench.reference = names[0]
     variants = table.require(names)
     tracker = tracker or Tracker(cfg.results_root, enabled=False)
     task = get_task(cfg.task.name)

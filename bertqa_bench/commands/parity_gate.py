@@ -58,6 +58,22 @@ def read_expected(path: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
+def canonical_rows(cfg: SuiteConfig, rows: list[dict]) -> list[dict]:
+    """Expected rows keyed by old backend names (an expected file written before the catalogue's
+    names) under the names the rows of this run get."""
+    from ..backends.variants import VariantTable
+    from ..errors import BenchError
+
+    table = VariantTable.for_suite(cfg)
+    out = []
+    for row in rows:
+        try:
+            out.append({**row, "backend": table.canonical(row["backend"])})
+        except BenchError:  # a row of a backend this table cannot name: compared with nothing, as before
+            out.append(row)
+    return out
+
+
 def run_parity_check(cfg: SuiteConfig, *, backends: Optional[list[str]] = None, update_expected: bool = False,
                      tracker=None, progress: bool = True, command: str = "", log=print) -> bool:
     task = get_task(cfg.task.name)
@@ -73,7 +89,7 @@ def run_parity_check(cfg: SuiteConfig, *, backends: Optional[list[str]] = None, 
         atomic_write_text(exp_path, rows_to_csv(keep, cols))
         log(f"expected scores written to {exp_path}")
     else:
-        expected = read_expected(exp_path)
+        expected = canonical_rows(cfg, read_expected(exp_path))
         if expected:
             problems += check_expected(results, expected, task.metric_names, expected_tolerance(cfg, out.evalset))
         else:

@@ -24,6 +24,9 @@ def expand(cfg: SuiteConfig, backends: Sequence[str], batch_sizes: Sequence[int]
         raise ConfigError(f"unknown batching {', '.join(bad)}; valid: {', '.join(BATCHINGS)}")
     if not backends or not batch_sizes or not batchings:
         raise ConfigError("a sweep needs at least one backend, batch size and batching")
+    from ..backends.variants import VariantTable, note_once
+
+    backends = VariantTable.for_suite(cfg).canonical_names(backends, note_once)  # old names: the catalogue's
     names = []
     for v in backends:
         for bt in batchings:

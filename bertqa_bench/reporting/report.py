@@ -139,10 +139,32 @@ def results_table(results: list[BackendResult], meta: RunMeta) -> str:
     return markdown_table(results, meta)
 
 
+def recommendation(bundle: RunBundle):
+    """The run's recommendation (recommend.py) from its records."""
+    from .recommend import for_run
+
+    return for_run(bundle.results, bundle.meta)
+
+
 def summary_markdown(bundle: RunBundle) -> str:
+    """summary.md: the recommendation first, then how the run was made, the table and its notes."""
+    meta = bundle.meta
+    return "\n".join([f"# {meta.suite} — {meta.run_id}", "", *recommendation(bundle).lines(), "",
+                      *header_lines(meta, bundle.env()), "", *_table_and_notes(bundle)])
+
+
+def console_summary(bundle: RunBundle) -> str:
+    """What bench and loadgen print when the run ends: the table, then the recommendation (the
+    first thing after it), then the table's notes."""
+    meta = bundle.meta
+    table, _, *notes = _table_and_notes(bundle)
+    return "\n".join([f"# {meta.suite} — {meta.run_id}", "", *header_lines(meta, bundle.env()), "", table, "",
+                      *recommendation(bundle).lines(), "", *notes])
+
+
+def _table_and_notes(bundle: RunBundle) -> list[str]:
     meta, results = bundle.meta, bundle.results
-    lines = [f"# {meta.suite} — {meta.run_id}", "", *header_lines(meta, bundle.env()), "",
-             results_table(results, meta), ""]
+    lines = [results_table(results, meta), ""]
     notes = [r for r in results if not r.ok]
     if notes:
         lines.append("Backends not run or failed:")
@@ -153,7 +175,7 @@ def summary_markdown(bundle: RunBundle) -> str:
         lines.append("Parity failures:")
         lines += [f"- `{r.backend}`: {r.parity_failures}" for r in fails]
         lines.append("")
-    return "\n".join(lines)
+    return lines
 
 
 def plot(results: list[BackendResult], meta: RunMeta, path: Path) -> Optional[Path]:

@@ -107,14 +107,23 @@ def plot(results: list[BackendResult], path: Path, variants: Sequence[str] = ())
     return path
 
 
-def write_sweep_report(bundle: RunBundle) -> str:
-    md = "\n".join([f"# Sweep {bundle.meta.run_id}", "", f"Reference: `{bundle.meta.reference}` "
+def sweep_tables(bundle: RunBundle) -> str:
+    """The sweep's own tables: the best configuration per backend, data-parallel scaling."""
+    md = "\n".join([f"Reference: `{bundle.meta.reference}` "
                     f"({bundle.meta.batching}, batch {bundle.meta.batch_size}); speedups against it, same run.", "",
                     "Best configuration per backend among the points that keep parity:", "",
                     best_table(bundle.results), ""])
     scaling = scaling_table(bundle.results)
     if scaling:
         md += "\nData-parallel prediction (same run):\n\n" + scaling + "\n"
+    return md
+
+
+def write_sweep_report(bundle: RunBundle) -> str:
+    """sweep.md (the run's recommendation first, then its tables) and sweep.png."""
+    from .report import recommendation
+
+    md = "\n".join([f"# Sweep {bundle.meta.run_id}", "", *recommendation(bundle).lines(), "", sweep_tables(bundle)])
     atomic_write_text(bundle.dir / "sweep.md", md)
     plot(bundle.results, bundle.dir / "sweep.png", bundle.meta.variants)
     return md

@@ -3,21 +3,27 @@
 What a user sees in ``mlflow ui`` without configuring anything is designed here, from what the
 installed MLflow's UI (3.17.2, its JS bundle under mlflow/server/js/build) actually reads:
 
-* Each child run carries a few chosen metrics, the comparison itself: features/s, speedup, the
-  task's accuracy metrics (F1/EM, or NQ's), ``parity_pass`` (1 pass / 0 FAIL: a value that sorts),
-  p50/p99 batch latency, prepare time, peak memory (MiB) and, where measured, energy. Choices are
+* Each child run carries a few chosen metrics, the comparison itself: first ``Speedup``,
+  ``Time_s`` (the median pass), ``F1_delta`` (the primary metric against the reference) and
+  ``Parity_pass`` (1 pass / 0 FAIL: a value that sorts), capitalised so that MLflow's compare page,
+  which lists metric keys in code-point order, shows them first; then features/s, the task's
+  accuracy metrics (F1/EM, or NQ's), p50/p99 batch latency, prepare time, peak memory (MiB) and,
+  where measured, energy. Choices are
   params, status/parity/error tags, and the whole record is one JSON artifact (``result.json``).
   Its ``mlflow.runColor`` tag is the backend's colour from colors.py, the same as in
   comparison.png and sweep.png (the UI's charts and run pills read that tag).
 * The parent run ends named ``<run id> PASS|FAIL...`` with a ``verdict_pass`` metric (1 PASS,
-  0 FAIL), so the verdict is a value in the table and not only the status icon. It carries the
-  comparison table (``comparison.json``, an MLflow table), summary.md, results.csv and the plot.
+  0 FAIL), so the verdict is a value in the table and not only the status icon, and the run's
+  recommendation (recommend.py) as tags: ``recommendation`` (one line), ``recommended_backend``,
+  ``recommended_fp32_backend``. It carries the comparison table (``comparison.json``, an MLflow
+  table), summary.md, results.csv and the plot.
 * The bench's *view*: MLflow's runs table shows only Source/Models/Dataset until a user picks
   columns, and the UI keeps its column choice per browser. Its "Save & share view" stores a view as
   an experiment tag ``mlflow.sharedViewState.<key>`` (a JSON envelope {name, createdAt, state}) and
   opens it with ``?viewStateShareKey=<key>``; every bench writes one, keyed by its parent run id,
-  with the chosen columns and its parent expanded. It is the link ``bench`` and ``make mlflow-ui``
-  print, and it is listed in the runs page's "Views" menu.
+  with the chosen columns and its parent expanded, and its chart mode showing every run (MLflow's
+  default shows the first 10). It is the link ``bench`` and ``make mlflow-ui`` print, and it is
+  listed in the runs page's "Views" menu.
 * The compare link: MLflow's compare-runs page over the bench's children, every param and metric
   side by side (``#/compare-runs?runs=[...]&experiments=[...]``).
 * GenAI or model training: 3.17.2 decides by its sidebar switch alone, the ``workflowType`` URL
@@ -97,17 +103,29 @@ def numeric(d: dict) -> dict:
     return out
 
 
-def child_metrics(r: BackendResult, metric_names: Iterable[str] = ()) -> dict:
-    """The few numbers a child run logs as metrics, in the order the runs view shows them. Peak
-    memory is the larger of prepare's and prediction's host peaks (and the GPU's used memory on
-    CUDA rows), in MiB; the per-phase values are in result.json."""
+def headline_keys(primary: str = "f1") -> tuple[str, str, str, str]:
+    """The four metrics a comparison leads with: speedup, prediction time, the primary metric's
+    change against the reference, parity. Capitalised: MLflow's compare page lists metric keys in
+    code-point order (upper case before lower case), so these four come first there, ahead of
+    the lower-case rest, where speedup used to be the last of eleven rows."""
+    return "Speedup", "Time_s", f"{primary[:1].upper()}{primary[1:]}_delta", "Parity_pass"
+
+
+def child_metrics(r: BackendResult, metric_names: Iterable[str] = (), primary: str = "") -> dict:
+    """The few numbers a child run logs as metrics, in the order the runs view shows them: the
+    headline four (``headline_keys``), throughput, the task's scores, latencies, prepare time and
+    peak memory. Peak memory is the larger of prepare's and prediction's host peaks (and the
+    GPU's used memory on CUDA rows), in MiB; the per-phase values are in result.json."""
+    names = list(metric_names) or list(r.scores)
+    primary = primary or (names[-1] if names else "f1")
+    speedup, time_s, delta, parity = headline_keys(primary)
     host = [v for v in (r.prepare_host_peak_mib, r.predict_host_peak_mib) if v is not None]
     gpu = r.predict_device_used_mib if r.predict_device_used_mib is not None else r.predict_cuda_reserved_peak_mib
-    values = {"features_per_s": r.features_per_s, "speedup": r.speedup,
-              **{m: r.scores.get(m) for m in (list(metric_names) or list(r.scores))},
+    values = {speedup: r.speedup, time_s: r.predict_s, delta: (r.deltas or {}).get(primary),
               # a FAIL within the noise of the questions sorts between decided ones, as the run's
               # INCONCLUSIVE does between PASS and FAIL (verdict_pass)
-              "parity_pass": 0.5 if r.parity == "FAIL" and r.parity_within_noise else PARITY_VALUE.get(r.parity),
+              parity: 0.5 if r.parity == "FAIL" and r.parity_within_noise else PARITY_VALUE.get(r.parity),
+              "features_per_s": r.features_per_s, **{m: r.scores.get(m) for m in names},
               "latency_p50_ms": r.latency_p50_ms, "latency_p99_ms": r.latency_p99_ms, "prepare_s": r.prepare_s,
               "peak_host_mib": max(host) if host else None, "peak_gpu_mib": gpu,
               "energy_j_per_1k_features": r.energy_j_per_1k_features}
@@ -120,7 +138,7 @@ def child_metrics(r: BackendResult, metric_names: Iterable[str] = ()) -> dict:
     return {k: float(f"{v:.4g}") for k, v in numeric(values).items()}
 
 
-def result_view(r: BackendResult, metric_names: Iterable[str] = ()) -> tuple[dict, dict, dict]:
+def result_view(r: BackendResult, metric_names: Iterable[str] = (), primary: str = "") -> tuple[dict, dict, dict]:
     """(params, metrics, tags) of a backend's child run; the whole record goes to result.json."""
     row = r.to_row()
     params = {k: row[k] for k in PARAM_FIELDS if row.get(k) not in (None, "")}
@@ -129,20 +147,43 @@ def result_view(r: BackendResult, metric_names: Iterable[str] = ()) -> tuple[dic
     if r.parity and r.parity_within_noise:
         # beside the status, not in it: `tags.parity = 'FAIL'` keeps finding every FAIL
         tags["parity_within_noise"] = f"{r.questions_to_decide or '?'} questions would decide it"
-    return params, child_metrics(r, metric_names), tags
+    return params, child_metrics(r, metric_names, primary), tags
 
 
-def view_columns(children_metrics: Iterable[Iterable[str]], metric_names: Iterable[str] = ()) -> list[str]:
+def view_columns(children_metrics: Iterable[Iterable[str]], metric_names: Iterable[str] = (),
+                 primary: str = "f1") -> list[str]:
     """The runs-table columns of a bench's view, in order: the parity tag (each backend's, and the
     bench's verdict on the parent), then the chosen metrics some child has (GPU-only ones stay out
-    of a CPU bench) and the parent's verdict_pass; keys as the UI writes them (``metrics.`f1```,
-    its canonical sort keys)."""
+    of a CPU bench), the parent's verdict_pass and its recommendation; keys as the UI writes them
+    (``metrics.`f1```, its canonical sort keys)."""
     have = set().union(*map(set, children_metrics)) if children_metrics else set()
     order = ["achieved_qps", "target_qps", "sample_latency_p90_ms", "sample_latency_p99_ms", "qps_vs_bench_pct",
-             "features_per_s", "speedup", *metric_names, "parity_pass", "latency_p50_ms", "latency_p99_ms",
+             *headline_keys(primary), "features_per_s", *metric_names, "latency_p50_ms", "latency_p99_ms",
              "prepare_s", "peak_host_mib", "peak_gpu_mib", "energy_j_per_1k_features"]
     return (["tags.`parity`"] + [f"metrics.`{m}`" for m in dict.fromkeys(order) if m in have]
-            + ["metrics.`verdict_pass`"])
+            + ["metrics.`verdict_pass`", "tags.`recommendation`"])
+
+
+# The chart mode's first section: the comparison's bar charts, one a row across the whole width.
+# A bar chart names its bars only in its legend, and MLflow gives the legend 32 px (two lines) of
+# the card: at one card a row, two lines hold the names of about a dozen backends; at MLflow's
+# three a row they held four.
+COMPARISON_SECTION = "bertqa-comparison"
+
+
+def comparison_charts(children_metrics: Iterable[Iterable[str]], primary: str, n_runs: int) -> dict:
+    """The saved view's chart mode (MLflow's ``compareRunCharts`` / ``compareRunSections``): a
+    "Comparison" section with a bar chart of each headline metric some child has (speedup,
+    prediction time, the primary metric's change, parity), then throughput and the primary
+    metric, every run of the bench in each; MLflow adds the other metrics' charts below it, in
+    its own "Model metrics" section."""
+    have = set().union(*map(set, children_metrics)) if children_metrics else set()
+    keys = [k for k in dict.fromkeys([*headline_keys(primary), "features_per_s", primary]) if k in have]
+    charts = [{"uuid": f"bertqa-{k}", "type": "BAR", "metricKey": k, "displayName": k, "metricSectionId": COMPARISON_SECTION,
+               "runsCountToCompare": max(10, n_runs), "deleted": False, "isGenerated": False} for k in keys]
+    section = {"uuid": COMPARISON_SECTION, "name": "Comparison (every backend of this bench)", "display": True,
+               "isReordered": True, "deleted": False, "isGenerated": False, "columns": 1, "cardHeight": 360}
+    return {"compareRunCharts": charts, "compareRunSections": [section], "isAccordionReordered": True}
 
 
 class Tracker:
@@ -255,7 +296,7 @@ class Tracker:
             run = self._client.create_run(self.experiment_id, run_name=r.backend,
                                           tags={"mlflow.parentRunId": self.parent_id, "kind": "backend"})
             rid = run.info.run_id
-            params, metrics, own_tags = result_view(r, meta.metric_names)
+            params, metrics, own_tags = result_view(r, meta.metric_names, meta.primary_metric)
             colour = {RUN_COLOR_TAG: self._colors(r.backend, r.batching or None)}
             self.log(rid, metrics, params, tags | own_tags | colour | {"run_id": meta.run_id})
             self._client.log_dict(rid, r.to_row(), RESULT_ARTIFACT)
@@ -330,16 +371,19 @@ class Tracker:
 
     def finish_bench(self, bundle: RunBundle, verdict) -> None:
         def go():
+            from .recommend import for_run
+
             ok = [r for r in bundle.results if r.ok]
-            best = max((r for r in ok if r.speedup and r.parity != "FAIL"), key=lambda r: r.speedup, default=None)
-            metrics = {"n_backends_ok": len(ok), "best_speedup_at_parity": best.speedup if best else 0.0}
+            rec = for_run(bundle.results, bundle.meta)  # decided parity passes only
+            metrics = {"n_backends_ok": len(ok),
+                       "best_speedup_at_parity": rec.best.speedup if rec.best and rec.best.speedup else 0.0}
             if verdict.status in VERDICT_VALUE:
                 metrics["verdict_pass"] = VERDICT_VALUE[verdict.status]
             # "parity" too: the view's parity column then reads pass/FAIL on each backend and the
-            # bench's verdict on its parent.
+            # bench's verdict on its parent. The recommendation's tags (recommendation,
+            # recommended_backend, recommended_fp32_backend) are columns of the runs table.
             tags = {"verdict": verdict.status, "parity": verdict.status,
-                    "verdict_reasons": "; ".join(verdict.reasons)[:4900],
-                    "best_backend_at_parity": best.backend if best else ""}
+                    "verdict_reasons": "; ".join(verdict.reasons)[:4900], **rec.tags()}
             self.log(self.parent_id, metrics, {}, tags)
             # The verdict first in the name too: the one column every runs table shows, even cut short.
             self._client.update_run(self.parent_id, name=f"{verdict.status} {bundle.meta.run_id}")
@@ -355,19 +399,25 @@ class Tracker:
     def save_view(self, meta: RunMeta, verdict: str = "") -> str:
         """This bench's view as a saved MLflow view (see the module's docstring); returns its key."""
         key = self.parent_id
-        columns = view_columns(self._children.values(), meta.metric_names)
+        columns = view_columns(self._children.values(), meta.metric_names, meta.primary_metric)
         # A shared view does not carry a user's expanded rows (MLflow leaves runsExpanded, pinned and
         # hidden rows out of it), so the bench is not shown as a collapsed parent: the view keeps this
         # bench's runs (its run_id tag) and groups them by kind, groups open by default, oldest
         # first: the parent with the verdict, then the backends in the suite's order.
         state = {"selectedColumns": columns, "columnOrder": columns,
                  # wide enough for "PASS 20261126-150016-default" (the grid's default cuts it short)
-                 "columnWidths": {"attributes.`Run Name`": 280},
+                 # and for the parent's recommendation
+                 "columnWidths": {"attributes.`Run Name`": 280, "tags.`recommendation`": 560},
+                 # the chart view plots every run of the bench: MLflow's default (FIRST_10_RUNS)
+                 # showed the first 10 rows of an 11-backend bench, the parent among them, and
+                 # hid the last two backends
+                 "runsHiddenMode": "SHOW_ALL",
                  "searchFilter": f"tags.run_id = '{meta.run_id}'",
                  # the chart view plots each backend in its own colour, not the groups' aggregates
                  "useGroupedValuesInCharts": False,
                  "groupBy": {"aggregateFunction": "max", "groupByKeys": [{"mode": "tag", "groupByData": "kind"}]},
-                 "orderByKey": "attributes.start_time", "orderByAsc": True}
+                 "orderByKey": "attributes.start_time", "orderByAsc": True,
+                 **comparison_charts(self._children.values(), meta.primary_metric, len(self._children) + 1)}
         envelope = {"name": f"bench {meta.run_id}" + (f" ({verdict})" if verdict else ""),
                     "createdAt": int(time.time() * 1000), "state": json.dumps(state)}
         self._client.set_experiment_tag(self.experiment_id, VIEW_TAG_PREFIX + key, json.dumps(envelope))
@@ -487,11 +537,14 @@ class TrainingRun:
         self._last_t = time.perf_counter()
         return self.every
 
-    def step(self, step: int, loss: float, seen: int, total_steps: Optional[int] = None, **extra) -> None:
+    def step(self, step: int, loss: float, seen: int, total_steps: Optional[int] = None,
+             at_time: Optional[float] = None, **extra) -> None:
         """Called after optimizer steps (each one, or every few) with the loss and the samples seen
         so far (all ranks); logs ``train_loss`` (mean of the losses passed since the last point),
         ``samples_per_s`` (since the last point) and ``extra`` at least ``every`` steps apart and
-        at the last step."""
+        at the last step. ``at_time``: the ``time.perf_counter()`` at which ``seen`` samples were
+        done, when the point is logged later than that (a loss read back one log step late): the
+        rate is then samples over the time between those readings, not between the calls."""
         if not self.active or self._steps_off:
             return
         self._losses.append(float(loss))
@@ -499,7 +552,8 @@ class TrainingRun:
         if step - self._last_step < self.every and step != total_steps:
             return
         self._last_step = step
-        dt = time.perf_counter() - self._last_t
+        now = time.perf_counter() if at_time is None else at_time
+        dt = now - self._last_t
         metrics = {"train_loss": sum(self._losses) / len(self._losses)} | extra
         if dt > 0 and seen > self._last_seen:
             metrics["samples_per_s"] = (seen - self._last_seen) / dt
@@ -512,7 +566,9 @@ class TrainingRun:
         if not self.tracker._try(go):
             print("warning: MLflow: no more per-step training metrics after this failure", file=sys.stderr)
             self._steps_off = True  # the final metrics and the run's end are still tried
-        self._last_t = time.perf_counter()  # the next interval's samples/s leaves this logging out
+        # the next interval starts here: at the clock reading the caller gave (intervals that tile
+        # the training), else after this logging (the interval leaves it out)
+        self._last_t = time.perf_counter() if at_time is None else at_time
 
     def finish(self, metrics: dict, model_dir: Path) -> None:
         """The final metrics and train_metrics.json, then the run ends FINISHED (now)."""

@@ -239,8 +239,8 @@ def _train(cfg: SuiteConfig, *, log: Callable[[str], None], mlrun, evaluate: boo
     def report(value: float, at: dict) -> None:
         losses.append(value)
         bar.update(at["step"] - bar.n, postfix=f"loss={value:.3f}")
-        if mlrun is not None:
-            mlrun.step(at["step"], value, at["samples"], total_steps, lr=at["lr"])
+        if mlrun is not None:  # samples/s between the clock readings of the points, not their logging
+            mlrun.step(at["step"], value, at["samples"], total_steps, at_time=at["t"], lr=at["lr"])
 
     try:
         for ms in micro:
@@ -278,12 +278,13 @@ def _train(cfg: SuiteConfig, *, log: Callable[[str], None], mlrun, evaluate: boo
                 gc_watch.epoch_end()
             if step % log_every == 0 or step == total_steps:
                 for value, at in readback.push(loss_acc, step=step, samples=seen * world,
-                                               lr=scheduler.get_last_lr()[0]):
+                                               lr=scheduler.get_last_lr()[0], t=time.perf_counter()):
                     report(value, at)
         if device.type == "cuda":
             torch.cuda.synchronize()  # a CUDA or NCCL error often surfaces here: still inside the try
-        for value, at in readback.flush():
-            report(value, at)
+        end = time.perf_counter()  # the last step is done here (the GPU's queue drained)
+        for value, at in readback.flush():  # the last point, read back late: it ends at `end`, not now
+            report(value, {**at, "t": end} if at["step"] == total_steps else at)
     finally:
         gc_stats = gc_watch.stop()  # the collector as it was, whatever ended the loop
     bar.close()
@@ -362,7 +363,7 @@ def evaluate_model(cfg: SuiteConfig, task: Task, model_dir: Path, device: torch.
     evalset = load_evalset(cfg, task, str(model_dir), log=log)
     plan = make_plan(evalset.lengths(), batching="padded", batch_size=cfg.bench.batch_size,
                      max_seq_len=evalset.features.seq_len)
-    variant = VariantTable.for_suite(cfg).get("eager-fp32-cuda" if device.type == "cuda" else "eager-fp32")
+    variant = VariantTable.for_suite(cfg).get("eager-fp32", device=device.type)
     job = Job(variant=variant.to_dict(), model_dir=str(model_dir), task=task.name,
               artifacts_dir=str(cfg.artifacts_root), evalset=str(evalset.path), plan="", outputs="", result="",
               output_names=list(task.output_names), token_outputs=list(task.token_outputs),

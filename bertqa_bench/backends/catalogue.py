@@ -1,0 +1,62 @@
+"""``bertqa-bench backends``: the catalogue a user chooses from, grouped by device, each variant
+with its one line of when to use it and whether it can run on this machine; then the suite's own
+variants, the research rows (with ``--all``) and the old names that still resolve."""
+from __future__ import annotations
+
+from .variants import ALIASES, DERIVED_BATCHINGS, EXPERIMENTS_FILE, VariantTable
+
+GROUPS = {"cpu": "CPU", "cuda": "CUDA GPU"}
+HEAD = ("name", "precision", "batching", "here", "when to use")
+
+
+def _rows(table: VariantTable, decls: list) -> list[tuple]:
+    rows = []
+    for d in decls:
+        v = table.get(d["name"], d["device"])
+        why = v.unavailable_reason()
+        rows.append((v.name, v.precision, v.batching or "padded", "yes" if why is None else "no",
+                     d.get("when") or d.get("description", ""), why))
+    return rows
+
+
+def _group(title: str, rows: list[tuple], device_reason=None) -> list[str]:
+    """``device_reason``: why nothing on this device runs here, said once in the title; a row's own
+    reason (a missing package) is shown beside it."""
+    if not rows:
+        return []
+    widths = [max(len(str(r[i])) for r in [HEAD, *rows]) for i in range(4)]
+    lines = [title + (f" (not on this machine: {device_reason})" if device_reason else ""),
+             "  " + "  ".join(str(h).ljust(w) for h, w in zip(HEAD, widths + [0])).rstrip()]
+    for r in rows:
+        own = r[5] if r[5] and not (device_reason and r[5].endswith(device_reason)) else None
+        lines.append("  " + "  ".join(str(c).ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4]
+                     + (f" [not here: {own}]" if own else ""))
+    return lines + [""]
+
+
+def listing(table: VariantTable, show_all: bool = False) -> str:
+    """The text ``bertqa-bench backends`` prints."""
+    lines = ["Backend names: <runtime>-<precision>[-<executor>][-<batching>] (docs/backends.md); any name + "
+             + " or ".join(f"-{b}" for b in DERIVED_BATCHINGS) + " runs it with that batching.", ""]
+    sources = [("builtin", "")]
+    plugins = sorted({d.get("source") for d in table.declarations() if str(d.get("source", "")).startswith("entry point")})
+    sources += [(s, f", {s}") for s in plugins]
+    sources.append(("suite", ", this suite's own"))
+    if show_all:
+        sources.append(("experiments", f", research ({EXPERIMENTS_FILE.name})"))
+    from .device_io import cuda_unavailable_reason
+
+    reasons = {"cpu": None, "cuda": cuda_unavailable_reason()}
+    for device, name in GROUPS.items():
+        for source, label in sources:
+            decls = [d for d in table.declarations(source) if d.get("device") == device and not d.get("error")]
+            lines += _group(f"{name}{label}", _rows(table, decls), reasons[device])
+    research = table.declarations("experiments")
+    if research and not show_all:
+        lines.append(f"+ {len(research)} research and superseded variants ({EXPERIMENTS_FILE.name}, every suite can "
+                     "name them): `bertqa-bench backends --all` lists them")
+    lines.append("Old names, still accepted (a run names its row by the new one): "
+                 + ", ".join(f"{old} -> {new}" + (f" ({dev})" if dev else "") for old, (new, dev) in ALIASES.items()))
+    for name, why in table.broken().items():
+        lines.append(f"{name}: invalid: {why}")
+    return "\n".join(lines)

@@ -1,0 +1,167 @@
+"""The backend catalogue (backends/variants.py): one naming rule, every variant in a suite, the GPU
+suites carrying the fastest rows measured, old names resolving to the new ones."""
+import csv
+import re
+from pathlib import Path
+
+import pytest
+
+from bertqa_bench.backends.variants import (ALIASES, CATALOGUE, DERIVED_BATCHINGS, VariantTable, canonicalize,
+                                            default_table)
+from bertqa_bench.config import SuiteConfig
+from bertqa_bench.suite import load_suite, suite_names
+
+REFERENCE = Path(__file__).resolve().parent.parent / "results" / "reference"
+RUNTIMES = ("eager", "torch-compile", "ort", "openvino", "tensorrt")
+PRECISIONS = ("fp32", "tf32", "bf16", "fp16", "int8", "fp8")
+GRAMMAR = re.compile(rf"(?P<runtime>{'|'.join(RUNTIMES)})-(?P<precision>{'|'.join(PRECISIONS)})"
+                     r"(?:-(?P<executor>graph))?(?:-(?P<batching>sorted|packed))?")
+
+
+def table(device):
+    return VariantTable.for_suite(SuiteConfig(bench={"device": device}))
+
+
+def test_every_catalogue_name_follows_the_one_rule_and_says_what_it_is():
+    for d in CATALOGUE:
+        m = GRAMMAR.fullmatch(d["name"])
+        assert m, d["name"]
+        v = table(d["device"]).get(d["name"])
+        assert v.device == d["device"] and "cpu" not in d["name"] and "cuda" not in d["name"]  # a field, not a suffix
+        assert m["precision"] == v.precision, d["name"]  # the name says the arithmetic the variant runs
+        assert (m["batching"] or "padded") == (v.batching or "padded"), d["name"]
+        graphed = v.options.cuda_graph if v.implementation == "onnxruntime" else (
+            getattr(v.options, "cuda_graph", "none") != "none" or getattr(v.options, "token_bucket", 0) > 0)
+        assert bool(m["executor"]) == bool(graphed), d["name"]
+        assert d["when"] and len(d["when"]) < 110, d["name"]  # one line of when to use it
+    names = {d["name"] for d in CATALOGUE}
+    assert 12 <= len(names) <= 20, len(names)
+
+
+def test_a_name_on_both_devices_runs_on_the_suites_device():
+    assert table("cpu").get("eager-fp32").device == "cpu" and table("cuda").get("eager-fp32").device == "cuda"
+    assert default_table().get("eager-fp32").device == "cpu"
+    # a name on one device runs there whatever the suite's device
+    assert table("cpu").get("torch-compile-fp8-graph").device == "cuda"
+    assert table("cuda").get("openvino-int8").device == "cpu"
+    assert load_suite("gpu-bert-base").bench.device == "cuda"
+
+
+def _suite_rows():
+    """(suite, its device, the (name, device) of each backend it runs)."""
+    for name in suite_names():
+        cfg = load_suite(name)
+        t = VariantTable.for_suite(cfg)
+        yield name, cfg.bench.device, {(v.name, v.device) for v in t.require(cfg.bench.backends)}
+
+
+def test_every_catalogue_variant_is_in_a_suite():
+    covered = set().union(*(rows for _, _, rows in _suite_rows()))
+    missing = {(d["name"], d["device"]) for d in CATALOGUE} - covered
+    assert not missing, missing
+
+
+def _fastest_measured(batching):
+    """The fastest row of the BERT-base GPU suite in the committed H100 tables at a decided parity
+    pass, one GPU, a variant (not a sweep point), by features/s."""
+    best = None
+    for path in REFERENCE.glob("h100-*.csv"):
+        for r in csv.DictReader(open(path, newline="")):
+            if (r.get("suite") != "gpu-bert-base" or r.get("status") != "ok" or r.get("parity") != "pass"
+                    or r.get("parity_within_noise", "").lower() == "true" or r.get("batching") != batching
+                    or "@" in r["backend"] or (r.get("n_devices") or "1") != "1" or not r.get("features_per_s")):
+                continue
+            if best is None or float(r["features_per_s"]) > float(best["features_per_s"]):
+                best = r
+    return best
+
+
+@pytest.mark.parametrize("batching", ["packed", "padded"])
+def test_every_gpu_suite_runs_the_fastest_row_measured(batching):
+    row = _fastest_measured(batching)
+    assert row is not None, f"no {batching} row of gpu-bert-base in {REFERENCE}"
+    name = table("cuda").canonical(row["backend"])
+    # measured under its old name, it is a catalogue variant now
+    assert name in {d["name"] for d in CATALOGUE if d["device"] == "cuda"}, (row["backend"], name)
+    gpu_suites = [(s, rows) for s, device, rows in _suite_rows() if device == "cuda"]
+    assert len(gpu_suites) >= 5
+    for suite, rows in gpu_suites:
+        assert (name, "cuda") in rows, (suite, name, row["features_per_s"])
+
+
+def test_old_names_resolve_to_the_same_variant_and_say_the_new_name():
+    for old, (new, device) in ALIASES.items():
+        t = table(device)
+        a, b = t.get(old), t.get(new)
+        assert (a.name, a.device, a.implementation, a.options, a.batching) == (
+            new, b.device, b.implementation, b.options, b.batching), old
+        assert new in t.alias_note(old)
+    lines = []
+    assert table("cpu").canonical_names(["eager-fp32", "onnxruntime", "onnxruntime-sorted", "ort-fp32"],
+                                        lines.append) == ["eager-fp32", "ort-fp32", "ort-fp32-sorted"]
+    assert lines == ["note: 'onnxruntime' is an old name: its row is 'ort-fp32'",
+                     "note: 'onnxruntime-sorted' is an old name: its row is 'ort-fp32-sorted'"]
+    # a GPU reference named by its old name in a CPU suite keeps that name: it can't collide with eager-fp32
+    v = table("cpu").get("eager-fp32-cuda")
+    assert (v.name, v.device) == ("eager-fp32-cuda", "cuda") and "keeps the old name" in table("cpu").alias_note(
+        "eager-fp32-cuda")
+
+
+def test_a_suite_naming_old_names_runs_the_new_ones(tmp_path):
+    p = tmp_path / "old.yaml"
+    p.write_text("extends: default\nbench:\n  backends: [eager-fp32, onnxruntime, openvino, onnxruntime-int8-sorted]\n"
+                 "parity:\n  overrides: {onnxruntime-int8-sorted: {min_f1_ratio: 0.98, min_agreement: 0.9}}\n")
+    cfg = load_suite(str(p))
+    assert cfg.bench.backends == ["eager-fp32", "ort-fp32", "openvino-fp32", "ort-int8-sorted"]
+    assert set(cfg.parity.overrides) == {"ort-int8-sorted"}
+    gpu = load_suite("gpu-bert-base", ["bench.reference=eager-fp32-cuda", "bench.backends=[eager-fp32-cuda, "
+                                       "torch-compile-fp8-packed-ffn8-tanh-head, torch-compile-fp8-cudnn-ffn8-tanh]"])
+    assert gpu.bench.reference == "eager-fp32"
+    assert gpu.bench.backends == ["eager-fp32", "torch-compile-fp8-graph-packed", "torch-compile-fp8-graph"]
+
+
+def test_every_backend_named_in_the_committed_reference_tables_still_resolves():
+    tables = {d: table(d) for d in ("cpu", "cuda")}
+    seen = 0
+    for path in REFERENCE.glob("*.csv"):
+        for r in csv.DictReader(open(path, newline="")):
+            if not r.get("backend") or r.get("device") not in tables:
+                continue
+            base = re.sub(r"@b\d+-[a-z]+(-x\d+)?$", "", r["backend"])  # a sweep point: its variant
+            tables[r["device"]].get(base)
+            seen += 1
+    assert seen > 100
+
+
+def test_research_rows_are_declared_on_catalogue_variants_and_resolve_anywhere():
+    t = default_table()
+    research = {d["name"]: d for d in t.declarations("experiments")}
+    assert "torch-compile-fp8-packed-ffn8" in research and "onnxruntime-int8-static" in research
+    catalogue = {d["name"] for d in CATALOGUE}
+    assert not catalogue & set(research)
+    v = t.get("torch-compile-fp8-packed-ffn8")
+    assert v.device == "cuda" and v.batching == "packed" and v.options.fp8.ffn_hidden_fp8 and v.options.pipeline
+    assert v.options.fp8.ffn_gelu == "exact" and not v.options.head_first  # what differs from the catalogue's row
+    experiments = load_suite("experiments")
+    assert set(experiments.bench.backends) <= set(research) | catalogue | {
+        n for n in experiments.bench.backends if n.endswith(tuple(f"-{b}" for b in DERIVED_BATCHINGS))}
+
+
+def test_any_name_with_a_batching_suffix_runs_with_that_batching():
+    t = table("cpu")
+    v = t.get("ort-int8-sorted")
+    assert v.batching == "sorted" and v.options == t.get("ort-int8").options
+    assert t.get("eager-fp32-trimmed").batching == "trimmed"
+    from bertqa_bench.errors import UnknownBackendError
+
+    with pytest.raises(UnknownBackendError):  # a packed row is packed already
+        table("cuda").get("torch-compile-fp8-graph-packed-sorted")
+
+
+def test_the_ci_gate_keys_its_expected_scores_by_the_names_its_rows_get():
+    cfg = load_suite("ci")
+    rows = list(csv.DictReader(open(Path(cfg.parity.expected_file) if Path(cfg.parity.expected_file).is_absolute()
+                                    else REFERENCE.parent.parent / cfg.parity.expected_file)))
+    assert [r["backend"] for r in rows] == cfg.bench.backends
+    canonicalize(cfg)  # loading twice names nothing new
+    assert [r["backend"] for r in rows] == cfg.bench.backends
