@@ -251,4 +251,4 @@ def test_gpu_bert_large_suite_names_the_bert_large_shape_and_grows_it():
         1024, 24, 16, 4096, 30522)
     assert cfg.model.grow_from == "embedded:all-MiniLM-L6-v2"
     assert (cfg.data.max_seq_len, cfg.data.doc_stride) == (384, 128)  # MLPerf's BERT windows
-    assert cfg.bench.reference == "eager-fp32-cuda" and cfg.bench.backends[0] == "eager-fp32-cuda"
+    assert cfg.bench.reference == "eager-fp32" and cfg.bench.backends[0] == "eager-fp32" and cfg.bench.device == "cuda"
