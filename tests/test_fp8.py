@@ -236,6 +236,63 @@ def test_fp8_linear_with_an_output_scale_writes_e4m3_and_saturates():
         fp8.fp8_classes()[0].from_linear(lin, scaling="static-rowwise", act_scale=act, out_scale=out_scale)
 
 
+def _nan_on_overflow_scaled_mm(a, b, *, scale_a, scale_b, bias=None, out_dtype, use_fast_accum=False, **_):
+    """A stand-in for a _scaled_mm whose e4m3 output turns overflow into NaN (the CPU kernel on
+    Xeons with AMX): the product in fp32, then NaN wherever an e4m3 output would pass ±448."""
+    y = (a.float() * scale_a) @ (b.float() * scale_b)
+    if bias is not None:
+        y = y + bias.float()
+    if out_dtype == torch.float8_e4m3fn:
+        y = torch.where(y.abs() > fp8.E4M3_MAX, torch.full_like(y, float("nan")), y)
+    return y.to(out_dtype)
+
+
+def _saturating_scaled_mm(a, b, *, scale_a, scale_b, bias=None, out_dtype, use_fast_accum=False, **_):
+    y = (a.float() * scale_a) @ (b.float() * scale_b) + (0 if bias is None else bias.float())
+    return (y.clamp(-fp8.E4M3_MAX, fp8.E4M3_MAX) if out_dtype == torch.float8_e4m3fn else y).to(out_dtype)
+
+
+def test_an_fp8_output_saturates_even_where_the_gemm_kernel_writes_nan(monkeypatch):
+    """The saturation is the layer's own clamp, not the kernel's: with a _scaled_mm that writes NaN
+    past the e4m3 range, an FP8-output layer still gives ±448 (and the same values as a kernel
+    that saturates)."""
+    torch.manual_seed(4)
+    lin = nn.Linear(64, 48)
+    x = torch.randn(5, 7, 64)
+    ref = lin(x).detach()
+    act = fp8.static_act_scale(float(x.abs().amax()), 1.0)
+    tight = fp8.fp8_classes()[0].from_linear(lin, scaling="tensor", act_scale=act,
+                                             out_scale=fp8.static_act_scale(float(ref.abs().amax()), 0.1))
+    assert tight.gemm_dtype == torch.float32 and tight.out_dtype == torch.float8_e4m3fn  # CPU: explicit path
+    outs = []
+    for kernel in (_nan_on_overflow_scaled_mm, _saturating_scaled_mm):
+        monkeypatch.setattr(torch, "_scaled_mm", kernel)
+        with torch.no_grad():
+            outs.append(tight(x).float())
+    assert torch.isfinite(outs[0]).all() and float(outs[0].abs().max()) == fp8.E4M3_MAX
+    assert int((outs[0].abs() == fp8.E4M3_MAX).sum()) > outs[0].numel() // 2  # most outputs overflowed
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_the_saturation_probe_tells_a_nan_writing_kernel_from_a_saturating_one(monkeypatch):
+    """gemm_writes_saturated_e4m3's probe (asked on CUDA only; run here on the CPU with stand-in
+    kernels): a kernel that writes NaN, or loses the sign, or raises, is not trusted to saturate."""
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(torch, "_scaled_mm", _nan_on_overflow_scaled_mm)
+    assert fp8._probe_saturation(cpu) is False
+    monkeypatch.setattr(torch, "_scaled_mm", _saturating_scaled_mm)
+    assert fp8._probe_saturation(cpu) is True
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: _saturating_scaled_mm(*a, **k).abs())
+    assert fp8._probe_saturation(cpu) is False
+
+    def raises(*a, **k):
+        raise RuntimeError("no FP8 output on this device")
+
+    monkeypatch.setattr(torch, "_scaled_mm", raises)
+    assert fp8._probe_saturation(cpu) is False
+    assert fp8.gemm_writes_saturated_e4m3("cpu") is False  # the CPU always clamps itself
+
+
 def _ffn8_model(hidden: int = 64):
     """A tiny BERT with FP8 GEMMs, the FFN hidden activations in e4m3; and the same model with
     them in 16 bits, on the same calibration."""

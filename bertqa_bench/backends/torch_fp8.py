@@ -77,6 +77,46 @@ def dequantize_fp8(q, scale):
     return q.float() * scale
 
 
+_GEMM_SATURATES: dict = {}
+
+
+def gemm_writes_saturated_e4m3(device) -> bool:
+    """Whether ``torch._scaled_mm`` writing ``float8_e4m3fn`` on this device saturates a value past
+    ±448 to ±448. e4m3fn has no infinity, so an unsaturated conversion gives NaN, and kernels
+    differ: the CPU path through oneDNN writes NaN on Xeons with AMX and ±448 on AMD EPYC. Only
+    CUDA (cuBLASLt) is asked, with a GEMM whose every output overflows, once per device; a CPU
+    or a device whose kernel fails the probe gets the explicit path (wide GEMM output, clamp,
+    cast), so no result depends on an unchecked kernel property."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return False
+    key = (device.type, device.index if device.index is not None else torch.cuda.current_device())
+    if key not in _GEMM_SATURATES:
+        _GEMM_SATURATES[key] = _probe_saturation(torch.device("cuda", key[1]))
+    return _GEMM_SATURATES[key]
+
+
+def _probe_saturation(device) -> bool:
+    """One 16x16x16 e4m3 GEMM with outputs of ±16*448*448, far past ±448: saturated means every
+    output is exactly ±448 with its sign (rows of -448 give -448), never NaN."""
+    import torch
+
+    a = torch.full((16, 16), E4M3_MAX, device=device)
+    a[8:] = -E4M3_MAX
+    one = torch.ones((), dtype=torch.float32, device=device)
+    try:
+        y = torch._scaled_mm(a.to(torch.float8_e4m3fn), torch.full((16, 16), E4M3_MAX, device=device)
+                             .to(torch.float8_e4m3fn).t(), scale_a=one, scale_b=one,
+                             out_dtype=torch.float8_e4m3fn).float()
+    except (RuntimeError, TypeError):
+        return False
+    want = torch.full_like(y, E4M3_MAX)
+    want[8:] = -E4M3_MAX
+    return bool(torch.equal(y, want))
+
+
 # --------------------------------------------------------------------------- modules
 
 def _define_modules():
@@ -122,16 +162,24 @@ def _define_modules():
                 self.out_dtype = torch.float32  # CPU/fp32 tests; _scaled_mm takes no bias with fp32 output
             else:
                 self.out_dtype = torch.bfloat16
+            # What the GEMM itself writes. An e4m3 output saturates only where the kernel is
+            # known to (gemm_writes_saturated_e4m3); elsewhere the GEMM writes a wide dtype and
+            # forward clamps to ±448 before the cast: fp32 on CPU (exact for what follows),
+            # bf16 on a GPU (torch's FP8 GEMM takes a bias there; its range has room for any
+            # overflow, so the clamp, not the dtype, bounds the result).
+            self.gemm_dtype = self.out_dtype
+            if out_scale is not None and not gemm_writes_saturated_e4m3(weight.device):
+                self.gemm_dtype = torch.float32 if weight.device.type == "cpu" else torch.bfloat16
             b = None if bias is None else bias.detach()
-            self._bias_in_gemm = b is not None and self.out_dtype != torch.float32
+            self._bias_in_gemm = b is not None and self.gemm_dtype != torch.float32
             self.out_scale_value = None if out_scale is None else float(out_scale)
             if out_scale is not None:
                 # The output scale is folded into scale_a and the bias rather than passed as
                 # scale_result, whose direction differs between torch's CPU and cuBLASLt paths
-                # (CPU divides by it, cuBLASLt's D scale multiplies); the bias in bf16, which
-                # torch takes for an FP8 output on both paths.
+                # (CPU divides by it, cuBLASLt's D scale multiplies); the bias in bf16 when the
+                # GEMM adds it (torch takes bf16 for an FP8 output on both paths), else fp32.
                 b = None if b is None else b.float() / float(out_scale)
-                bias_dtype = torch.bfloat16
+                bias_dtype = torch.bfloat16 if self._bias_in_gemm else torch.float32
             else:
                 bias_dtype = self.out_dtype if self._bias_in_gemm else torch.float32
             self.register_buffer("bias", None if b is None else b.to(bias_dtype))
@@ -149,6 +197,7 @@ def _define_modules():
         def extra_repr(self) -> str:
             return (f"in_features={self.in_features}, out_features={self.out_features}, scaling={self.scaling}, "
                     f"act_scale={self.act_scale_value}, fast_accum={self.fast_accum}, out_dtype={self.out_dtype}"
+                    + ("" if self.gemm_dtype == self.out_dtype else f" (GEMM {self.gemm_dtype}, clamped)")
                     + ("" if self.out_scale_value is None else f", out_scale={self.out_scale_value}"))
 
         def quantize_input(self, x2):
@@ -173,10 +222,12 @@ def _define_modules():
             if self.gemm_scale_a is not None:
                 sa = self.gemm_scale_a
             y = torch._scaled_mm(xq, self.weight_fp8.t(), scale_a=sa, scale_b=self.weight_scale,
-                                 bias=self.bias if self._bias_in_gemm else None, out_dtype=self.out_dtype,
+                                 bias=self.bias if self._bias_in_gemm else None, out_dtype=self.gemm_dtype,
                                  use_fast_accum=self.fast_accum)
             if self.bias is not None and not self._bias_in_gemm:
                 y = y + self.bias
+            if self.gemm_dtype != self.out_dtype:  # e4m3 out, saturated here, not by whatever the cast does past ±448
+                y = y.float().clamp(-E4M3_MAX, E4M3_MAX).to(self.out_dtype)
             y = y.reshape(*lead, self.out_features)
             if self.out_scale_value is not None:
                 return y  # e4m3, y / out_scale: its consumer dequantizes
