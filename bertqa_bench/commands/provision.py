@@ -74,6 +74,9 @@ def ensure_model(cfg: SuiteConfig, log: Callable[[str], None] = print, tracker=N
                 f": {recipe_diff(fields, wanted)})" if fields else ")")
         log(f"model: {model_dir} {why}; fine-tuning {cfg.model.base} (suite {cfg.name})")
         train(cfg, log=log, tracker=tracker)
+    from ..model.weights_file import check_model_folder
+
+    check_model_folder(model_dir, hint=f"delete {model_dir} and the suite trains (or builds) it again")
     metrics = json.loads((model_dir / METRICS_FILE).read_text())
     primary = metrics.get(f"dev_{task.primary_metric}")
     if cfg.model.timing_only:

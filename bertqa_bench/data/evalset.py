@@ -25,6 +25,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from ..config import ADDED_DEFAULTS, SuiteConfig
+from ..errors import BenchError
 from ..tasks.features import INPUT_NAMES, Features
 from ..io import atomic_dir
 from ..tasks import Task
@@ -100,12 +101,22 @@ def load_evalset(cfg: SuiteConfig, task: Task, tokenizer_source: str, *, split: 
     key = evalset_key(cfg, task, tokenizer_source, split, train)
     path = cfg.cache_root / "evalsets" / f"{task.name}-{split}-{key}"
     if (path / "meta.json").exists():
-        return _read(path, key, split)
+        if json.loads((path / "meta.json").read_text()).get("n_features"):
+            return _read(path, key, split)
+        import shutil  # an empty entry an older version cached: removed, and the set is refused below
+
+        shutil.rmtree(path, ignore_errors=True)
     from ..model.modeling import load_tokenizer
 
     t0 = time.perf_counter()
     examples = task.load_examples(cfg, split)
+    if not examples:  # refused before anything is tokenized or cached: an empty entry would be reused
+        raise BenchError(f"{_source_name(cfg, task, split)}: the {split} set has no questions; nothing to "
+                         f"{'train on' if train else 'evaluate'} (give a file with at least one question)")
     features = task.featurize(examples, load_tokenizer(tokenizer_source), cfg, train=train)
+    if not len(features):
+        raise BenchError(f"{_source_name(cfg, task, split)}: its {len(examples)} {split} questions gave no "
+                         f"features at max_seq_len {cfg.data.max_seq_len} (every one dropped in tokenizing)")
     build_s = time.perf_counter() - t0
     if log:
         log(f"data: {split} {len(examples)} questions -> {len(features)} features (seq {features.seq_len}) "
@@ -121,6 +132,16 @@ def load_evalset(cfg: SuiteConfig, task: Task, tokenizer_source: str, *, split: 
                                                     "n_questions": len(examples), "n_features": len(features),
                                                     "max_seq_len": features.seq_len, "build_s": build_s}))
     return EvalSet(key, path, split, examples, features, build_s, cache_hit=False)
+
+
+def _source_name(cfg: SuiteConfig, task: Task, split: str) -> str:
+    """The file a split is read from, else the data source's name."""
+    try:
+        files = task.data_files(cfg.data, split)
+    except BenchError:
+        files = []
+    return str(files[0]) if files else f"data source {cfg.data.source}" + (
+        f" ({cfg.data.hf_name})" if getattr(cfg.data, "hf_name", None) else "")
 
 
 def _read(path: Path, key: str, split: str) -> EvalSet:

@@ -13,6 +13,9 @@ What is checked, and why each check is a named error rather than a warning:
   user says it may be unpickled (``model.allow_pickle`` / ``--allow-pickle``): unpickling can run
   code.
 * A fast tokenizer's files are there (featurization needs its offsets).
+* Every safetensors file opens (header, sizes: an empty, truncated or corrupt file is named
+  with what is wrong), the span head has 2 outputs, and the tokenizer's ids fit the word
+  embeddings (weights_file.py): otherwise each would fail inside every backend's worker.
 
 The identity that goes into results, run.json and MLflow is the name the user gave plus a
 digest of the config, weight and tokenizer files: two runs of "my-model" compare only if the
@@ -123,10 +126,9 @@ def _download(spec: str, allow_pickle: bool) -> Path:
 
 
 def _safetensors_keys(path: Path) -> list[str]:
-    with open(path, "rb") as fh:
-        n = int.from_bytes(fh.read(8), "little")
-        header = json.loads(fh.read(n))
-    return [k for k in header if k != "__metadata__"]
+    from .weights_file import safetensors_header
+
+    return list(safetensors_header(path))
 
 
 def model_digest(model_dir: str | Path) -> str:
@@ -186,8 +188,12 @@ def inspect_folder(name: str, folder: Path, *, allow_pickle: bool = False) -> Ch
                                     f"{', '.join(files) or 'no files'})")
 
     architectures = list(config.get("architectures") or [])
+    entries: dict = {}
     if weights == "safetensors":
-        keys = [k for s in shards for k in _safetensors_keys(folder / s)]
+        from .weights_file import check_weight_files
+
+        entries = check_weight_files(folder)  # a damaged, empty or truncated file is named here
+        keys = list(entries)
         has_head = any(k.startswith(QA_HEAD_PREFIX) or f".{QA_HEAD_PREFIX}" in k for k in keys)
         if not has_head:
             raise CheckpointError(name, f"its weights have no question-answering head ({QA_HEAD_PREFIX}* ; "
@@ -202,9 +208,17 @@ def inspect_folder(name: str, folder: Path, *, allow_pickle: bool = False) -> Ch
     if not any(f in _TOKENIZER_VOCABS for f in tok_files):
         raise CheckpointError(name, f"{folder} has no tokenizer (none of {', '.join(_TOKENIZER_VOCABS)}); save it "
                                     "beside the model with tokenizer.save_pretrained(folder)")
+    check_model_fits(folder, entries)
     digest = model_digest(folder)
     return Checkpoint(name=name, path=folder, model_type=model_type, digest=digest, weights=weights,
                       architectures=architectures, files=[CONFIG_FILE] + weight_files + tok_files)
+
+
+def check_model_fits(folder: Path, entries: dict) -> None:
+    """The span head has 2 outputs and the tokenizer's ids fit the embedding matrix (weights_file)."""
+    from .weights_file import check_fits, load_folder_tokenizer
+
+    check_fits(folder, entries, load_folder_tokenizer(folder))
 
 
 def resolve_checkpoint(spec: str, *, allow_pickle: bool = False) -> Checkpoint:
