@@ -26,6 +26,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from . import exit_codes
 from .errors import BenchError
 
 
@@ -147,7 +148,17 @@ def cmd_bench(a) -> int:
     if tracker.active and tracker.experiment_id:
         print(f"MLflow: {tracker.uri}, experiment bertqa-{cfg.name}; `make mlflow-ui`, then")
         print("\n".join(tracker.links()))
-    return 0
+    return _verdict_exit(a, out.verdict)
+
+
+def _verdict_exit(a, verdict) -> int:
+    """The documented exit code of a finished run (exit_codes.py), said when it is not 0."""
+    code = exit_codes.for_verdict(verdict.status, fail_on_verdict=not getattr(a, "no_fail_on_verdict", False))
+    if code:
+        why = ("the reference did not run: nothing was judged" if code == exit_codes.NO_REFERENCE
+               else f"verdict {verdict.status} (--no-fail-on-verdict exits 0)")
+        print(f"exit {code}: {why}", file=sys.stderr)
+    return code
 
 
 def cmd_bench_ddp(a) -> int:
@@ -170,30 +181,32 @@ def cmd_bench_ddp(a) -> int:
         try:
             cfg = _bench_config(a, other_host=True)[1]
             _threads(cfg)
-            cluster.serve(cfg, log=lambda m: print(f"[rank {cluster.rank}] {m}", flush=True))
+            # rank 0's exit code (its verdict's): one rank ending 0 while another ends 1 would
+            # hold this host at torchrun's exit barrier
+            return cluster.serve(cfg, log=lambda m: print(f"[rank {cluster.rank}] {m}", flush=True))
         finally:
             import torch.distributed as dist
 
             if dist.is_initialized():
                 dist.destroy_process_group()
-        return 0
-    error = ""
+    error, code = "", 0
     try:
         resume, cfg = _bench_config(a)
         _threads(cfg)
         tracker = Tracker(cfg.results_root, enabled=not a.no_mlflow)
         out = run_bench(cfg, backends=_backend_list(a.backends), run_id=a.run_id, tracker=tracker,
                         progress=not a.no_progress, command=_command_line(), cluster=cluster, resume=resume)
+        code = exit_codes.for_verdict(out.verdict.status, fail_on_verdict=not a.no_fail_on_verdict)
     except BaseException as e:
         error = f"{type(e).__name__}: {e}"
         raise
     finally:
-        cluster.close(error)  # the other ranks stop waiting for work, whatever happened here
+        cluster.close(error, code)  # the other ranks stop waiting for work, whatever happened here
     print()
     print(console_summary(out.bundle))
     print(f"results: {out.run_dir}")
     print(f"verdict: {out.verdict}")
-    return 0
+    return _verdict_exit(a, out.verdict)
 
 
 def _model_overrides(a) -> list[str]:
@@ -228,7 +241,7 @@ def cmd_loadgen(a) -> int:
     print(console_summary(out.bundle))
     print(f"results: {out.run_dir}")
     print(f"verdict: {out.verdict}")
-    return 0
+    return _verdict_exit(a, out.verdict)
 
 
 def cmd_sweep(a) -> int:
@@ -259,9 +272,10 @@ def cmd_sweep(a) -> int:
     print(recommendation(out.bundle).text())
     print()
     print(f"results: {out.run_dir}")
+    print(f"verdict: {out.verdict}")
     if tracker.active and tracker.parent_id:
         print("\n".join(tracker.links()))
-    return 0
+    return _verdict_exit(a, out.verdict)
 
 
 def cmd_report(a) -> int:
@@ -376,16 +390,20 @@ def _command_line() -> str:
     return f"bertqa-bench {args}"
 
 
-def _output_args(p: argparse.ArgumentParser, progress: bool = True) -> None:
+def _output_args(p: argparse.ArgumentParser, progress: bool = True, verdict: bool = False) -> None:
     """Where a run's record goes besides its result bundle (one spelling for every command)."""
     p.add_argument("--no-mlflow", action="store_true",
                    help="write the result bundle only; log it to MLflow later with `bertqa-bench track`")
     if progress:
         p.add_argument("--no-progress", action="store_true", help="no live progress line (logs, CI)")
+    if verdict:
+        p.add_argument("--no-fail-on-verdict", action="store_true",
+                       help="exit 0 on a FAIL or INCONCLUSIVE verdict too (a report, not a gate); a run whose "
+                            "reference did not run still exits 3")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="bertqa-bench", description=__doc__,
+    p = argparse.ArgumentParser(prog="bertqa-bench", description=__doc__, epilog=exit_codes.EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -398,14 +416,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "(train.profile_steps)")
     t.set_defaults(fn=cmd_train)
 
-    b = sub.add_parser("bench", help="benchmark every backend of a suite (trains the model if missing)")
+    b = sub.add_parser("bench", help="benchmark every backend of a suite (trains the model if missing)",
+                       description="Benchmark every backend of a suite (trains the model if missing).",
+                       epilog=exit_codes.EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     _suite_args(b)
     b.add_argument("--backends", help="comma-separated backend names (default: the suite's list)")
     b.add_argument("--run-id", help="name of the results/<run-id> folder (default: timestamp-suite)")
     _model_args(b)
     b.add_argument("--resume", metavar="RUN", help="finish an interrupted or partly failed run (a results/<run-id> "
                                                    "folder or its run id): finished rows are kept, the rest run")
-    _output_args(b)
+    _output_args(b, verdict=True)
     b.set_defaults(fn=cmd_bench)
 
     bd = sub.add_parser("bench-ddp", help="bench with data-parallel prediction over the ranks torchrun started "
@@ -417,7 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
     bd.add_argument("--resume", metavar="RUN", help="finish an interrupted or partly failed run on rank 0's host "
                                                     "(results/<run-id> or its run id; other hosts give the same "
                                                     "--suite/--set): finished rows are kept, the rest run")
-    _output_args(bd)
+    _output_args(bd, verdict=True)
     bd.set_defaults(fn=cmd_bench_ddp)
 
     lgp = sub.add_parser("loadgen", help="MLPerf LoadGen scenarios: each backend as the system under test "
@@ -428,7 +448,7 @@ def build_parser() -> argparse.ArgumentParser:
     lgp.add_argument("--find-peak-qps", action="store_true",
                      help="Server: search the highest target QPS that LoadGen calls VALID")
     lgp.add_argument("--run-id")
-    _output_args(lgp)
+    _output_args(lgp, verdict=True)
     lgp.set_defaults(fn=cmd_loadgen)
 
     sw = sub.add_parser("sweep", help="backend x batch size x batching in one run (one MLflow parent), with the best "
@@ -440,7 +460,7 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--devices", default="1", help="comma-separated GPU counts for data-parallel prediction, e.g. 1,2,4")
     sw.add_argument("--run-id")
     sw.add_argument("--resume", metavar="RUN", help="finish an interrupted sweep (results/<run-id> or its run id)")
-    _output_args(sw)
+    _output_args(sw, verdict=True)
     sw.set_defaults(fn=cmd_sweep)
 
     r = sub.add_parser("report", help="rebuild summary.md and the plot of a result bundle")
@@ -531,10 +551,17 @@ def main(argv=None) -> int:
         return stop.exit_code
     except BenchError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return exit_codes.BAD_INPUT
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return exit_codes.BAD_INPUT
+    except Exception:  # noqa: BLE001 - a bug: its traceback, and a code no verdict uses
+        import traceback
+
+        traceback.print_exc()
+        print(f"error: internal error in bertqa-bench (exit {exit_codes.INTERNAL_ERROR}); the traceback above "
+              "says where", file=sys.stderr)
+        return exit_codes.INTERNAL_ERROR
 
 
 if __name__ == "__main__":

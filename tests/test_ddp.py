@@ -137,9 +137,12 @@ def test_bench_ddp_on_two_torchrun_nodes_gives_the_single_process_answers(tiny_s
     # the worker of rank 1 (the second "host") SIGKILLs itself after warm-up in variant "killed"
     env = child_env({"OMP_NUM_THREADS": "1", "BERTQA_TEST_KILL_RANK": "killed:1"})
     t1 = time.monotonic()
+    codes: list = []
     outs = _torchrun_nodes(["bench-ddp", "--suite", str(suite), "--no-mlflow", "--no-progress", "--run-id", "two",
-                            "--backends", "eager-fp32,killed,sorted-eager"], env, tmp_path)
+                            "--backends", "eager-fp32,killed,sorted-eager"], env, tmp_path, codes=codes)
     print(f"one process {t1 - t0:.1f} s, two torchrun nodes {time.monotonic() - t1:.1f} s")
+    # the killed row makes the verdict FAIL: exit 1 (exit_codes.py) on every node, rank 0's code
+    assert codes == [1, 1], (codes, outs[0][-2000:])
     assert sum("verdict:" in o for o in outs) == 1  # rank 0 alone records
     rows1 = {r.backend: r for r in RunBundle.load(one.run_dir).results}
     rows2 = {r.backend: r for r in RunBundle.load(cfg.results_root / "two").results}

@@ -145,13 +145,14 @@ class Cluster:
             return out
         return own
 
-    def close(self, error: str = "") -> None:
+    def close(self, error: str = "", exit_code: int = 0) -> None:
         """Tell the other ranks the run is over (``error``: rank 0 failed, and so must they, or
-        torchrun would hold their hosts at its exit barrier waiting for rank 0's)."""
+        torchrun would hold their hosts at its exit barrier waiting for rank 0's); ``exit_code``:
+        rank 0's (its verdict's), which every rank returns for the same reason."""
         import torch.distributed as dist
 
         try:
-            self._bcast({"op": "done", "error": error})
+            self._bcast({"op": "done", "error": error, "exit_code": int(exit_code)})
         finally:
             dist.destroy_process_group()
 
@@ -181,8 +182,9 @@ class Cluster:
             rec["fail_order"] = self.store.add(failed_key, 1)  # first to fail gets 1
         return rec
 
-    def serve(self, cfg, log=print) -> None:
-        """A rank other than 0: load the model and evaluation set, then predict what rank 0 asks."""
+    def serve(self, cfg, log=print) -> int:
+        """A rank other than 0: load the model and evaluation set, then predict what rank 0 asks.
+        Returns rank 0's exit code."""
         import dataclasses
 
         from ..data.evalset import load_evalset
@@ -199,7 +201,7 @@ class Cluster:
                     from ..errors import BenchError
 
                     raise BenchError(f"rank 0 failed, so this rank stops: {cmd['error']}")
-                return
+                return int(cmd.get("exit_code", 0))
             if cmd["op"] == "prepare":
                 info = {"host": self.host, "digest": "", "evalset": "", "error": ""}
                 try:
