@@ -117,6 +117,6 @@ mlflow-ui: install
 # Everything generated: the venv, run bundles, trained models and exported artifacts
 # (models/artifacts/), generated data, the evaluation-set cache and device-run leftovers.
 clean:
-	rm -rf $(VENV) results/20* results/device-* results/profiles results/mlflow.db results/mlruns \
+	rm -rf $(VENV) results/20* results/device-* results/profiles results/mlflow.db results/mlflow.db.lock results/mlruns \
 	  data cache device-out
 	find models -mindepth 1 -maxdepth 1 ! -name README.md -exec rm -rf {} +

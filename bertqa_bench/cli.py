@@ -133,11 +133,12 @@ def cmd_bench(a) -> int:
     from .reporting.report import console_summary
     from .reporting.tracking import Tracker
 
+    _check_overwrite(a)
     resume, cfg = _bench_config(a)
     _threads(cfg)
     tracker = Tracker(cfg.results_root, enabled=not a.no_mlflow)
     out = run_bench(cfg, backends=_backend_list(a.backends), run_id=a.run_id, tracker=tracker,
-                    progress=not a.no_progress, command=_command_line(), resume=resume)
+                    progress=not a.no_progress, command=_command_line(), resume=resume, overwrite=a.overwrite)
     print()
     print(console_summary(out.bundle))
     print(f"results: {out.run_dir}")
@@ -174,6 +175,7 @@ def cmd_bench_ddp(a) -> int:
         raise BenchError("bench-ddp runs under torchrun (RANK and WORLD_SIZE unset): e.g. `torchrun --standalone "
                          "--nproc-per-node 2 -m bertqa_bench.cli bench-ddp --suite ci`, or `make bench-ddp`")
     _check_resume_args(a)  # refused on every rank before any group forms
+    _check_overwrite(a)
     # The group first: a rank that cannot load its config then leaves a formed group (its peers'
     # next collective fails at once) instead of leaving the others waiting to form it.
     cluster = Cluster()
@@ -195,7 +197,8 @@ def cmd_bench_ddp(a) -> int:
         _threads(cfg)
         tracker = Tracker(cfg.results_root, enabled=not a.no_mlflow)
         out = run_bench(cfg, backends=_backend_list(a.backends), run_id=a.run_id, tracker=tracker,
-                        progress=not a.no_progress, command=_command_line(), cluster=cluster, resume=resume)
+                        progress=not a.no_progress, command=_command_line(), cluster=cluster, resume=resume,
+                        overwrite=a.overwrite)
         code = exit_codes.for_verdict(out.verdict.status, fail_on_verdict=not a.no_fail_on_verdict)
     except BaseException as e:
         error = f"{type(e).__name__}: {e}"
@@ -236,7 +239,8 @@ def cmd_loadgen(a) -> int:
     _threads(cfg)
     tracker = Tracker(cfg.results_root, enabled=not a.no_mlflow)
     out = run_loadgen(cfg, a.scenario, backends=_backend_list(a.backends), find_peak_qps=a.find_peak_qps,
-                      run_id=a.run_id, tracker=tracker, progress=not a.no_progress, command=_command_line())
+                      run_id=a.run_id, tracker=tracker, progress=not a.no_progress, command=_command_line(),
+                      overwrite=a.overwrite)
     print()
     print(console_summary(out.bundle))
     print(f"results: {out.run_dir}")
@@ -252,6 +256,7 @@ def cmd_sweep(a) -> int:
     from .reporting.sweep import sweep_tables, write_sweep_report
     from .reporting.tracking import Tracker
 
+    _check_overwrite(a)
     if a.resume:  # the sweep's variants were added to the saved config; its variant list is the run's
         resume, cfg = load_resume(a.resume, a.suite, a.overrides)
         names = None
@@ -264,15 +269,15 @@ def cmd_sweep(a) -> int:
     _threads(cfg)
     tracker = Tracker(cfg.results_root, enabled=not a.no_mlflow)
     out = run_bench(cfg, backends=names, run_id=a.run_id, tracker=tracker, progress=not a.no_progress,
-                    command=_command_line(), resume=resume)
+                    command=_command_line(), resume=resume, overwrite=a.overwrite)
     write_sweep_report(out.bundle)
     if tracker.active and tracker.parent_id:  # the sweep's own views beside the bench's, on its parent run
         tracker._try(tracker.artifacts, tracker.parent_id, [out.run_dir / "sweep.md", out.run_dir / "sweep.png"])
     print(sweep_tables(out.bundle))  # the tables, then the recommendation (sweep.md has it first)
     print(recommendation(out.bundle).text())
     print()
-    print(f"results: {out.run_dir}")
     print(f"verdict: {out.verdict}")
+    print(f"results: {out.run_dir}")
     if tracker.active and tracker.parent_id:
         print("\n".join(tracker.links()))
     return _verdict_exit(a, out.verdict)
@@ -402,6 +407,19 @@ def _output_args(p: argparse.ArgumentParser, progress: bool = True, verdict: boo
                             "reference did not run still exits 3")
 
 
+def _run_id_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--run-id", help="name of the run's folder, results_dir/<run-id> (default: "
+                                    "<UTC time>-<4 random hex>-<suite>, new for every run); an existing folder is "
+                                    "refused unless --resume or --overwrite")
+    p.add_argument("--overwrite", action="store_true",
+                   help="with --run-id: empty that run's existing folder first and start the run again")
+
+
+def _check_overwrite(a) -> None:
+    if getattr(a, "overwrite", False) and getattr(a, "resume", None):
+        raise BenchError("--resume finishes a run in its folder; --overwrite empties it to start again: choose one")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bertqa-bench", description=__doc__, epilog=exit_codes.EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -421,7 +439,7 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog=exit_codes.EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     _suite_args(b)
     b.add_argument("--backends", help="comma-separated backend names (default: the suite's list)")
-    b.add_argument("--run-id", help="name of the results/<run-id> folder (default: timestamp-suite)")
+    _run_id_args(b)
     _model_args(b)
     b.add_argument("--resume", metavar="RUN", help="finish an interrupted or partly failed run (a results/<run-id> "
                                                    "folder or its run id): finished rows are kept, the rest run")
@@ -432,7 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
                                           "(one host or several); rank 0 records, the others predict")
     _suite_args(bd)
     bd.add_argument("--backends", help="comma-separated backend names (default: the suite's list)")
-    bd.add_argument("--run-id")
+    _run_id_args(bd)
     _model_args(bd, where=" (on every host)")
     bd.add_argument("--resume", metavar="RUN", help="finish an interrupted or partly failed run on rank 0's host "
                                                     "(results/<run-id> or its run id; other hosts give the same "
@@ -447,7 +465,7 @@ def build_parser() -> argparse.ArgumentParser:
     lgp.add_argument("--backends", help="comma-separated backend names (default: the suite's list)")
     lgp.add_argument("--find-peak-qps", action="store_true",
                      help="Server: search the highest target QPS that LoadGen calls VALID")
-    lgp.add_argument("--run-id")
+    _run_id_args(lgp)
     _output_args(lgp, verdict=True)
     lgp.set_defaults(fn=cmd_loadgen)
 
@@ -458,7 +476,7 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--batch-sizes", default="16,32,64,128,256")
     sw.add_argument("--batchings", default="padded", help="comma-separated: padded, trimmed, sorted, packed")
     sw.add_argument("--devices", default="1", help="comma-separated GPU counts for data-parallel prediction, e.g. 1,2,4")
-    sw.add_argument("--run-id")
+    _run_id_args(sw)
     sw.add_argument("--resume", metavar="RUN", help="finish an interrupted sweep (results/<run-id> or its run id)")
     _output_args(sw, verdict=True)
     sw.set_defaults(fn=cmd_sweep)

@@ -190,7 +190,7 @@ def test_printed_link_shows_every_backends_numbers(browser, ui, bench):
     try:
         _assert_runs_table_shows_the_comparison(page, bench)
         # the parent's verdict is a value in the table, and the run name starts with it
-        page.get_by_text(re.compile(r"^PASS \d{8}-\d{6}-tiny$")).first.wait_for()
+        page.get_by_text(re.compile(r"^PASS \d{8}-\d{6}-[0-9a-f]{4}-tiny$")).first.wait_for()
         _shot(page, "mlflow-runs.png")
     finally:
         context.close()

@@ -27,6 +27,7 @@ from ..io import atomic_write_json
 from ..measuring.launcher import launch
 from ..measuring.progress import rows_line
 from ..record.parity import Verdict, compare, determinism, tolerance_for, verdict
+from ..record.run_folder import claim, preflight
 from ..reporting.report import write_report
 from ..record.results import BackendResult, RunBundle, RunMeta, new_run_id
 from ..record.schedule import Plan, make_plan, mask_padding
@@ -151,7 +152,7 @@ def config_diff(saved: dict, wanted: dict, prefix: str = "") -> list[str]:
 def run_bench(cfg: SuiteConfig, *, backends: Optional[list[str]] = None, run_id: Optional[str] = None,
               tracker: Optional[Tracker] = None, progress: bool = True, command: str = "",
               log: Callable[[str], None] = print, check_determinism: bool = False,
-              resume: Optional[RunBundle] = None, cluster=None) -> BenchOutcome:
+              resume: Optional[RunBundle] = None, cluster=None, overwrite: bool = False) -> BenchOutcome:
     """Benchmark the suite's variants (reference first), or, with ``resume``, finish a run that
     was interrupted or partly failed: its finished rows are kept, the reference's saved outputs
     are reused, only the missing (or failed) variants run, against the same evaluation set and
@@ -159,7 +160,10 @@ def run_bench(cfg: SuiteConfig, *, backends: Optional[list[str]] = None, run_id:
     run.json has the verdict of what finished, the MLflow runs end KILLED; then it propagates.
 
     ``cluster`` (ddp.Cluster, ``bench-ddp`` under torchrun, on rank 0): every variant's prediction
-    runs over all the torchrun ranks; the other ranks predict only (Cluster.serve)."""
+    runs over all the torchrun ranks; the other ranks predict only (Cluster.serve).
+
+    The run owns its folder (run_folder.py): a generated id is claimed exclusively; a ``run_id``
+    whose folder exists is refused before any work unless ``overwrite`` (emptied first)."""
     reference = cfg.bench.reference
     table = VariantTable.for_suite(cfg)
     if resume is not None:
@@ -172,6 +176,8 @@ def run_bench(cfg: SuiteConfig, *, backends: Optional[list[str]] = None, run_id:
     variants = table.require(names)
     if resume is not None:  # a run started under old names finishes under them
         variants = [v if v.name == n else dataclasses.replace(v, name=n) for n, v in zip(names, variants)]
+    # a taken --run-id, an unwritable or full results/cache/models disk: refused before any work
+    preflight(cfg, run_id, overwrite, resume=resume is not None)
     tracker = tracker or Tracker(cfg.results_root, enabled=False)
     task = get_task(cfg.task.name)
     mdir = measured_model_dir(cfg) if resume is not None else cfg.model_dir
@@ -212,8 +218,10 @@ def run_bench(cfg: SuiteConfig, *, backends: Optional[list[str]] = None, run_id:
     env_tags = {f"env.{k}": v for k, v in env.items()}
     if model.checkpoint:  # every child run names the checkpoint it measured
         env_tags |= {"model.checkpoint": model.checkpoint, "model.digest": model.digest, "model.family": model.family}
+    tracker.active  # opens (or creates) the MLflow store now: one that cannot be opened fails the run here
     if resume is None:
-        meta = RunMeta(suite=cfg.name, run_id=run_id or new_run_id(cfg.name), task=task.name,
+        run_id = claim(cfg.results_root, run_id, lambda: new_run_id(cfg.name), overwrite)
+        meta = RunMeta(suite=cfg.name, run_id=run_id, task=task.name,
                        metric_names=list(task.metric_names), primary_metric=task.primary_metric, reference=reference,
                        metric_labels=dict(task.metric_labels),
                        command=command, date=time.strftime("%Y-%m-%d", time.gmtime()), model=cfg.model.name,

@@ -126,7 +126,7 @@ def headline(r) -> Optional[float]:
 
 def run_loadgen(cfg: SuiteConfig, scenario: str, *, backends: Optional[list[str]] = None,
                 find_peak_qps: bool = False, run_id: Optional[str] = None, tracker=None, progress: bool = True,
-                command: str = "", log: Callable[[str], None] = print):
+                command: str = "", log: Callable[[str], None] = print, overwrite: bool = False):
     """Every variant (reference first) as LoadGen's SUT in ``scenario``; one BackendResult each."""
     from ..backends.variants import VariantTable, note_once
     from .bench import plan_for, plan_key, plan_path
@@ -149,6 +149,9 @@ def run_loadgen(cfg: SuiteConfig, scenario: str, *, backends: Optional[list[str]
     names = table.canonical_names([cfg.bench.reference] + list(backends or cfg.bench.backends), note_once)
     reference = cfg.bench.reference = names[0]
     variants = table.require(names)
+    from ..record.run_folder import claim, preflight
+
+    preflight(cfg, run_id, overwrite)  # a taken --run-id, an unwritable or full disk: refused before any work
     tracker = tracker or Tracker(cfg.results_root, enabled=False)
     task = get_task(cfg.task.name)
     model = ensure_model(cfg, log, tracker)
@@ -157,7 +160,9 @@ def run_loadgen(cfg: SuiteConfig, scenario: str, *, backends: Optional[list[str]
     plan = plans[plan_key(cfg, variants[0])]
     lg = cfg.loadgen
     env = environment()
-    meta = RunMeta(suite=cfg.name, run_id=run_id or new_run_id(f"{cfg.name}-{scenario.lower()}"), task=task.name,
+    tracker.active  # opens (or creates) the MLflow store now: one that cannot be opened fails the run here
+    run_id = claim(cfg.results_root, run_id, lambda: new_run_id(f"{cfg.name}-{scenario.lower()}"), overwrite)
+    meta = RunMeta(suite=cfg.name, run_id=run_id, task=task.name,
                    metric_names=list(task.metric_names), primary_metric=task.primary_metric, reference=reference,
                    metric_labels=dict(task.metric_labels), command=command,
                    date=time.strftime("%Y-%m-%d", time.gmtime()), model=cfg.model.name, model_note=model.note,

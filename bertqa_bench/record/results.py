@@ -29,7 +29,11 @@ from .parity import ParityResult
 
 
 def new_run_id(suite: str) -> str:
-    return datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S") + f"-{suite}"
+    """``<UTC timestamp>-<4 random hex>-<suite>``: runs started in the same second differ (the
+    folder is then claimed exclusively, run_folder.claim), and names still sort by start time."""
+    import secrets
+
+    return datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S") + f"-{secrets.token_hex(2)}-{suite}"
 
 
 @dataclass

@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Iterable, Optional
 from urllib.parse import quote
 
+from ..errors import BenchError
 from .colors import BackendColors
 from ..record.results import BackendResult, RunBundle, RunMeta
 
@@ -87,6 +88,20 @@ DEFAULT_UI = "http://127.0.0.1:5000"
 
 def default_tracking_uri(results_root: Path) -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path(results_root).resolve() / 'mlflow.db'}"
+
+
+def store_lock(uri: str, results_root: Path, timeout_s: float = 300.0):
+    """An inter-process lock around opening a SQLite store (its creation and schema migration
+    are not safe to run twice at once); a no-op for server stores, which serialize themselves."""
+    import contextlib
+
+    if not uri.startswith("sqlite:///"):
+        return contextlib.nullcontext()
+    from filelock import FileLock
+
+    db = Path(uri[len("sqlite:///"):])
+    db.parent.mkdir(parents=True, exist_ok=True)
+    return FileLock(str(db) + ".lock", timeout=timeout_s)
 
 
 def numeric(d: dict) -> dict:
@@ -186,37 +201,67 @@ def comparison_charts(children_metrics: Iterable[Iterable[str]], primary: str, n
     return {"compareRunCharts": charts, "compareRunSections": [section], "isAccordionReordered": True}
 
 
+class TrackingStoreError(BenchError):
+    """The MLflow store could not be opened or created: the run fails, before its work, rather
+    than finishing with nothing in MLflow and exit 0."""
+
+
 class Tracker:
+    """MLflow logging of benches and trainings. The store is opened (created, migrated) on first
+    use, not when the tracker is made: a run refused for its input writes nothing under results/."""
+
     def __init__(self, results_root: Path, enabled: bool = True):
         self.enabled = enabled
         self.results_root = Path(results_root)
+        self.uri = default_tracking_uri(self.results_root)
         self.parent_id: Optional[str] = None
         self.experiment_id: Optional[str] = None
-        self._client = None
+        self._mlflow = None
+        self._opened = False
         self._colors = BackendColors()
         self._children: dict[str, dict] = {}
-        if enabled:
-            self._try(self._connect)
+
+    @property
+    def _client(self):
+        if self.enabled and not self._opened:
+            self._opened = True
+            self._mlflow = self._connect()
+        return self._mlflow
+
+    @_client.setter
+    def _client(self, client) -> None:
+        self._opened, self._mlflow = True, client
 
     def _try(self, fn, *a, **kw):
         if not self.enabled:
             return None
         try:
             return fn(*a, **kw)
+        except TrackingStoreError:
+            raise
         except Exception as e:  # noqa: BLE001 - tracking must never take a benchmark down
             print(f"warning: MLflow tracking failed ({type(e).__name__}: {e}); the result bundle is unaffected",
                   file=sys.stderr)
             return None
 
-    def _connect(self) -> None:
+    def _connect(self):
+        """The client, its store created (or migrated) under a file lock: two runs starting at
+        once against a new SQLite store both ran MLflow's schema migration, and one of them
+        failed ("Online migration expected to match one row ... alembic_version; 0 found")."""
         from mlflow.tracking import MlflowClient
 
         # An explicit client, not mlflow.set_tracking_uri(): that one also exports
         # MLFLOW_TRACKING_URI to the environment, so later trackers (and child processes) would
         # silently write to this store.
-        self.uri = default_tracking_uri(self.results_root)
-        self.results_root.mkdir(parents=True, exist_ok=True)
-        self._client = MlflowClient(self.uri)
+        try:
+            with store_lock(self.uri, self.results_root):
+                client = MlflowClient(self.uri)
+                client.search_experiments(max_results=1)  # creates and migrates the store now
+        except Exception as e:  # noqa: BLE001 - any failure to open the store fails the run, named
+            raise TrackingStoreError(f"MLflow store {self.uri} could not be opened ({type(e).__name__}: "
+                                     f"{str(e)[:300]}); fix or move it, or run with --no-mlflow and log the "
+                                     "result bundle later with `bertqa-bench track`") from None
+        return client
 
     @property
     def active(self) -> bool:
