@@ -251,8 +251,8 @@ def test_bench_on_v2_set_writes_na_probs_and_scores_officially(tmp_path, capsys)
     preds = json.loads((run / "predictions" / "eager-fp32.json").read_text())
     na = json.loads(na_file.read_text())
     assert set(na) == set(preds)
-    # every "" answer is a null decision (na-score above the threshold), every text one is not
-    assert all((preds[q] == "") == (na[q] > 0.0) for q in preds)
+    # every "" answer is a null decision (no-answer probability above 0.5, the threshold's), every text one is not
+    assert all((preds[q] == "") == (na[q] > 0.5) for q in preds) and all(0 <= v <= 1 for v in na.values())
     capsys.readouterr()
     # the bench's scores are the official script's on the files it wrote
     assert main(["score", str(dev), str(run / "predictions" / "eager-fp32.json"), "--na-prob-file",

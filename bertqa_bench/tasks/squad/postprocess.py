@@ -112,14 +112,41 @@ def nbest_for_example(examples: Sequence[QAExample], features: Features, start_l
 
 class V2Predictions(dict):
     """Question id -> answer text ("" = no answer), with ``na_scores``: per question, the null
-    score minus the best non-null span's score (run_qa's ``null_odds``), the no-answer-probability
-    file the official v2.0 evaluator takes (``--na-prob-file``) to find its best thresholds."""
+    score minus the best non-null span's score (run_qa's ``null_odds``, in logits), and
+    ``na_probs``: the no-answer probabilities written for the official v2.0 evaluator's
+    ``--na-prob-file`` (na_probability)."""
 
     na_scores: dict
+    na_probs: dict
 
-    def __init__(self, *a, na_scores: Optional[dict] = None, **kw):
+    def __init__(self, *a, na_scores: Optional[dict] = None, na_probs: Optional[dict] = None, **kw):
         super().__init__(*a, **kw)
         self.na_scores = dict(na_scores or {})
+        self.na_probs = dict(na_probs or {})
+
+
+def na_probability(na_score: float, threshold: float = 0.0) -> float:
+    """The no-answer probability the official v2.0 evaluator reads: sigmoid(na_score - threshold).
+
+    The evaluator takes probabilities: at its default ``--na-prob-thresh 1.0`` a question whose
+    value is above 1.0 is scored as answered "" whatever its text. Raw null-score differences (up
+    to ~16 on a trained model) would override text answers the suite gave whenever the suite's
+    threshold lets a difference above 1 answer, and ``score --na-prob-file`` would then disagree
+    with results.csv. A probability never exceeds 1.0, so at the defaults the evaluator keeps every
+    answer as the suite decided it, and exact/F1/HasAns/NoAns are the suite's. The map is
+    monotone, so ``best_exact``/``best_f1`` (one pass over the questions sorted by this value) are
+    the ones the differences give, their thresholds in probability (a threshold t is the
+    difference threshold + logit(t)); and 0.5 is the suite's own decision point: a question
+    whose value is above 0.5 answers "" (so does one whose windows hold no valid span). Above
+    a difference of ~37 past the threshold, float64 rounds the value to 1.0 (ties there keep the
+    file's order, in the suite's scores and the evaluator's alike: both read these values)."""
+    import math
+
+    x = float(na_score) - float(threshold)
+    if x >= 0:
+        return 1.0 / (1.0 + math.exp(-x))
+    e = math.exp(x)  # no overflow for very negative x
+    return e / (1.0 + e)
 
 
 def postprocess_qa_v2(examples: Sequence[QAExample], features: Features, start_logits, end_logits, *,
@@ -152,6 +179,7 @@ def postprocess_qa_v2(examples: Sequence[QAExample], features: Features, start_l
         span = float(scores[f]) if f >= 0 and np.isfinite(scores[f]) else None
         diff = float(null[i]) - (span if span is not None else 0.0)
         out.na_scores[ex.id] = diff
+        out.na_probs[ex.id] = na_probability(diff, null_score_diff_threshold)
         if span is None or diff > null_score_diff_threshold:
             out[ex.id] = ""
         else:

@@ -107,10 +107,12 @@ class SquadTask(Task):
         if self.is_v2(examples, cfg):
             from .metrics_v2 import squad_v2_evaluate
 
-            # exact/f1 and HasAns/NoAns as the official script gives them without a na-prob file;
-            # best_exact/best_f1 (and thresholds) from the null-score differences, as with one
+            # exact/f1 and HasAns/NoAns as the official script gives them without a na-prob file
+            # (and with the one side_files writes, at its defaults: those values are probabilities,
+            # postprocess.na_probability); best_exact/best_f1 and their thresholds from that file's
+            # values, so `score --na-prob-file` prints what results.csv holds
             scores = squad_v2_evaluate(examples, predictions)
-            na = getattr(predictions, "na_scores", None)
+            na = getattr(predictions, "na_probs", None)
             if na:
                 with_na = squad_v2_evaluate(examples, predictions, na_probs=na)
                 scores.update({k: v for k, v in with_na.items() if k.startswith("best_")})
@@ -118,8 +120,8 @@ class SquadTask(Task):
         return squad_evaluate(examples, predictions)
 
     def side_files(self, predictions) -> dict:
-        # v2.0: the no-answer scores beside the predictions, for `bertqa-bench score --na-prob-file`
-        na = getattr(predictions, "na_scores", None)
+        # v2.0: the no-answer probabilities beside the predictions, for `bertqa-bench score --na-prob-file`
+        na = getattr(predictions, "na_probs", None)
         return {"na_prob": na} if na is not None else {}
 
     def question_scores(self, examples, predictions, cfg):
