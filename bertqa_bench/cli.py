@@ -56,13 +56,16 @@ def _suite(a) -> str:
 def load_resume(target: str, suite: str | None = None, overrides=()):
     """(bundle, config) of the run ``target`` (a results/<run-id> folder or a run id) for
     ``--resume``: the run's own saved config; with --suite/--set, they must describe the same
-    config, else the resume is refused with the fields that differ."""
+    config, else the resume is refused with the fields that differ. --set without --suite
+    applies to the run's own config (its suite), not to the default suite."""
+    import copy
+
     from .commands.bench import config_diff
     from .config import resolve_path
     from .record.results import RunBundle
-    from .suite import load_suite, suite_from_dict
+    from .suite import apply_overrides, load_suite, suite_from_dict
 
-    wanted = load_suite(suite or "default", list(overrides)) if (suite or overrides) else None
+    wanted = load_suite(suite, list(overrides)) if suite else None
     candidates = [Path(target)] + ([wanted.results_root / target] if wanted else []) + [resolve_path("results") / target]
     path = next((c for c in candidates if (c / "run.json").exists()), None)
     if path is None:
@@ -72,6 +75,8 @@ def load_resume(target: str, suite: str | None = None, overrides=()):
     if not saved:
         raise BenchError(f"{path}: no config.json; this run cannot be resumed")
     cfg = suite_from_dict(saved, str(path / "config.json"))
+    if wanted is None and overrides:  # the run's own suite, with the --set values
+        wanted = suite_from_dict(apply_overrides(copy.deepcopy(saved), list(overrides)), "--set")
     if wanted is not None:
         diff = config_diff(saved, json.loads(json.dumps(wanted.to_dict(), default=str)))
         if diff:
@@ -225,7 +230,12 @@ def _model_overrides(a) -> list[str]:
     if getattr(a, "allow_pickle", False):
         out.append("model.allow_pickle=true")
     if getattr(a, "dev_file", None):
-        out += ["data.source=squad-json", f"data.dev_file={json.dumps(a.dev_file)}"]
+        # a command-line path is the user's, relative to where they stand (a suite's data.dev_file
+        # is relative to the project root, where the suite lives)
+        dev = Path(a.dev_file).expanduser().absolute()
+        if not dev.is_file():
+            raise BenchError(f"--dev-file {a.dev_file}: no such file ({dev})")
+        out += ["data.source=squad-json", f"data.dev_file={json.dumps(str(dev))}"]
     return out
 
 
@@ -407,6 +417,25 @@ def _output_args(p: argparse.ArgumentParser, progress: bool = True, verdict: boo
                             "reference did not run still exits 3")
 
 
+def _where() -> str:
+    from .config import PROJECT_ROOT
+
+    return (f"Outputs: the run's folder results_dir/<run-id>/ (results.csv, summary.md, run.json, predictions/, "
+            f"logs/), MLflow in results_dir/mlflow.db, the model under models_dir/<name>/, exported artifacts "
+            f"under models_dir/artifacts/, the evaluation-set cache under cache_dir/ (defaults results/, models/, "
+            f"cache/). A suite's paths (those, data files) are relative to the project root, {PROJECT_ROOT}; "
+            f"file arguments given here (--suite FILE, --model, --dev-file, --resume) to the current directory.")
+
+
+_WHERE = _where()
+
+
+def _described(summary: str) -> str:
+    import textwrap
+
+    return "\n\n".join(textwrap.fill(t, 100) for t in (summary, _WHERE))
+
+
 def _run_id_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-id", help="name of the run's folder, results_dir/<run-id> (default: "
                                     "<UTC time>-<4 random hex>-<suite>, new for every run); an existing folder is "
@@ -421,7 +450,7 @@ def _check_overwrite(a) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="bertqa-bench", description=__doc__, epilog=exit_codes.EPILOG,
+    p = argparse.ArgumentParser(prog="bertqa-bench", description=_described(__doc__.strip()), epilog=exit_codes.EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -435,7 +464,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(fn=cmd_train)
 
     b = sub.add_parser("bench", help="benchmark every backend of a suite (trains the model if missing)",
-                       description="Benchmark every backend of a suite (trains the model if missing).",
+                       description=_described("Benchmark every backend of a suite (trains the model if missing)."),
                        epilog=exit_codes.EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     _suite_args(b)
     b.add_argument("--backends", help="comma-separated backend names (default: the suite's list)")

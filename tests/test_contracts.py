@@ -47,7 +47,7 @@ def test_a_plugin_variants_timeout_is_honoured(plugins, tiny_suite):
     out = run_bench(load_suite(str(suite)), progress=False)
     rows = {r.backend: r for r in RunBundle.load(out.run_dir).results}
     assert rows["declared-hang"].status == "failed"
-    assert "timed out after 3 s" in rows["declared-hang"].error
+    assert "timed out after 3 s (variant declared-hang's own timeout_s, not bench.timeout_s)" in rows["declared-hang"].error
 
 
 @pytest.mark.slow

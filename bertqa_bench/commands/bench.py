@@ -24,7 +24,7 @@ from ..errors import ConfigError
 from ..envinfo import cuda_visible_devices, device_name, environment
 from ..data.evalset import EvalSet, load_evalset
 from ..io import atomic_write_json
-from ..measuring.launcher import launch
+from ..measuring.launcher import launch, time_limit
 from ..measuring.progress import rows_line
 from ..record.parity import Verdict, compare, determinism, tolerance_for, verdict
 from ..record.run_folder import claim, preflight
@@ -381,7 +381,7 @@ def _run_variant(cfg, task, variant, model, evalset, bundle, plans, tiling, ref,
     log(f"[{variant.name}] prepare, warm-up and {cfg.bench.min_passes}+ timed passes"
         + (f" on {n_ranks} {'GPUs' if variant.device == 'cuda' else 'CPU ranks'}" if n_ranks > 1 else "") + " ...")
     job = make_job(cfg, task, variant, model, evalset, bundle, progress=progress)
-    timeout = variant.timeout_s or cfg.bench.timeout_s
+    timeout = time_limit(variant, cfg.bench.timeout_s)  # its message names the setting that applied
     if cluster is not None:  # bench-ddp: every torchrun rank predicts its share
         rec = cluster.run(job, timeout, bundle.path("logs"))
     elif (variant.devices or 1) > 1:

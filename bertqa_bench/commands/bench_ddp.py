@@ -33,8 +33,11 @@ def first_failure(recs: list, n: int, timeout_s: float) -> dict:
         i = min(late, key=lambda i: (PHASES.index(recs[i].get("phase", "start"))
                                      if recs[i].get("phase", "start") in PHASES else 0, i))
         where = recs[i].get("phase", "start")
+        from ..measuring.launcher import limit_setting
+
         return {"status": "failed", "error": f"data-parallel rank {i} of {n}: timed out after {timeout_s:g} s "
-                                             f"in {where} (bench.timeout_s); every rank killed", "failed_rank": i}
+                                             f"in {where} ({limit_setting(timeout_s)}); every rank killed",
+                "failed_rank": i}
     i = next(i for i, r in enumerate(recs) if r["status"] != "ok")
     return {"status": status, "error": f"data-parallel rank {i} of {n}: {recs[i].get('error')}", "failed_rank": i}
 

@@ -225,7 +225,9 @@ def _rows_of(cfg, scenario, find_peak_qps, variants, task, model, evalset, plans
             continue
         log(f"[{variant.name}] prepare, warm-up, bench passes, then LoadGen {scenario} (accuracy, performance) ...")
         job = _job(cfg, task, variant, model, evalset, bundle, scenario, find_peak_qps)
-        rec = launch(job, timeout_s=variant.timeout_s or cfg.bench.timeout_s,
+        from ..measuring.launcher import time_limit
+
+        rec = launch(job, timeout_s=time_limit(variant, cfg.bench.timeout_s),
                      log_path=bundle.path("logs", f"{variant.name}.log"), echo=progress, isolation=cfg.bench.isolation)
         r.status, r.error = rec["status"], rec.get("error", "")
         kept: list[Path] = []

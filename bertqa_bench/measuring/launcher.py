@@ -122,7 +122,8 @@ class _Child:
         self.pump.join(timeout=10)
         elapsed, code = time.perf_counter() - self.t0, self.proc.returncode
         if self.timed_out:
-            return _failed(f"timed out after {timeout_s:g} s (bench.timeout_s); killed", self.log_path, code, elapsed,
+            return _failed(f"timed out after {timeout_s:g} s ({limit_setting(timeout_s)}); killed", self.log_path, code,
+                           elapsed,
                            timed_out=True)
         if self.stopped:
             return _failed(self.stopped, self.log_path, code, elapsed, stopped_by_peer=True)
@@ -202,6 +203,34 @@ def _watch(children: list, deadline: float, abort, poll_s: float) -> None:
             running = []
         if running:
             time.sleep(poll_s)
+
+
+class TimeLimit(float):
+    """A time limit in seconds that remembers the setting it came from, so a timeout names the
+    one that applied: a variant's own ``timeout_s`` or the suite's ``bench.timeout_s``. A float
+    everywhere else (deadlines, job records)."""
+
+    setting: str
+
+    def __new__(cls, seconds: float, setting: str = "bench.timeout_s"):
+        obj = super().__new__(cls, seconds)
+        obj.setting = setting
+        return obj
+
+    def __reduce__(self):  # pickled into bench-ddp's broadcast with its setting
+        return (TimeLimit, (float(self), self.setting))
+
+
+def time_limit(variant, bench_timeout_s: float) -> TimeLimit:
+    """The limit a variant runs under: its own timeout_s when it has one, else bench.timeout_s."""
+    own = getattr(variant, "timeout_s", None)
+    if own:
+        return TimeLimit(own, f"variant {variant.name}'s own timeout_s, not bench.timeout_s")
+    return TimeLimit(bench_timeout_s, "bench.timeout_s")
+
+
+def limit_setting(timeout_s: float) -> str:
+    return getattr(timeout_s, "setting", "bench.timeout_s")
 
 
 def launch(job: "Job", *, timeout_s: float, log_path: Path, echo: bool = False, isolation: str = "process") -> dict:
