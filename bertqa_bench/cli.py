@@ -148,6 +148,7 @@ def cmd_bench(a) -> int:
     print(console_summary(out.bundle))
     print(f"results: {out.run_dir}")
     print(f"verdict: {out.verdict}")
+    _timing_line(out.results)
     if out.verdict.status == "INCONCLUSIVE":
         print("INCONCLUSIVE: every parity failure lies within the noise of this many questions; a gate does not "
               "pass it. More dev questions decide it (the table says how many).")
@@ -155,6 +156,15 @@ def cmd_bench(a) -> int:
         print(f"MLflow: {tracker.uri}, experiment bertqa-{cfg.name}; `make mlflow-ui`, then")
         print("\n".join(tracker.links()))
     return _verdict_exit(a, out.verdict)
+
+
+def _timing_line(results) -> None:
+    """Said beside the verdict: rows timed while other processes needed the cores (machine_state.py)."""
+    bad = [r for r in results if r.ok and r.timing_reliable is False]
+    if bad:
+        print(f"timing: unreliable for {len(bad)} of {sum(r.ok for r in results)} rows, timed on a busy machine ("
+              + "; ".join(f"{r.backend}: {r.timing_note.removeprefix('unreliable ').strip('()')}" for r in bad[:3])
+              + (f"; +{len(bad) - 3} more" if len(bad) > 3 else "") + "): see the table's ⚠")
 
 
 def _verdict_exit(a, verdict) -> int:

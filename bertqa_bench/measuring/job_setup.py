@@ -19,10 +19,16 @@ def load_job(job, plan=None, inputs=None, *, mmap: bool = True, threads: int = 0
     why = variant.unavailable_reason()
     if why:
         return variant, why, None, None
-    if variant.device == "cpu" and (job.num_threads or threads):
+    if variant.device == "cpu":
         import torch
 
-        torch.set_num_threads(int(job.num_threads or threads))
+        from .machine_state import usable_cores
+
+        # One thread plan for every CPU backend (ONNX Runtime and OpenVINO take torch's count):
+        # the suite's bench.num_threads, else ``threads`` (1 per data-parallel rank), else the
+        # cores this process may use, never more: threads that outnumber their cores spin at
+        # OpenMP barriers while a preempted sibling finishes.
+        torch.set_num_threads(int(job.num_threads or threads or usable_cores()))
     inputs = inputs if inputs is not None else load_inputs(Path(job.evalset), mmap=mmap)
     plan = plan if plan is not None else Plan.load(Path(job.plan))
     return variant, None, inputs, plan

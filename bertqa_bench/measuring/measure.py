@@ -96,7 +96,12 @@ class Probe:
         if self.cuda:
             self._cuda_peaks(phase)
 
-    def start_timed(self) -> None:
+    def start_timed(self, threads: Optional[int] = None) -> None:
+        """Before the first timed pass: energy counters, and the machine's state (machine_state.py)."""
+        from .machine_state import MachineState
+
+        self._machine = MachineState(threads, cuda=self.cuda, nvml=self._nvml, handle=self._handle)
+        self._machine.start()
         if self._handle is not None:
             try:
                 self._energy0 = self._nvml.nvmlDeviceGetTotalEnergyConsumption(self._handle)
@@ -109,6 +114,8 @@ class Probe:
                 self._rapl0 = None
 
     def end_timed(self, seconds: float, n_rows: int) -> None:
+        if getattr(self, "_machine", None) is not None:
+            self.values.update(self._machine.stop())
         joules, note = None, ""
         if self._energy0 is not None:
             joules = (self._nvml.nvmlDeviceGetTotalEnergyConsumption(self._handle) - self._energy0) / 1000.0

@@ -245,7 +245,9 @@ def run_backend(backend: Backend, ctx: BackendContext, plan: Plan, batches: list
             before_timing()
         if probe is not None:
             probe.end_phase("warmup")
-            probe.start_timed()
+            from .machine_state import runtime_threads
+
+            probe.start_timed(threads=runtime_threads(backend.prepare_info))
         outputs, timing = timed_passes(backend, plan, batches, ctx.output_names, token_outputs, ctx.max_seq_len,
                                        min_passes=min_passes, min_duration_s=min_duration_s, flops=flops,
                                        progress=progress)

@@ -99,6 +99,20 @@ class BackendResult:
     energy_j_per_1k_features: Optional[float] = None
     avg_power_w: Optional[float] = None
     energy_note: str = ""
+    # --- what the machine was doing while this row was timed (measuring/machine_state.py)
+    threads: Optional[int] = None  # threads the runtime computed with (the thread plan, or the variant's own)
+    usable_cores: Optional[int] = None  # cores the process may use (affinity, cgroup quota)
+    other_cpu_cores: Optional[float] = None  # other processes' average CPU demand on those cores, in cores
+    load_avg_1m: Optional[float] = None
+    cpu_steal_pct: Optional[float] = None
+    cpu_mhz_min: Optional[float] = None
+    cpu_mhz_max: Optional[float] = None
+    gpu_sm_clock_mhz: Optional[float] = None
+    gpu_sm_clock_max_mhz: Optional[float] = None
+    gpu_throttle: str = ""  # NVML throttle reasons beyond idle / power cap, while timed
+    gpu_other_processes: Optional[int] = None
+    timing_reliable: Optional[bool] = None  # False: timed on a busy machine (timing_note says how)
+    timing_note: str = ""
     # --- accuracy
     scores: dict = field(default_factory=dict)  # the task's metrics, e.g. {"exact_match": .., "f1": ..}
     parity: str = ""  # pass | FAIL | n/a | "" (not compared)

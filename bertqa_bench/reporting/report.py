@@ -21,11 +21,34 @@ def _time(r: BackendResult) -> str:
     return _f(r.predict_s, ".3f")
 
 
-def _speedup(r: BackendResult) -> str:
+BUSY = "⚠"  # timed while other processes needed the cores (machine_state.py): not the backend's time
+
+
+def busy(r: Optional[BackendResult]) -> bool:
+    return r is not None and r.timing_reliable is False
+
+
+def _speedup(r: BackendResult, ref: Optional[BackendResult] = None) -> str:
     if r.speedup is None:
         return "—"
     # "≈": the spread of timed passes straddles 1.0 — not distinguishable from the reference.
-    return f"{r.speedup:.2f}×" + (" ≈" if r.speedup_within_noise and r.pct_change_vs_ref != 0.0 else "")
+    # ⚠: this row or the reference was timed on a busy machine, so the ratio is not the backends'.
+    return (f"{r.speedup:.2f}×" + (" ≈" if r.speedup_within_noise and r.pct_change_vs_ref != 0.0 else "")
+            + (f" {BUSY}" if busy(r) or busy(ref) else ""))
+
+
+def timing_lines(results: list[BackendResult], meta: RunMeta) -> list[str]:
+    """The rows timed on a busy machine, each with what the machine was doing (the run's summary)."""
+    bad = [r for r in results if r.ok and busy(r)]
+    if not bad:
+        return []
+    ref = next((r for r in results if r.backend == meta.reference), None)
+    lines = [f"{BUSY} Timing unreliable: {len(bad)} of {sum(r.ok for r in results)} rows were timed while other "
+             "processes needed their cores; their times" + (", and every speedup (the reference is one of them)"
+                                                             if busy(ref) else " and speedups")
+             + " are not the backends'. Rerun on an idle machine (`uptime`, `top`) to compare them:"]
+    lines += [f"- `{r.backend}`: timing: {r.timing_note}" for r in bad]
+    return lines
 
 
 def _agreement(r: BackendResult) -> str:
@@ -77,14 +100,15 @@ def markdown_table(results: list[BackendResult], meta: RunMeta) -> str:
     if gpu:
         head += ["J / 1k features"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    ref = next((r for r in results if r.backend == meta.reference), None)
     for r in results:
         if not r.ok:
             cells = [r.backend, r.precision, r.batching, f"{r.status}: {r.error}"]
             cells += [""] * (len(head) - len(cells))
             lines.append("| " + " | ".join(str(c).replace("|", "/").replace("\n", " ") for c in cells) + " |")
             continue
-        cells = [r.backend, r.precision, r.batching, _time(r),
-                 "—" if r.pct_change_vs_ref is None else f"{r.pct_change_vs_ref:+.1f}%", _speedup(r),
+        cells = [r.backend, r.precision, r.batching, _time(r) + (f" {BUSY}" if busy(r) else ""),
+                 "—" if r.pct_change_vs_ref is None else f"{r.pct_change_vs_ref:+.1f}%", _speedup(r, ref),
                  _f(r.features_per_s, ",.0f")]
         if gpu:
             cells.append(f"{_f(r.achieved_tflops, '.0f')} ({_f(r.real_tflops, '.0f')})")
@@ -97,7 +121,7 @@ def markdown_table(results: list[BackendResult], meta: RunMeta) -> str:
     return "\n".join(lines)
 
 
-def header_lines(meta: RunMeta, env: dict) -> list[str]:
+def header_lines(meta: RunMeta, env: dict, results: tuple = ()) -> list[str]:
     card = env.get("gpu") if meta.device_name and not meta.device_name.startswith("cpu") else None
     lines = [f"- Model: `{meta.model}` ({meta.model_note})"
              + (f"; {meta.model_params:,} parameters" if meta.model_params else "")]
@@ -110,7 +134,10 @@ def header_lines(meta: RunMeta, env: dict) -> list[str]:
                  f"{meta.n_features} features per pass, {meta.n_questions} questions")
     lines.append(f"- Prediction time: every feature, after warm-up, first batch in to last logits on the host; the "
                  f"median of the timed passes (min–max in brackets). Speedup and % change are against "
-                 f"`{meta.reference}` from this same run; ≈ marks a difference inside the spread of passes.")
+                 f"`{meta.reference}` from this same run; ≈ marks a difference inside the spread of passes, "
+                 f"{BUSY} a time (or a ratio with one) taken while other processes needed the cores.")
+    if threads_line(list(results)):
+        lines.append(threads_line(list(results)))
     if meta.command:
         lines.append(f"- Command: `{meta.command}`")
     lines.append(f"- Date: {meta.date}")
@@ -128,6 +155,20 @@ def header_lines(meta: RunMeta, env: dict) -> list[str]:
                      + (f" (`{res['command']}`)" if res.get("command") else ""))
     lines += [f"- {n}" for n in meta.notes]
     return lines
+
+
+def threads_line(results: list[BackendResult]) -> str:
+    """The thread plan the CPU rows ran with, and the cores they had."""
+    cpu = [r for r in results if r.ok and r.device == "cpu" and r.threads]
+    if not cpu:
+        return ""
+    threads = sorted({r.threads for r in cpu})
+    cores = max((r.usable_cores or 0) for r in cpu)
+    same = len(threads) == 1
+    return (f"- Threads: {'every CPU backend computed on ' + str(threads[0]) if same else 'CPU backends computed on ' + ', '.join(map(str, threads))}"
+            f" thread{'s' if threads[-1] > 1 else ''} of the {cores} core{'s' if cores != 1 else ''} this run may use "
+            "(bench.num_threads, else all of them and never more; a variant's own thread option wins); the other "
+            "processes' CPU demand while each row was timed is in results.csv (other_cpu_cores, load_avg_1m)")
 
 
 def results_table(results: list[BackendResult], meta: RunMeta) -> str:
@@ -150,7 +191,7 @@ def summary_markdown(bundle: RunBundle) -> str:
     """summary.md: the recommendation first, then how the run was made, the table and its notes."""
     meta = bundle.meta
     return "\n".join([f"# {meta.suite} — {meta.run_id}", "", *recommendation(bundle).lines(), "",
-                      *header_lines(meta, bundle.env()), "", *_table_and_notes(bundle)])
+                      *header_lines(meta, bundle.env(), bundle.results), "", *_table_and_notes(bundle)])
 
 
 def console_summary(bundle: RunBundle) -> str:
@@ -158,13 +199,15 @@ def console_summary(bundle: RunBundle) -> str:
     first thing after it), then the table's notes."""
     meta = bundle.meta
     table, _, *notes = _table_and_notes(bundle)
-    return "\n".join([f"# {meta.suite} — {meta.run_id}", "", *header_lines(meta, bundle.env()), "", table, "",
+    return "\n".join([f"# {meta.suite} — {meta.run_id}", "", *header_lines(meta, bundle.env(), bundle.results), "", table, "",
                       *recommendation(bundle).lines(), "", *notes])
 
 
 def _table_and_notes(bundle: RunBundle) -> list[str]:
     meta, results = bundle.meta, bundle.results
     lines = [results_table(results, meta), ""]
+    if timing_lines(results, meta):  # the rows timed on a busy machine, right under the table
+        lines += [*timing_lines(results, meta), ""]
     notes = [r for r in results if not r.ok]
     if notes:
         lines.append("Backends not run or failed:")

@@ -159,6 +159,8 @@ def result_view(r: BackendResult, metric_names: Iterable[str] = (), primary: str
     params = {k: row[k] for k in PARAM_FIELDS if row.get(k) not in (None, "")}
     params.update({f"prepare.{k}": v for k, v in r.prepare_info.items()})
     tags = {k: row[k] for k in TAG_FIELDS if row.get(k)}
+    if r.timing_reliable is not None:  # what the machine was doing while it was timed (machine_state.py)
+        tags["timing"] = r.timing_note if r.timing_reliable is False else "reliable"
     if r.parity and r.parity_within_noise:
         # beside the status, not in it: `tags.parity = 'FAIL'` keeps finding every FAIL
         tags["parity_within_noise"] = f"{r.questions_to_decide or '?'} questions would decide it"
@@ -429,6 +431,10 @@ class Tracker:
             # recommended_backend, recommended_fp32_backend) are columns of the runs table.
             tags = {"verdict": verdict.status, "parity": verdict.status,
                     "verdict_reasons": "; ".join(verdict.reasons)[:4900], **rec.tags()}
+            unreliable = [r.backend for r in ok if r.timing_reliable is False]
+            if any(r.timing_reliable is not None for r in ok):
+                tags["timing"] = (f"unreliable: {', '.join(unreliable)} timed on a busy machine" if unreliable
+                                  else "reliable")
             self.log(self.parent_id, metrics, {}, tags)
             # The verdict first in the name too: the one column every runs table shows, even cut short.
             self._client.update_run(self.parent_id, name=f"{verdict.status} {bundle.meta.run_id}")
