@@ -51,6 +51,14 @@ def atomic_path(path: PathLike, suffix: str = "") -> Iterator[Path]:
         if os.path.exists(tmp):
             os.chmod(tmp, _FILE_MODE)
         os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        if e.filename is None and e.errno is not None:
+            # a writer through a file handle (np.savez, json) raises without a path: "No space left
+            # on device" then named no file; the target's path is what a user can act on
+            raise OSError(e.errno, e.strerror or str(e), str(path)) from e
+        raise
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)

@@ -174,3 +174,25 @@ def test_a_cpu_bench_beside_a_cpu_hog_has_its_rows_marked(setup, tmp_path, capsy
     assert parent.data.tags["timing"] == "unreliable: eager-fp32, onnxruntime timed on a busy machine"
     for child in (r for r in runs if r.data.tags.get("kind") == "backend"):
         assert child.data.tags["timing"].startswith("unreliable (other processes used")
+
+
+def test_gpu_state_reads_clocks_throttle_reasons_and_other_processes_from_nvml():
+    """NVML as nvidia-ml-py exposes it (a stand-in: no GPU here): the SM clock against its maximum,
+    only the throttle reasons that slow a measurement, and the GPU's other processes."""
+    from types import SimpleNamespace
+
+    from bertqa_bench.measuring.machine_state import gpu_state
+
+    nvml = SimpleNamespace(
+        NVML_CLOCK_SM=1,
+        nvmlDeviceGetClockInfo=lambda h, c: 1410, nvmlDeviceGetMaxClockInfo=lambda h, c: 1980,
+        nvmlDeviceGetCurrentClocksEventReasons=lambda h: 0x4 | 0x40,  # SW power cap (normal) + HW thermal
+        nvmlDeviceGetComputeRunningProcesses=lambda h: [SimpleNamespace(pid=os.getpid()), SimpleNamespace(pid=1)])
+    v = gpu_state(nvml, object())
+    assert v == {"gpu_sm_clock_mhz": 1410.0, "gpu_sm_clock_max_mhz": 1980.0, "gpu_throttle": "HW thermal",
+                 "gpu_other_processes": 1}
+    calm = SimpleNamespace(**{**vars(nvml), "nvmlDeviceGetCurrentClocksEventReasons": lambda h: 0x4,
+                              "nvmlDeviceGetComputeRunningProcesses": lambda h: []})
+    v = gpu_state(calm, object())
+    assert v["gpu_throttle"] == "" and v["gpu_other_processes"] == 0
+    assert judge({"other_cpu_cores": 0.0, "threads": 16, "usable_cores": 16, **v}, demand=1) == (True, "")

@@ -153,3 +153,17 @@ def test_two_benches_started_together_into_one_results_folder_each_keep_their_ow
         assert sorted(k.data.params["backend"] for k in kids) == ["eager-fp32", "onnxruntime"]
         meta = json.loads((tmp_path / "results" / parent.data.tags["run_id"] / "run.json").read_text())
         assert meta["mlflow_parent_id"] == parent.info.run_id
+
+
+def test_a_write_that_fails_names_the_file_it_was_writing(tmp_path):
+    """np.savez through a file handle on a full disk raised "[Errno 28] No space left on device"
+    with no path; the atomic writers name their target."""
+    from bertqa_bench.io import atomic_write_with
+
+    def full(tmp):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    target = tmp_path / "outputs" / "onnxruntime.npz"
+    with pytest.raises(OSError, match=r"No space left on device: '.*outputs/onnxruntime.npz'"):
+        atomic_write_with(target, full, suffix=".npz")
+    assert not list((tmp_path / "outputs").iterdir())  # nothing half-written left
