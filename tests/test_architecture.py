@@ -79,7 +79,8 @@ LAYERS = [
     ("data",),           # the evaluation set, built once and cached
     ("model",),          # locate, validate, grow and build a QA model
     ("tasks",),          # SQuAD, NQ: reader, features record, head, postprocessing, metric
-    ("config", "io", "errors", "envinfo"),  # typed config, atomic files, errors, environment facts
+    ("config", "io", "errors", "envinfo", "exit_codes"),  # typed config, atomic files, errors, environment facts,
+                                                         # the exit codes a script acts on
 ]
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
 

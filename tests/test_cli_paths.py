@@ -9,7 +9,7 @@ import yaml
 from bertqa_bench import exit_codes
 from bertqa_bench.cli import build_parser, main
 from bertqa_bench.config import SyntheticConfig
-from bertqa_bench.reporting.results import RunBundle
+from bertqa_bench.record.results import RunBundle
 
 PLUGINS = "tests.backend_plugins"
 SYN = dict(seed=5, n_train_contexts=4, n_dev_contexts=3, questions_per_context=2, min_words=30, max_words=60,
@@ -82,7 +82,7 @@ def test_a_timeout_names_the_setting_that_applied(setup, tmp_path):
 def test_the_limit_object_names_its_setting_through_a_data_parallel_failure():
     import pickle
 
-    from bertqa_bench.measuring.ddp_launch import first_failure
+    from bertqa_bench.commands.bench_ddp import first_failure
     from bertqa_bench.measuring.launcher import TimeLimit, time_limit
     from bertqa_bench.backends.variants import VariantTable
 

@@ -66,10 +66,10 @@ def test_a_run_without_its_reference_is_never_exit_0(setup, capsys):
 @pytest.mark.parametrize("status,code,report_only", [("PASS", 0, 0), ("N/A", 0, 0), ("FAIL", 1, 0),
                                                      ("INCONCLUSIVE", 1, 0), ("NO REFERENCE", 3, 3)])
 def test_every_verdict_has_its_documented_code(status, code, report_only, setup, monkeypatch, tmp_path):
-    from bertqa_bench.measuring import bench
-    from bertqa_bench.measuring.parity import Verdict
+    from bertqa_bench.commands import bench
+    from bertqa_bench.record.parity import Verdict
 
-    out = SimpleNamespace(summary="", run_dir=tmp_path, verdict=Verdict(status, []))
+    out = SimpleNamespace(summary="", run_dir=tmp_path, verdict=Verdict(status, []), results=[])
     monkeypatch.setattr(bench, "run_bench", lambda *a, **k: out)
     assert _bench(setup, ["eager-fp32"]) == code
     assert _bench(setup, ["eager-fp32"], "--no-fail-on-verdict") == report_only

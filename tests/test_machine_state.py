@@ -13,7 +13,7 @@ from bertqa_bench.cli import main
 from bertqa_bench.config import SyntheticConfig
 from bertqa_bench.measuring import machine_state
 from bertqa_bench.measuring.machine_state import judge, usable_cores
-from bertqa_bench.reporting.results import RunBundle
+from bertqa_bench.record.results import RunBundle
 
 SYN = dict(seed=5, n_train_contexts=4, n_dev_contexts=3, questions_per_context=2, min_words=30, max_words=60,
            mean_words=40, long_context_fraction=0.0)

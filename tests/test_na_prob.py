@@ -12,7 +12,7 @@ import yaml
 
 from bertqa_bench.cli import main
 from bertqa_bench.config import SyntheticConfig
-from bertqa_bench.data.features import Features
+from bertqa_bench.tasks.features import Features
 from bertqa_bench.tasks.squad.postprocess import na_probability, postprocess_qa_v2
 from bertqa_bench.tasks.squad.types import QAExample
 from official_squad_v2 import official_evaluate_v2
