@@ -162,7 +162,7 @@ def run_bench(cfg: SuiteConfig, *, backends: Optional[list[str]] = None, run_id:
     ``cluster`` (ddp.Cluster, ``bench-ddp`` under torchrun, on rank 0): every variant's prediction
     runs over all the torchrun ranks; the other ranks predict only (Cluster.serve).
 
-    The run owns its folder (run_folder.py): a generated id is claimed exclusively; a ``run_id``
+    The run owns its folder (record/run_folder.py): a generated id is claimed exclusively; a ``run_id``
     whose folder exists is refused before any work unless ``overwrite`` (emptied first)."""
     reference = cfg.bench.reference
     table = VariantTable.for_suite(cfg)
