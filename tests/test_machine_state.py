@@ -196,3 +196,22 @@ def test_gpu_state_reads_clocks_throttle_reasons_and_other_processes_from_nvml()
     v = gpu_state(calm, object())
     assert v["gpu_throttle"] == "" and v["gpu_other_processes"] == 0
     assert judge({"other_cpu_cores": 0.0, "threads": 16, "usable_cores": 16, **v}, demand=1) == (True, "")
+
+
+def test_a_recommendation_names_the_rows_timed_on_a_busy_machine():
+    from bertqa_bench.record.results import BackendResult
+    from bertqa_bench.reporting.recommend import recommend
+
+    def row(name, speedup, reliable, cls="fp32"):
+        return BackendResult(backend=name, precision="fp32", parity_class=cls, speedup=speedup, parity="pass",
+                             parity_within_noise=False, predict_min_s=1 / speedup, predict_max_s=1 / speedup,
+                             n_features=10, timing_reliable=reliable)
+
+    quiet = recommend([row("eager-fp32", 1.0, True), row("onnxruntime", 2.0, True)], "eager-fp32")
+    assert quiet.best.backend == "onnxruntime" and not quiet.busy and "busy" not in quiet.text()
+    assert not quiet.headline().endswith("(timing unreliable)")
+    busy = recommend([row("eager-fp32", 1.0, False), row("onnxruntime", 32.9, True), row("openvino", 2.5, None)],
+                     "eager-fp32")
+    assert busy.best.backend == "onnxruntime" and busy.busy == ("eager-fp32",)
+    assert "- ⚠ Timed on a busy machine: eager-fp32; this ranking by speed may not hold" in busy.text()
+    assert busy.headline().endswith("(timing unreliable)") and busy.tags()["recommendation"] == busy.headline()

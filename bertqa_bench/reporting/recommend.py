@@ -20,7 +20,10 @@ The rules:
 * rows faster than the recommended one that are not candidates are named with the reason;
 * nothing is recommended when no row passes decidedly (each row's reason is given), when the
   reference did not run, or when the run found a problem of its own (a reference that is not
-  deterministic makes every comparison doubtful).
+  deterministic makes every comparison doubtful);
+* a ranking by speed is only as good as the timings: the reference and candidates timed on a busy
+  machine (``timing_reliable`` False, measuring/machine_state.py) are named beside it, and the
+  one-line headline says so.
 """
 from __future__ import annotations
 
@@ -71,6 +74,7 @@ class Recommendation:
     passed_over: tuple = ()  # (backend, why) of rows faster than ``best`` that are not candidates
     why_none: tuple = ()  # why nothing is recommended: one line each
     left_out: tuple = ()  # data-parallel rows, not compared with one-device rows
+    busy: tuple = ()  # the reference and candidates timed on a busy machine: the ranking may not hold
 
     # --- views --------------------------------------------------------------------------------
     def lines(self) -> list[str]:
@@ -90,6 +94,9 @@ class Recommendation:
             out.append(f"- Faster but not recommended: {name}: {why}")
         if self.left_out:
             out.append(f"- Left out (data-parallel, more hardware than the reference): {', '.join(self.left_out)}")
+        if self.busy:
+            out.append(f"- ⚠ Timed on a busy machine: {', '.join(self.busy)}; this ranking by speed may not hold, "
+                       "rerun on an idle machine")
         return out
 
     def text(self) -> str:
@@ -103,7 +110,7 @@ class Recommendation:
         speed = (f"{b.achieved_qps:,.1f} QPS" if b.scenario and b.scenario != "SingleStream" and b.achieved_qps
                  else f"p90 {b.p90_ms:.2f} ms" if b.scenario == "SingleStream" and b.p90_ms
                  else _speedup(b, self.reference))
-        return f"{b.backend}: {speed}, {b.precision}, parity pass"
+        return f"{b.backend}: {speed}, {b.precision}, parity pass" + (" (timing unreliable)" if self.busy else "")
 
     def tags(self) -> dict:
         """The MLflow parent run's tags (the runs table can show them as columns)."""
@@ -267,9 +274,10 @@ def recommend(results: Sequence, reference: str, *, primary_metric: str = "f1", 
                  and _overlap(fp32, r)]
     passed_over = tuple((r.backend, why_not(r)) for r in others
                         if r not in candidates and _score(r) is not None and _score(r) > _score(best))
+    busy = tuple(r.backend for r in [ref, *candidates] if getattr(r, "timing_reliable", None) is False)
     return Recommendation(**base, best=_choice(best, primary_metric, ties),
                           fp32=_choice(fp32, primary_metric, fp32_ties) if fp32 is not None and fp32 is not best else None,
-                          passed_over=passed_over, left_out=left_out)
+                          passed_over=passed_over, left_out=left_out, busy=busy)
 
 
 def for_run(results: Sequence, meta) -> Recommendation:
