@@ -17,23 +17,12 @@ def _module_name(path: Path, root: Path = PKG.parent) -> str:
 
 
 def _imports(path: Path) -> set[str]:
-    """Package modules this file imports, at module level or inside functions."""
-    mod = _module_name(path)
-    is_pkg = path.name == "__init__.py"
+    """Package modules this file imports, at module level or inside functions (``from . import x``
+    counts as importing module x too)."""
     out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = mod.split(".") if is_pkg else mod.split(".")[:-1]
-                base = base[: len(base) - (node.level - 1)]
-                target = ".".join(base + ([node.module] if node.module else []))
-            else:
-                target = node.module or ""
-            if target.startswith("bertqa_bench"):
-                out.add(target)
-                out.update(f"{target}.{a.name}" for a in node.names)  # `from . import x` imports module x
-        elif isinstance(node, ast.Import):
-            out.update(a.name for a in node.names if a.name.startswith("bertqa_bench"))
+    for _, target, names in _import_lines(path):
+        out.add(target)
+        out.update(f"{target}.{n}" for n in names)
     return out
 
 
@@ -92,7 +81,8 @@ def layer_of(module: str) -> str:
 
 
 def _import_lines(path: Path, root: Path = PKG.parent):
-    """(line, imported module) for every bertqa_bench import in the file, function-level ones too."""
+    """(line, imported module, names) for every bertqa_bench import in the file, function-level
+    ones too; ``from bertqa_bench import x`` is read as importing ``bertqa_bench.x``."""
     mod = _module_name(path, root)
     is_pkg = path.name == "__init__.py"
     for node in ast.walk(ast.parse(path.read_text())):
@@ -103,15 +93,16 @@ def _import_lines(path: Path, root: Path = PKG.parent):
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module or ""
-            if target == "bertqa_bench":  # `from bertqa_bench import x`: x is what is imported
-                for a in node.names:
-                    yield node.lineno, f"bertqa_bench.{a.name}"
+            names = [a.name for a in node.names]
+            if target == "bertqa_bench":
+                for n in names:
+                    yield node.lineno, f"bertqa_bench.{n}", []
             elif target.startswith("bertqa_bench."):
-                yield node.lineno, target
+                yield node.lineno, target, names
         elif isinstance(node, ast.Import):
             for a in node.names:
                 if a.name.startswith("bertqa_bench."):
-                    yield node.lineno, a.name
+                    yield node.lineno, a.name, []
 
 
 def upward_imports(pkg: Path = PKG) -> list[str]:
@@ -121,7 +112,7 @@ def upward_imports(pkg: Path = PKG) -> list[str]:
         here = layer_of(_module_name(path, pkg.parent))
         if here not in RANK:
             continue
-        for line, target in _import_lines(path, pkg.parent):
+        for line, target, _ in _import_lines(path, pkg.parent):
             there = layer_of(target)
             if there in RANK and RANK[there] < RANK[here]:
                 out.append(f"{path.relative_to(pkg.parent)}:{line}: {here} imports {there} ({target}), "
