@@ -167,3 +167,21 @@ def test_a_write_that_fails_names_the_file_it_was_writing(tmp_path):
     with pytest.raises(OSError, match=r"No space left on device: '.*outputs/onnxruntime.npz'"):
         atomic_write_with(target, full, suffix=".npz")
     assert not list((tmp_path / "outputs").iterdir())  # nothing half-written left
+
+
+def test_a_disk_that_fills_mid_run_leaves_run_json_failed_not_running(setup, tmp_path, monkeypatch):
+    """A full disk while a finished row is written (after the free-space check passed): the error
+    names itself, and run.json says failed with it instead of running for ever."""
+    real_put = RunBundle.put
+
+    def full_disk(self, r, order=None):
+        if r.backend == "eager-fp32":
+            raise OSError(errno.ENOSPC, "No space left on device", str(self.csv_path))
+        return real_put(self, r, order=order)
+
+    monkeypatch.setattr(RunBundle, "put", full_disk)
+    code = _bench(setup, tmp_path, "--run-id", "full")
+    assert code != 0
+    meta = json.loads((tmp_path / "results" / "full" / "run.json").read_text())
+    assert meta["status"] == "failed"
+    assert any("No space left on device" in n and "results.csv" in n for n in meta["notes"]), meta["notes"]

@@ -284,6 +284,9 @@ def run_bench(cfg: SuiteConfig, *, backends: Optional[list[str]] = None, run_id:
             f"(verdict of those: {v.status}); results in {bundle.dir}; finish it with "
             f"`bertqa-bench bench --resume {bundle.dir}`")
         raise stop from None
+    except Exception as e:
+        close_failed(bundle, tracker, e)
+        raise
 
     v, summary = close_complete(bundle, reference, model.timing_only, problems, tracker)
     return BenchOutcome(bundle, summary, v, evalset, ref, problems)
@@ -315,6 +318,21 @@ def close_interrupted(bundle: RunBundle, reference: str, timing_only: bool, prob
     write_report(bundle)
     tracker.interrupt_bench(bundle, v, stop.signal_name)
     return stop, v
+
+
+def close_failed(bundle: RunBundle, tracker: Tracker, e: BaseException) -> None:
+    """The run itself broke (not one backend: a full disk while writing a row, a bug): run.json says
+    ``failed`` with the error instead of ``running`` for ever, and the MLflow parent ends FAILED.
+    Best effort: on a full disk run.json may not be writable either; the error is raised anyway."""
+    from ..measuring.worker import format_error
+
+    bundle.meta.status = "failed"
+    bundle.meta.notes = list(bundle.meta.notes) + [f"failed: {format_error(e)}"]
+    try:
+        bundle.write_meta()
+    except OSError:
+        pass
+    tracker.fail_bench(e)
 
 
 # Rows a resume keeps as they are; a failed row runs again.

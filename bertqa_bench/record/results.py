@@ -273,7 +273,7 @@ class RunMeta:
     verdict_reasons: list = field(default_factory=list)
     notes: list = field(default_factory=list)  # run-level facts (determinism, evaluation-set cache...)
     # --- what a resume checks and needs (bench.resume_bench)
-    status: str = ""  # running | complete | interrupted
+    status: str = ""  # running | complete | interrupted | failed
     interrupted_by: str = ""  # the signal (SIGTERM, SIGINT, SIGHUP) that stopped it
     variants: list = field(default_factory=list)  # every variant the run was asked for, reference first
     model_recipe: str = ""

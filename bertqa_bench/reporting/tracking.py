@@ -416,6 +416,20 @@ class Tracker:
         if self.active and self.parent_id:
             self._try(go)
 
+    def fail_bench(self, error: BaseException) -> None:
+        """The run itself broke: the parent and any child still running end FAILED, with the error."""
+        def go():
+            self.log(self.parent_id, {}, {}, {"error": f"{type(error).__name__}: {error}"[:4900]})
+            children = self._client.search_runs([self.experiment_id],
+                                                filter_string=f"tags.mlflow.parentRunId = '{self.parent_id}'")
+            for c in children:
+                if c.info.status == "RUNNING":
+                    self._client.set_terminated(c.info.run_id, "FAILED")
+            self._client.set_terminated(self.parent_id, "FAILED")
+
+        if self.active and self.parent_id:
+            self._try(go)
+
     def finish_bench(self, bundle: RunBundle, verdict) -> None:
         def go():
             from .recommend import for_run
