@@ -156,7 +156,7 @@ def test_a_cpu_bench_beside_a_cpu_hog_has_its_rows_marked(setup, tmp_path, capsy
     rows = {r.backend: r for r in RunBundle.load(run).results}
     for r in rows.values():
         assert r.ok and r.timing_reliable is False, (r.backend, r.timing_note, r.other_cpu_cores)
-        assert r.timing_note.startswith(f"unreliable (other processes used ") and f"of the {usable_cores()} cores" in r.timing_note
+        assert r.timing_note.startswith("unreliable (other processes used ") and f"of the {usable_cores()} cores" in r.timing_note
         assert r.other_cpu_cores >= 0.5 and r.threads == usable_cores() and r.usable_cores == usable_cores()
     # results.csv, the table and the summary, the CLI's own line, MLflow
     csv_rows = {r["backend"]: r for r in csv.DictReader((run / "results.csv").open())}

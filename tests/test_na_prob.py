@@ -89,7 +89,7 @@ def test_score_with_the_suites_own_na_prob_file_equals_results_csv(tmp_path, cap
     """A bench on a generated v2.0 set at a threshold that lets differences above 1 answer: the
     official evaluator (the CLI and the independent reference) on the files the bench wrote gives
     results.csv's exact, F1, HasAns, NoAns and best_* at its defaults."""
-    from bertqa_bench.model.families import build_checkpoint, corpus_from_squad
+    from bertqa_bench.model.families import build_checkpoint
     from bertqa_bench.tasks.squad.synthetic import ensure_squad_files
 
     from safetensors.torch import load_file, save_file

@@ -272,7 +272,7 @@ def test_children_log_few_chosen_metrics_and_the_rest_as_one_json(tmp_path):
     assert ort.data.metrics["Parity_pass"] == 0.0 and kids["eager-fp32"].data.metrics["Parity_pass"] == 1.0
     assert ort.data.tags["parity"] == "FAIL"
     # a FAIL within the noise of the questions: between the two, and said so
-    from bertqa_bench.reporting.tracking import child_metrics, result_view
+    from bertqa_bench.reporting.mlflow_views import child_metrics, result_view
 
     noisy = BackendResult("x", parity="FAIL", parity_within_noise=True)
     noisy.questions_to_decide = 3

@@ -27,7 +27,7 @@ The rules:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from ..backends.base import FP32_CLASS

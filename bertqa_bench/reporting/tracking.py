@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import sys
 import time
@@ -55,10 +54,9 @@ from urllib.parse import quote
 from ..errors import BenchError
 from .colors import BackendColors
 from ..record.results import BackendResult, RunBundle, RunMeta
+from .mlflow_views import comparison_charts, comparison_frame, result_view, view_columns
+from .training_run import TrainingRun
 
-PARAM_FIELDS = ("backend", "implementation", "precision", "parity_class", "device", "device_name", "batching",
-                "batch_size", "max_seq_len", "model", "task", "status")
-TAG_FIELDS = ("status", "parity", "parity_failures", "error", "energy_note")
 # MLflow's experiment "kind" (set_experiment_tag; the UI's kind selector writes the same tag):
 # genai_development opens on traces, custom_model_development ("Machine learning") on the runs table
 # in the 3.x UIs that read it; 3.17 goes by its GenAI / Model training switch instead (see ui_url).
@@ -76,13 +74,10 @@ PARENT_COLOR = "#333333"
 # The experiment's latest bench view, for mlflow_ui.py's first-visit redirect and ui_links.
 LATEST_VIEW_TAG = "bertqa.latestView"
 # Statuses as sortable values: the parity column sorts failures first, the verdict column too.
-PARITY_VALUE = {"pass": 1.0, "FAIL": 0.0}
 VERDICT_VALUE = {"PASS": 1.0, "FAIL": 0.0, "INCONCLUSIVE": 0.5}
 # RunMeta fields that change while a run goes on: tags and artifacts, never (immutable) params.
 RUN_STATE = ("verdict", "verdict_reasons", "notes", "metric_names", "status", "interrupted_by", "mlflow_parent_id",
              "mlflow_children", "resumes", "problems")
-# Live training: at most about this many points per metric, whatever the number of steps.
-TRAIN_LOG_POINTS = 200
 DEFAULT_UI = "http://127.0.0.1:5000"
 
 
@@ -102,105 +97,6 @@ def store_lock(uri: str, results_root: Path, timeout_s: float = 300.0):
     db = Path(uri[len("sqlite:///"):])
     db.parent.mkdir(parents=True, exist_ok=True)
     return FileLock(str(db) + ".lock", timeout=timeout_s)
-
-
-def numeric(d: dict) -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, bool) or v is None:
-            continue
-        try:
-            f = float(v)
-        except (TypeError, ValueError):
-            continue
-        if math.isfinite(f):
-            out[k] = f
-    return out
-
-
-def headline_keys(primary: str = "f1") -> tuple[str, str, str, str]:
-    """The four metrics a comparison leads with: speedup, prediction time, the primary metric's
-    change against the reference, parity. Capitalised: MLflow's compare page lists metric keys in
-    code-point order (upper case before lower case), so these four come first there, ahead of
-    the lower-case rest, where speedup used to be the last of eleven rows."""
-    return "Speedup", "Time_s", f"{primary[:1].upper()}{primary[1:]}_delta", "Parity_pass"
-
-
-def child_metrics(r: BackendResult, metric_names: Iterable[str] = (), primary: str = "") -> dict:
-    """The few numbers a child run logs as metrics, in the order the runs view shows them: the
-    headline four (``headline_keys``), throughput, the task's scores, latencies, prepare time and
-    peak memory. Peak memory is the larger of prepare's and prediction's host peaks (and the
-    GPU's used memory on CUDA rows), in MiB; the per-phase values are in result.json."""
-    names = list(metric_names) or list(r.scores)
-    primary = primary or (names[-1] if names else "f1")
-    speedup, time_s, delta, parity = headline_keys(primary)
-    host = [v for v in (r.prepare_host_peak_mib, r.predict_host_peak_mib) if v is not None]
-    gpu = r.predict_device_used_mib if r.predict_device_used_mib is not None else r.predict_cuda_reserved_peak_mib
-    values = {speedup: r.speedup, time_s: r.predict_s, delta: (r.deltas or {}).get(primary),
-              # a FAIL within the noise of the questions sorts between decided ones, as the run's
-              # INCONCLUSIVE does between PASS and FAIL (verdict_pass)
-              parity: 0.5 if r.parity == "FAIL" and r.parity_within_noise else PARITY_VALUE.get(r.parity),
-              "features_per_s": r.features_per_s, **{m: r.scores.get(m) for m in names},
-              "latency_p50_ms": r.latency_p50_ms, "latency_p99_ms": r.latency_p99_ms, "prepare_s": r.prepare_s,
-              "peak_host_mib": max(host) if host else None, "peak_gpu_mib": gpu,
-              "energy_j_per_1k_features": r.energy_j_per_1k_features}
-    if getattr(r, "scenario", ""):  # a LoadGen row: its load numbers are the comparison too
-        values.update({"achieved_qps": r.achieved_qps, "target_qps": r.target_qps,
-                       "sample_latency_p90_ms": r.sample_latency_p90_ms,
-                       "sample_latency_p99_ms": r.sample_latency_p99_ms, "qps_vs_bench_pct": r.qps_vs_bench_pct})
-    # 4 significant digits: the runs table prints a metric whole (30.30943300674 features/s); the
-    # unrounded values stay in result.json and results.csv.
-    return {k: float(f"{v:.4g}") for k, v in numeric(values).items()}
-
-
-def result_view(r: BackendResult, metric_names: Iterable[str] = (), primary: str = "") -> tuple[dict, dict, dict]:
-    """(params, metrics, tags) of a backend's child run; the whole record goes to result.json."""
-    row = r.to_row()
-    params = {k: row[k] for k in PARAM_FIELDS if row.get(k) not in (None, "")}
-    params.update({f"prepare.{k}": v for k, v in r.prepare_info.items()})
-    tags = {k: row[k] for k in TAG_FIELDS if row.get(k)}
-    if r.timing_reliable is not None:  # what the machine was doing while it was timed (machine_state.py)
-        tags["timing"] = r.timing_note if r.timing_reliable is False else "reliable"
-    if r.parity and r.parity_within_noise:
-        # beside the status, not in it: `tags.parity = 'FAIL'` keeps finding every FAIL
-        tags["parity_within_noise"] = f"{r.questions_to_decide or '?'} questions would decide it"
-    return params, child_metrics(r, metric_names, primary), tags
-
-
-def view_columns(children_metrics: Iterable[Iterable[str]], metric_names: Iterable[str] = (),
-                 primary: str = "f1") -> list[str]:
-    """The runs-table columns of a bench's view, in order: the parity tag (each backend's, and the
-    bench's verdict on the parent), then the chosen metrics some child has (GPU-only ones stay out
-    of a CPU bench), the parent's verdict_pass and its recommendation; keys as the UI writes them
-    (``metrics.`f1```, its canonical sort keys)."""
-    have = set().union(*map(set, children_metrics)) if children_metrics else set()
-    order = ["achieved_qps", "target_qps", "sample_latency_p90_ms", "sample_latency_p99_ms", "qps_vs_bench_pct",
-             *headline_keys(primary), "features_per_s", *metric_names, "latency_p50_ms", "latency_p99_ms",
-             "prepare_s", "peak_host_mib", "peak_gpu_mib", "energy_j_per_1k_features"]
-    return (["tags.`parity`"] + [f"metrics.`{m}`" for m in dict.fromkeys(order) if m in have]
-            + ["metrics.`verdict_pass`", "tags.`recommendation`"])
-
-
-# The chart mode's first section: the comparison's bar charts, one a row across the whole width.
-# A bar chart names its bars only in its legend, and MLflow gives the legend 32 px (two lines) of
-# the card: at one card a row, two lines hold the names of about a dozen backends; at MLflow's
-# three a row they held four.
-COMPARISON_SECTION = "bertqa-comparison"
-
-
-def comparison_charts(children_metrics: Iterable[Iterable[str]], primary: str, n_runs: int) -> dict:
-    """The saved view's chart mode (MLflow's ``compareRunCharts`` / ``compareRunSections``): a
-    "Comparison" section with a bar chart of each headline metric some child has (speedup,
-    prediction time, the primary metric's change, parity), then throughput and the primary
-    metric, every run of the bench in each; MLflow adds the other metrics' charts below it, in
-    its own "Model metrics" section."""
-    have = set().union(*map(set, children_metrics)) if children_metrics else set()
-    keys = [k for k in dict.fromkeys([*headline_keys(primary), "features_per_s", primary]) if k in have]
-    charts = [{"uuid": f"bertqa-{k}", "type": "BAR", "metricKey": k, "displayName": k, "metricSectionId": COMPARISON_SECTION,
-               "runsCountToCompare": max(10, n_runs), "deleted": False, "isGenerated": False} for k in keys]
-    section = {"uuid": COMPARISON_SECTION, "name": "Comparison (every backend of this bench)", "display": True,
-               "isReordered": True, "deleted": False, "isGenerated": False, "columns": 1, "cardHeight": 360}
-    return {"compareRunCharts": charts, "compareRunSections": [section], "isAccordionReordered": True}
 
 
 class TrackingStoreError(BenchError):
@@ -544,136 +440,6 @@ def ui_links(results_root: Path, base: str = DEFAULT_UI) -> list[str]:
             lines.append(f"  its backends side by side: "
                          f"{Tracker.compare_url(e.experiment_id, [r.info.run_id for r in children], base)}")
     return lines
-
-
-def comparison_frame(bundle: RunBundle):
-    """results.csv as a DataFrame for ``MlflowClient.log_table``: one row per backend, the
-    backend first and the headline numbers next (MLflow's artifact view groups by the first
-    column and compares the second across the selected runs), then every other column; floats
-    to 4 significant digits (results.csv keeps them whole)."""
-    import pandas as pd
-
-    primary = bundle.meta.primary_metric
-    lead = ["backend", "features_per_s", "speedup", "predict_s", primary, "parity", "status"]
-    rows = []
-    for r in bundle.results:
-        row = r.to_row()
-        rows.append({k: _table_value(row.get(k)) for k in [*dict.fromkeys(lead), *row]})
-    return pd.DataFrame(rows, columns=list(rows[0]) if rows else lead)
-
-
-def _table_value(v):
-    if isinstance(v, bool) or v is None or isinstance(v, (int, str)):
-        return v
-    try:
-        f = float(v)
-    except (TypeError, ValueError):
-        return str(v)
-    return float(f"{f:.4g}") if math.isfinite(f) else None
-
-
-class TrainingRun:
-    """The live MLflow run of one training (rank 0 only). Every call is guarded: a tracking
-    problem prints a warning and never reaches the training; after a failed step it stops
-    logging steps (a dead server would otherwise stall every step on retries)."""
-
-    def __init__(self, tracker: Tracker, run_id: Optional[str]):
-        self.tracker = tracker
-        self.run_id = run_id
-        self.every = 1
-        self._ended = False
-        self._steps_off = False
-        self._last_step = 0
-        self._last_t = time.perf_counter()
-        self._last_seen = 0
-        self._losses: list[float] = []
-
-    @property
-    def active(self) -> bool:
-        return self.run_id is not None and not self._ended
-
-    def plan(self, total_steps: int, params: Optional[dict] = None) -> int:
-        """Once the number of optimizer steps is known: log every ``every`` steps, so that a long
-        training logs at most about TRAIN_LOG_POINTS points. Returns ``every``."""
-        self.every = max(1, math.ceil(total_steps / TRAIN_LOG_POINTS))
-        if self.active:
-            extra = dict(params or {}) | {"total_steps": total_steps, "log_every_steps": self.every}
-            self.tracker._try(self.tracker.log, self.run_id, {}, extra, {})
-        self._last_t = time.perf_counter()
-        return self.every
-
-    def step(self, step: int, loss: float, seen: int, total_steps: Optional[int] = None,
-             at_time: Optional[float] = None, **extra) -> None:
-        """Called after optimizer steps (each one, or every few) with the loss and the samples seen
-        so far (all ranks); logs ``train_loss`` (mean of the losses passed since the last point),
-        ``samples_per_s`` (since the last point) and ``extra`` at least ``every`` steps apart and
-        at the last step. ``at_time``: the ``time.perf_counter()`` at which ``seen`` samples were
-        done, when the point is logged later than that (a loss read back one log step late): the
-        rate is then samples over the time between those readings, not between the calls."""
-        if not self.active or self._steps_off:
-            return
-        self._losses.append(float(loss))
-        # At least ``every`` steps apart, whatever the caller's own cadence, and the last step.
-        if step - self._last_step < self.every and step != total_steps:
-            return
-        self._last_step = step
-        now = time.perf_counter() if at_time is None else at_time
-        dt = now - self._last_t
-        metrics = {"train_loss": sum(self._losses) / len(self._losses)} | extra
-        if dt > 0 and seen > self._last_seen:
-            metrics["samples_per_s"] = (seen - self._last_seen) / dt
-        self._losses, self._last_seen = [], seen
-
-        def go():
-            self.tracker.log(self.run_id, numeric(metrics), {}, {}, step=step)
-            return True
-
-        if not self.tracker._try(go):
-            print("warning: MLflow: no more per-step training metrics after this failure", file=sys.stderr)
-            self._steps_off = True  # the final metrics and the run's end are still tried
-        # the next interval starts here: at the clock reading the caller gave (intervals that tile
-        # the training), else after this logging (the interval leaves it out)
-        self._last_t = time.perf_counter() if at_time is None else at_time
-
-    def finish(self, metrics: dict, model_dir: Path) -> None:
-        """The final metrics and train_metrics.json, then the run ends FINISHED (now)."""
-        if not self.active:
-            return
-        t = self.tracker
-
-        def go():
-            # The final numbers (dev scores, times, sizes) are params, ``final.<name>``, and all of
-            # them are in train_metrics.json: as metrics each was a single-value bar chart, and the
-            # run page opened on 19 of them in alphabetical order with the curves below. Its only
-            # metrics are now the step-wise curves (train_loss, lr, samples_per_s).
-            t.log(self.run_id, {}, {f"final.{k}": v for k, v in numeric(metrics).items()},
-                  {"model_dir": str(model_dir)})
-            t.artifacts(self.run_id, [Path(model_dir) / "train_metrics.json"])
-
-        t._try(go)
-        self._end("FINISHED")
-
-    def fail(self, error: Optional[BaseException] = None) -> None:
-        if not self.active:
-            return
-        if error is not None:
-            self.tracker._try(self.tracker.log, self.run_id, {}, {},
-                              {"error": f"{type(error).__name__}: {error}"})
-        self._end("FAILED" if not isinstance(error, KeyboardInterrupt) else "KILLED")
-
-    def _end(self, status: str) -> None:
-        self._ended = True
-        self.tracker._try(self.tracker._client.set_terminated, self.run_id, status, int(time.time() * 1000))
-
-    def __enter__(self) -> "TrainingRun":
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> bool:
-        if exc is not None:
-            self.fail(exc)
-        elif self.active:  # left without finish(): nothing went wrong, but nothing was saved either
-            self._end("FINISHED")
-        return False
 
 
 def import_bundle(run_dir: Path, results_root: Path) -> str:
