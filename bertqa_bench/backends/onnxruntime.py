@@ -61,7 +61,7 @@ FP16_ATOL = 0.25
 
 
 def _import_ort():
-    return import_optional("onnxruntime", "the onnxruntime backends",
+    return import_optional("onnxruntime", "the ONNX Runtime backend",
                            install="pip install onnxruntime (or onnxruntime-gpu for CUDA)")
 
 

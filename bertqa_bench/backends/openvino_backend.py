@@ -49,7 +49,7 @@ PRESETS = ("performance", "mixed")  # nncf.QuantizationPreset: symmetric / asymm
 
 
 def _import_openvino():
-    return import_optional("openvino", "the openvino backends")
+    return import_optional("openvino", "the OpenVINO backend")
 
 
 def _import_nncf():
