@@ -5,8 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 SUITE ?= default
 ARGS ?=
-# The CPU build of torch that lies on this machine's disk; on a GPU machine set TORCH_SPEC=torch
-# (or keep the torch you have: `make bench-all VENV_SITE=1`).
+# torch as pinned for the CPU machines; on a GPU machine set TORCH_SPEC=torch (PyPI's CUDA build).
 TORCH_SPEC ?= torch==2.13.0
 export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
