@@ -302,26 +302,25 @@ class Tracker:
             self._client.update_run(self.parent_id, name=f"INTERRUPTED {bundle.meta.run_id}")
             self.artifacts(self.parent_id, [bundle.dir / "run.json", bundle.csv_path])
             self._try(self.save_view, bundle.meta, f"interrupted, {verdict.status} so far")
-            children = self._client.search_runs([self.experiment_id],
-                                                filter_string=f"tags.mlflow.parentRunId = '{self.parent_id}'")
-            for c in children:
-                if c.info.status == "RUNNING":
-                    self._client.set_terminated(c.info.run_id, "KILLED")
-            self._client.set_terminated(self.parent_id, "KILLED")
+            self._end_bench("KILLED")
 
         if self.active and self.parent_id:
             self._try(go)
+
+    def _end_bench(self, status: str) -> None:
+        """The parent and every child still running end with ``status`` (never RUNNING for ever)."""
+        children = self._client.search_runs([self.experiment_id],
+                                            filter_string=f"tags.mlflow.parentRunId = '{self.parent_id}'")
+        for c in children:
+            if c.info.status == "RUNNING":
+                self._client.set_terminated(c.info.run_id, status)
+        self._client.set_terminated(self.parent_id, status)
 
     def fail_bench(self, error: BaseException) -> None:
         """The run itself broke: the parent and any child still running end FAILED, with the error."""
         def go():
             self.log(self.parent_id, {}, {}, {"error": f"{type(error).__name__}: {error}"[:4900]})
-            children = self._client.search_runs([self.experiment_id],
-                                                filter_string=f"tags.mlflow.parentRunId = '{self.parent_id}'")
-            for c in children:
-                if c.info.status == "RUNNING":
-                    self._client.set_terminated(c.info.run_id, "FAILED")
-            self._client.set_terminated(self.parent_id, "FAILED")
+            self._end_bench("FAILED")
 
         if self.active and self.parent_id:
             self._try(go)
