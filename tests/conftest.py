@@ -9,6 +9,21 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 TINY_BERT = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
 
+# A generated SQuAD set small enough for whole CLI runs in seconds, and a tiny random BERT
+# checkpoint to bench as a user's model (the run-folder, exit-code and path tests share them).
+TINY_SYN = dict(seed=5, n_train_contexts=4, n_dev_contexts=3, questions_per_context=2, min_words=30, max_words=60,
+                mean_words=40, long_context_fraction=0.0)
+
+
+def tiny_squad_and_checkpoint(root):
+    """(dev file, checkpoint folder) under ``root``: TINY_SYN's data in root/data, the model in root/ck."""
+    from bertqa_bench.config import SyntheticConfig
+    from bertqa_bench.model.families import build_checkpoint
+    from bertqa_bench.tasks.squad.synthetic import ensure_squad_files
+
+    _, dev = ensure_squad_files(root / "data", SyntheticConfig(**TINY_SYN))
+    return dev, build_checkpoint("bert", root / "ck", seed=1, head_scale=30.0)
+
 
 def has_cuda() -> bool:
     try:

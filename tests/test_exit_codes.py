@@ -7,30 +7,24 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
+from conftest import TINY_SYN, tiny_squad_and_checkpoint
 from bertqa_bench import exit_codes
 from bertqa_bench.cli import build_parser, main
-from bertqa_bench.config import SyntheticConfig
 
 PLUGINS = "tests.backend_plugins"
-SYN = dict(seed=5, n_train_contexts=4, n_dev_contexts=3, questions_per_context=2, min_words=30, max_words=60,
-           mean_words=40, long_context_fraction=0.0)
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from bertqa_bench.model.families import build_checkpoint
-    from bertqa_bench.tasks.squad.synthetic import ensure_squad_files
-
     root = tmp_path_factory.mktemp("exit")
-    ensure_squad_files(root / "data", SyntheticConfig(**SYN))
-    ck = build_checkpoint("bert", root / "ck", seed=1, head_scale=30.0)
+    _, ck = tiny_squad_and_checkpoint(root)
     return root, ck
 
 
 def _suite(root, backends, reference="eager-fp32"):
     raw = {"name": "exit",
            "data": {"source": "synthetic", "data_dir": str(root / "data"), "max_seq_len": 64, "doc_stride": 24,
-                    "max_query_len": 24, "synthetic": dict(SYN)},
+                    "max_query_len": 24, "synthetic": dict(TINY_SYN)},
            "bench": {"backends": backends, "reference": reference, "batch_size": 8, "warmup_batches": 1,
                      "min_passes": 1, "min_duration_s": 0, "isolation": "inprocess"},
            "variants": {"exploding": {"implementation": f"{PLUGINS}:Exploding", "device": "cpu"}},
