@@ -5,8 +5,9 @@ ELECTRA; DistilBERT's blocks by their own names; ``PACKED_FAMILIES``) and comput
 the batch's real tokens packed into one [T, hidden] matrix: embeddings, every projection and
 FFN GEMM, LayerNorm and GELU see T = sum of real lengths rows instead of batch x seq_len, and
 attention runs per sequence through a variable-length kernel given the cumulative sequence
-lengths (``torch.nn.attention.varlen.varlen_attn``, FlashAttention, on CUDA; a per-sequence
-SDPA loop elsewhere, for tests). The hidden states are scattered back to [batch, seq_len, hidden]
+lengths (``torch.nn.attention.varlen.varlen_attn``, FlashAttention, or cuDNN's fused attention
+through nvidia-cudnn-frontend, ``attention="cudnn"``, on CUDA; a per-sequence SDPA loop elsewhere,
+for tests). The hidden states are scattered back to [batch, seq_len, hidden]
 (zeros at padding) so the task's own head (QA span head, NQ's answer-type head on the pooled
 [CLS]) runs unchanged — the wrapper is task-agnostic.
 
@@ -50,10 +51,20 @@ import torch
 from torch import nn
 
 from ..model.checkpoint import OFFSET_POSITION_FAMILIES, PACKED_FAMILIES
+from .torch_options import PACKED_ATTENTION
 
 
 def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
+
+
+# The variable-length attention kernels on CUDA: FlashAttention-2 through torch's varlen_attn, or
+# cuDNN's fused attention through its Python frontend (PyPI nvidia-cudnn-frontend), given the same
+# packed [T, heads, head_dim] tensors and cumulative lengths (its ragged offsets). FA2 is not a
+# Hopper (wgmma) kernel: on BERT-large it ran at 3.2-3.8x the memory floor of Q, K, V and O
+# (h100-mlperf-bert-large.md); cuDNN's is.
+ATTENTION_KERNELS = PACKED_ATTENTION
+CUDNN_INSTALL = "pip install nvidia-cudnn-frontend"
 
 
 def _varlen_kernel():
@@ -65,15 +76,42 @@ def _varlen_kernel():
         return None
 
 
+def cudnn_unavailable_reason() -> str:
+    """Why cuDNN's variable-length attention cannot run here ('' when it can)."""
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    try:
+        _cudnn_kernel()
+    except (ImportError, OSError, AttributeError) as e:
+        return f"cuDNN's variable-length attention needs the package nvidia-cudnn-frontend ({CUDNN_INSTALL}): {e}"
+    return ""
+
+
+def _cudnn_kernel():
+    """torch.ops.cudnn.sdpa_fwd, registered by importing the frontend's torch op module (outside
+    any traced code: its registration must not run inside torch.compile)."""
+    import cudnn
+
+    cudnn.sdpa_torch  # noqa: B018 - the lazy export imports cudnn.sdpa.fwd.torch_op, which registers the op
+    return torch.ops.cudnn.sdpa_fwd
+
+
 class PackedEncoder(nn.Module):
-    def __init__(self, bert: nn.Module, *, use_kernel: bool = True):
+    def __init__(self, bert: nn.Module, *, use_kernel: bool = True, attention: str = "flash"):
         super().__init__()
+        if attention not in ATTENTION_KERNELS:
+            raise ValueError(f"attention '{attention}' is not one of {', '.join(ATTENTION_KERNELS)}")
         self.bert = bert
         cfg = bert.config
         self.heads = cfg.num_attention_heads
         self.head_dim = cfg.hidden_size // cfg.num_attention_heads
         self.scale = self.head_dim ** -0.5
-        self._kernel = _varlen_kernel() if use_kernel else None
+        self.attention = attention
+        self._kernel = None
+        if use_kernel and attention == "flash":
+            self._kernel = _varlen_kernel()
+        elif use_kernel and next(bert.parameters()).is_cuda:  # the frontend is needed only where it runs
+            self._kernel = _cudnn_kernel()
         self.config = cfg
         self.family = getattr(cfg, "model_type", "bert")
         # RoBERTa-style embeddings number positions after the padding index (right padding:
@@ -91,10 +129,19 @@ class PackedEncoder(nn.Module):
 
     @property
     def kernel_name(self) -> str:
-        return "varlen_attn (FlashAttention)" if self._kernel is not None else "per-sequence SDPA"
+        if self._kernel is None:
+            return "per-sequence SDPA"
+        if self.attention == "cudnn":
+            return "cuDNN fused attention, ragged offsets (cudnn-frontend sdpa_fwd)"
+        return "varlen_attn (FlashAttention)"
 
     def _attention(self, q, k, v, cu, max_len: int):
         if self._kernel is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+            if self.attention == "cudnn":
+                # q, k, v may be strided views of the fused [T, 3, heads, head_dim] QKV: the
+                # frontend describes them by their real strides, no copy
+                return self._kernel(q, k, v, self.scale, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max_len,
+                                    max_seqlen_kv=max_len, return_lse=False)[0]
             return self._kernel(q, k, v, cu, cu, max_len, max_len, scale=self.scale)
         out = torch.empty_like(q)
         bounds = cu.tolist()

@@ -110,6 +110,8 @@ class TorchBackend(Backend):
         if variant.device != "cuda":
             if o.cuda_graph != "none" or o.fp8 is not None or o.torchao is not None:
                 return "CUDA graphs and FP8 GEMMs need device: cuda"
+            if o.packed_attention != "flash":
+                return f"packed_attention: {o.packed_attention} is a CUDA kernel: it needs device: cuda"
             if o.pipeline:
                 return ("pipeline overlaps the host's work with an accelerator's; on device: cpu the host is the "
                         "device (pipeline: false)")
@@ -136,6 +138,18 @@ class TorchBackend(Backend):
                 return f"FP8 tensor cores need Hopper/Ada (sm_89+); {torch.cuda.get_device_name()} is sm_{cap[0]}{cap[1]}"
             if o.fp8 is not None and o.fp8.scaling != "tensor" and cap < (9, 0):
                 return "rowwise FP8 scaling needs sm_90 (Hopper)"
+        if o.fp8 is not None and o.fp8.ffn_gelu == "epilogue":
+            from .gemm_epilogue import nvmath_unavailable_reason
+
+            why = nvmath_unavailable_reason()
+            if why:
+                return why
+        if o.packed and o.packed_attention == "cudnn":
+            from .packed_bert import cudnn_unavailable_reason
+
+            why = cudnn_unavailable_reason()
+            if why:
+                return why
         return None
 
     def __init__(self, variant):

@@ -19,6 +19,10 @@ def gelu_info(gelu: str, module) -> str:
     """What computes the FFN's GELU between e4m3 GEMMs (prepare_info's fp8_ffn_gelu)."""
     if gelu == "exact":
         return "exact (the model's own GELU, fused by Inductor)"
+    if gelu == "epilogue":
+        from .gemm_epilogue import implementation as epilogue
+
+        return f"tanh form, {epilogue(next(module.parameters()).is_cuda)}"
     from .gelu_fp8 import implementation
 
     return f"tanh form, {implementation(next(module.parameters()).is_cuda)}"
@@ -53,13 +57,20 @@ def build_model(o: TorchOptions, ctx: BackendContext, device: str, name: str):
     if o.int8 is not None:
         info = quantize_int8(module, o.int8, as_tensors(ctx.sample_batches[:o.int8.calibration_batches]))
     elif o.fp8 is not None:
+        if o.fp8.ffn_gelu == "epilogue" and device == "cuda":
+            from .gemm_epilogue import epilogue_saturates
+
+            if not epilogue_saturates(device):  # asked before calibration, which a refusal would waste
+                raise BackendUnavailableError(
+                    f"{name}: cuBLASLt's GELU epilogue on this GPU writes NaN, not +-448, for e4m3 results past the "
+                    "range, and an e4m3 output cannot be clamped after the kernel wrote it (ffn_gelu: tanh)")
         info = quantize_fp8(module, o.fp8, as_tensors(ctx.sample_batches[:o.fp8.calibration_batches]))
     elif o.torchao is not None:
         info = quantize_torchao(module, o.torchao)
     if o.packed:
         from .packed_bert import pack_model
 
-        pack_model(module.model, head_first=o.head_first)
+        pack_model(module.model, head_first=o.head_first, attention=o.packed_attention)
         from .packed_bert import encoder_of
 
         info.update(packed=True, attention_kernel=encoder_of(module.model).kernel_name, head_first=o.head_first)

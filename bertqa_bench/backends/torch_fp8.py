@@ -38,9 +38,10 @@ from typing import Any, Iterable, Mapping, Optional
 
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn
 SCALINGS = ("tensor", "rowwise", "static-rowwise")
-# the GELU between e4m3 FFN GEMMs (ffn_hidden_fp8): the model's own (erf), or the tanh form in
-# one Triton kernel (gelu_fp8.py)
-FFN_GELUS = ("exact", "tanh")
+# the GELU between e4m3 FFN GEMMs (ffn_hidden_fp8): the model's own (erf), the tanh form in one
+# Triton kernel (gelu_fp8.py), or the tanh form in the up-projection's cuBLASLt epilogue with its
+# bias (gemm_epilogue.py: one kernel for GEMM, bias, GELU and the e4m3 output)
+FFN_GELUS = ("exact", "tanh", "epilogue")
 # the activations (transformers' and torch's classes) whose function the tanh form computes or
 # approximates: erf-GELU and the tanh forms; not QuickGELU (x * sigmoid(1.702 x))
 GELU_CLASSES = ("GELUActivation", "GELU", "NewGELUActivation", "PytorchGELUTanh", "GELUTanh", "FastGELUActivation")
@@ -171,6 +172,9 @@ def _define_modules():
             if out_scale is not None and not gemm_writes_saturated_e4m3(weight.device):
                 self.gemm_dtype = torch.float32 if weight.device.type == "cpu" else torch.bfloat16
             b = None if bias is None else bias.detach()
+            # the bias before the output scale is folded in: what a GELU epilogue adds before GELU
+            # (Fp8Intermediate with gelu "epilogue")
+            self.register_buffer("bias_unscaled", None if b is None or out_scale is None else b.float())
             self._bias_in_gemm = b is not None and self.gemm_dtype != torch.float32
             self.out_scale_value = None if out_scale is None else float(out_scale)
             if out_scale is not None:
@@ -253,13 +257,23 @@ def _define_modules():
                 raise ValueError("Fp8Intermediate needs an up-projection that writes FP8 (out_scale)")
             if gelu not in FFN_GELUS:
                 raise ValueError(f"gelu must be one of {FFN_GELUS}, not '{gelu}'")
-            if gelu == "tanh" and type(act_fn).__name__ not in GELU_CLASSES:
-                raise ValueError(f"gelu 'tanh' replaces a GELU; this layer's activation is {type(act_fn).__name__}")
-            self._tanh_gelu = None
+            if gelu != "exact" and type(act_fn).__name__ not in GELU_CLASSES:
+                raise ValueError(f"gelu '{gelu}' replaces a GELU; this layer's activation is {type(act_fn).__name__}")
+            if gelu == "epilogue" and dense.scaling != "tensor":
+                raise ValueError(f"gelu 'epilogue' needs per-tensor scales, not scaling '{dense.scaling}'")
+            self._tanh_gelu = self._epilogue = None
             if gelu == "tanh":  # bound here, not in forward: nothing is imported inside traced code
                 from .gelu_fp8 import gelu_tanh_fp8
 
                 self._tanh_gelu = gelu_tanh_fp8
+            if gelu == "epilogue":
+                from .gemm_epilogue import bias_for_epilogue, gemm_gelu_fp8
+
+                self._epilogue = gemm_gelu_fp8
+                self.register_buffer("epilogue_bias", bias_for_epilogue(dense.bias_unscaled, dense.out_features,
+                                                                        dense.weight_fp8.device))
+                self.register_buffer("down_inv_scale", torch.tensor(1.0 / float(down_act_scale), dtype=torch.float32,
+                                                                    device=dense.weight_fp8.device))
             self.dense = dense
             self.intermediate_act_fn = act_fn
             self.gelu = gelu
@@ -270,6 +284,12 @@ def _define_modules():
             return f"hidden=e4m3, gelu={self.gelu}, down_act_scale={1.0 / self._inv_down_scale}"
 
         def forward(self, hidden_states):
+            if self._epilogue is not None:  # gemm_epilogue: GEMM, bias, GELU and e4m3 out in one cuBLASLt kernel
+                d = self.dense
+                lead = hidden_states.shape[:-1]
+                x8, sa = d.quantize_input(hidden_states.reshape(-1, d.in_features))
+                h8 = self._epilogue(x8, d.weight_fp8, self.epilogue_bias, d.weight_scale, sa, self.down_inv_scale)
+                return h8.reshape(*lead, d.out_features)
             if self._tanh_gelu is not None:  # gelu_fp8: one Triton kernel on CUDA, e4m3 in and out
                 return self._tanh_gelu(self.dense(hidden_states), self.out_scale_value, self._inv_down_scale)
             h = self.intermediate_act_fn(self.dense(hidden_states).float() * self.out_scale_value)

@@ -17,6 +17,8 @@ QUANT_FAMILIES = ("bert", "roberta", "xlm-roberta", "camembert", "electra")
 COMPILE_MODES = ("none", "default", "max-autotune", "max-autotune-no-cudagraphs")
 CUDA_GRAPHS = ("none", "trees", "manual")
 SDPA_BACKENDS = ("cudnn", "efficient", "flash", "math")
+# the padding-free encoder's variable-length attention on CUDA (packed_bert.py)
+PACKED_ATTENTION = ("flash", "cudnn")
 
 
 def parse_layers(text: str) -> tuple[int, ...]:
@@ -144,6 +146,10 @@ class TorchOptions:
     # buckets' graphs), so 2 logits a token are scattered back instead of the hidden states
     # (packed_bert.fuse_token_head)
     head_first: bool = False
+    # packed only: the variable-length attention kernel on CUDA (packed_bert.ATTENTION_KERNELS):
+    # flash (FlashAttention-2, torch's varlen_attn) | cudnn (cuDNN's fused attention through
+    # nvidia-cudnn-frontend, told each sequence's length by ragged offsets)
+    packed_attention: str = "flash"
     # CUDA only: keep two batches in flight (Backend.submit), so the host prepares batch i+1 and
     # scatters batch i's outputs while the GPU computes; every buffer the host writes or reads
     # (pinned inputs, packing, outputs) has one copy per batch in flight
@@ -173,6 +179,12 @@ class TorchOptions:
                               "or 0 for none")
         if self.head_first and not self.packed:
             raise ConfigError("head_first runs the QA head on the packed tokens before the scatter: it needs packed: true")
+        if self.packed_attention not in PACKED_ATTENTION:
+            raise ConfigError(f"torch option packed_attention '{self.packed_attention}' is not one of "
+                              f"{', '.join(PACKED_ATTENTION)}")
+        if self.packed_attention != "flash" and not self.packed:
+            raise ConfigError(f"packed_attention: {self.packed_attention} is the padding-free encoder's attention "
+                              "kernel: it needs packed: true (padded rows choose SDPA's with sdpa_backend)")
         if self.host_pack and not self.token_bucket:
             raise ConfigError("host_pack feeds the token buckets' CUDA graphs: it needs packed: true and token_bucket")
 

@@ -1,0 +1,170 @@
+"""The FFN up-projection with its bias and GELU in the GEMM's epilogue, e4m3 in and out, through
+cuBLASLt (PyPI ``nvmath-python``, ``nvmath.linalg.advanced.Matmul``).
+
+The fastest FP8 rows compute the FFN's first half in two kernels: the FP8 GEMM writes e4m3 (its
+bias added in the epilogue), then a Triton kernel reads it, applies GELU's tanh form and writes
+e4m3 again (gelu_fp8.py). On BERT-large that kernel was 7.5% of the GPU's time at ~1.1x its memory
+floor (h100-mlperf-bert-large.md): as a separate pass it cannot get faster, only disappear.
+cuBLASLt's ``GELU_BIAS`` epilogue adds the bias, applies GELU (the tanh form) and scales into e4m3
+in the GEMM's own epilogue, so the [tokens, 4 x hidden] tensor is written once and read once.
+
+Numerics: h8 = e4m3(GELU_tanh(sa * sw * (x8 @ w8^T) + bias) / down_scale), saturated at +-448.
+Against the two-kernel path it drops one e4m3 rounding (of GELU's input); the GELU itself is the
+same tanh form. ``fp8_gemm_gelu_reference`` is that formula in torch (the CPU path and the tests'
+reference).
+
+Layout: cuBLASLt adds a bias per row of its column-major result, and takes FP8 A row-major and B
+column-major (K contiguous in both). So the GEMM is computed transposed, D^T [N, M] = W [N, K] @
+X^T, with D^T column-major: its memory is X @ W^T row-major, [M, N] contiguous, what the FFN's
+down-projection reads.
+
+CUDA graphs: planning a cuBLASLt matmul synchronizes the stream, which a CUDA graph capture
+forbids; one ``Matmul`` is planned per token count (M) outside capture, on the first call (the
+token buckets' warm-up runs each shape before capturing it), and reused for every layer through
+``reset_operands`` (the weights and bias differ per layer, the shapes do not). Its workspace is
+kept (``release_workspace=False``), so a captured graph replays into memory that stays allocated.
+
+Saturation: e4m3fn has no infinity, so whether an out-of-range result becomes +-448 or NaN is the
+kernel's choice. ``epilogue_saturates`` asks the device once with a GEMM whose every output
+overflows; the FP8 builder refuses the epilogue where it does not saturate.
+"""
+# No ``from __future__ import annotations``: custom_op reads the op's annotations as types.
+import threading
+from typing import Optional
+
+import torch
+
+E4M3_MAX = 448.0
+_C = 0.7978845608028654  # sqrt(2 / pi)
+_K = 0.044715
+BIAS_DTYPE = torch.float16
+INSTALL = "pip install nvmath-python (cuBLASLt's epilogues through nvmath.linalg.advanced)"
+
+
+def nvmath_unavailable_reason() -> str:
+    """Why the cuBLASLt epilogue cannot run here ('' when it can)."""
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    if torch.cuda.get_device_capability() < (8, 9):
+        return "FP8 GEMMs need compute capability 8.9 or newer (Ada, Hopper)"
+    try:
+        import nvmath.linalg.advanced  # noqa: F401
+    except ImportError as e:
+        return f"the GELU epilogue needs the package nvmath-python ({INSTALL}): {e}"
+    return ""
+
+
+def gelu_tanh(y):
+    return 0.5 * y * (1.0 + torch.tanh(_C * (y + _K * y * y * y)))
+
+
+def fp8_gemm_gelu_reference(x8, w8, bias, w_scale, x_scale, out_inv_scale):
+    """The epilogue's formula in torch: e4m3 [M, K] x8 and [N, K] w8 -> e4m3 [M, N]
+    (fp32 GEMM of the decoded values, bias, GELU's tanh form, scaled and saturated, rounded to
+    nearest even)."""
+    y = (x8.float() @ w8.float().t()) * (x_scale.float() * w_scale.float()) + bias.float()
+    return (gelu_tanh(y) * out_inv_scale.float()).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+# One planned Matmul per (device, M, N, K): the layers share it (same shapes, other weights).
+_PLANS: dict = {}
+# > 0: time cuBLASLt's candidate algorithms this many times each when a shape is planned and keep
+# the fastest (nvmath's Matmul.autotune), instead of the heuristic's first choice
+AUTOTUNE_ITERATIONS = 0
+_LOCK = threading.Lock()
+
+
+def _e4m3_type():
+    import nvmath
+
+    return nvmath.CudaDataType.CUDA_R_8F_E4M3
+
+
+def _matmul(x8, w8, bias, w_scale, x_scale, out_inv_scale):
+    """D^T = GELU(W @ X^T * scales + bias) * out_inv_scale in e4m3, column-major; returns D [M, N]."""
+    from nvmath.linalg.advanced import Matmul, MatmulEpilog
+
+    stream = torch.cuda.current_stream(x8.device)
+    key = (x8.device.index, x8.shape[0], w8.shape[0], w8.shape[1])
+    scales = {"a": w_scale, "b": x_scale, "d": out_inv_scale}
+    b = x8.t()  # [K, M], column-major: K contiguous
+    mm = _PLANS.get(key)
+    if mm is None:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"the GELU epilogue for {tuple(x8.shape)} x {tuple(w8.shape)} was not planned before "
+                               "CUDA graph capture (planning synchronizes the stream): run the shape once first")
+        with _LOCK:
+            mm = Matmul(w8, b, quantization_scales=scales, options={"result_type": _e4m3_type()}, stream=stream)
+            mm.plan(epilog=MatmulEpilog.GELU_BIAS, epilog_inputs={"bias": bias}, stream=stream)
+            if AUTOTUNE_ITERATIONS > 0:
+                mm.autotune(iterations=AUTOTUNE_ITERATIONS, stream=stream)
+            _PLANS[key] = mm
+    else:
+        mm.reset_operands(a=w8, b=b, quantization_scales=scales, epilog_inputs={"bias": bias}, stream=stream)
+    d = mm.execute(release_workspace=False, stream=stream)
+    if isinstance(d, tuple):  # (result, auxiliary outputs)
+        d = d[0]
+    out = d.t()
+    if not out.is_contiguous():
+        raise RuntimeError(f"cuBLASLt's GELU epilogue wrote a {tuple(d.shape)} result with strides {d.stride()}, "
+                           "not the column-major layout the FFN's next GEMM reads")
+    return out
+
+
+@torch.library.custom_op("bertqa::fp8_gemm_gelu", mutates_args=())
+def fp8_gemm_gelu(x8: torch.Tensor, w8: torch.Tensor, bias: torch.Tensor, w_scale: torch.Tensor,
+                  x_scale: torch.Tensor, out_inv_scale: torch.Tensor) -> torch.Tensor:
+    """e4m3 [M, K] x8, [N, K] w8 -> e4m3 [M, N]: cuBLASLt's GELU_BIAS epilogue on CUDA, the same
+    formula in torch elsewhere. Scales are 0-d fp32 tensors (on the device: no host copy)."""
+    if x8.is_cuda:
+        return _matmul(x8.contiguous(), w8, bias, w_scale, x_scale, out_inv_scale)
+    return fp8_gemm_gelu_reference(x8, w8, bias, w_scale, x_scale, out_inv_scale)
+
+
+@fp8_gemm_gelu.register_fake
+def _(x8, w8, bias, w_scale, x_scale, out_inv_scale):
+    return x8.new_empty((x8.shape[0], w8.shape[0]), dtype=torch.float8_e4m3fn)
+
+
+def gemm_gelu_fp8(x8, w8, bias, w_scale, x_scale, out_inv_scale):
+    """``fp8_gemm_gelu`` as a plain function: what a module holds (a custom op object does not copy)."""
+    return fp8_gemm_gelu(x8, w8, bias, w_scale, x_scale, out_inv_scale)
+
+
+def implementation(on_cuda: bool) -> str:
+    """What runs the up-projection + GELU for tensors on CUDA (or not), in words."""
+    return ("cuBLASLt GELU_BIAS epilogue (nvmath-python), e4m3 out" if on_cuda
+            else "torch (the epilogue's formula; not on CUDA)")
+
+
+_SATURATES: dict = {}
+
+
+def epilogue_saturates(device) -> bool:
+    """Whether the epilogue, writing e4m3, saturates values past +-448 to +-448 on ``device``
+    (asked once per device: a 16 x 16 x 16 GEMM whose every output is 16 * 448 * 448 after GELU)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return True  # the torch formula clamps explicitly
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SATURATES:
+        dev = torch.device("cuda", idx)
+        x8 = torch.full((16, 16), E4M3_MAX, device=dev).to(torch.float8_e4m3fn)
+        one = torch.ones((), dtype=torch.float32, device=dev)
+        y = fp8_gemm_gelu(x8, x8, torch.zeros(16, dtype=BIAS_DTYPE, device=dev), one, one, one)
+        _SATURATES[idx] = bool(torch.equal(y.float(), torch.full((16, 16), E4M3_MAX, device=dev)))
+    return _SATURATES[idx]
+
+
+def plans() -> int:
+    """How many cuBLASLt plans are held (one per token count seen)."""
+    return len(_PLANS)
+
+
+def bias_for_epilogue(bias: Optional[torch.Tensor], n: int, device) -> torch.Tensor:
+    """The bias as the epilogue takes it: fp16, zeros when the layer has none. For an e4m3 result
+    nvmath declares C as fp16, and cuBLASLt's FP8 kernels take the bias in C's type (a bf16 bias
+    was refused: CUBLAS_STATUS_NOT_SUPPORTED on an H200)."""
+    if bias is None:
+        return torch.zeros(n, dtype=BIAS_DTYPE, device=device)
+    return bias.detach().to(BIAS_DTYPE).contiguous()

@@ -1,0 +1,285 @@
+#!/usr/bin/env python3
+"""Time the packed encoder's kernel choices at one model shape on a CUDA GPU, each beside the path it
+would replace, with its numerics checked against a reference on the same inputs:
+
+* attention: FlashAttention-2 varlen (``packed_attention: flash``) against cuDNN's fused attention
+  through nvidia-cudnn-frontend (``cudnn``), on packed [T, 3, heads, head_dim] QKV views of random
+  sequence lengths; reference: per-sequence SDPA in fp32;
+* the FFN's first half: the FP8 up-projection writing e4m3 then the Triton tanh-GELU kernel
+  (``ffn_gelu: tanh``) against cuBLASLt's GELU_BIAS epilogue through nvmath-python
+  (``ffn_gelu: epilogue``); reference: the epilogue's formula in fp32 (gemm_epilogue.py);
+* each inside a captured CUDA graph as well, replayed and compared with its eager result.
+
+Times are CUDA-event medians (min-max) over ``--iters`` calls after ``--warmup``; each line of the
+output is one JSON record. Random weights and activations: kernel timing and numerics only.
+
+    python scripts/kernel_bench.py --shape bert-large --tokens 32768 --out kernels.jsonl
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SHAPES = {"bert-base": (768, 12, 3072), "bert-large": (1024, 16, 4096)}
+
+
+def timed(fn, warmup: int, iters: int) -> dict:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1000.0)
+    return {"us_median": round(statistics.median(times), 1), "us_min": round(min(times), 1),
+            "us_max": round(max(times), 1), "iters": iters}
+
+
+def graphed(fn):
+    """fn captured in a CUDA graph (after two warm-up calls on a side stream): (replay, output)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fn()
+    return g.replay, out
+
+
+def codes_apart(a, b):
+    """e4m3 codes between a and b, elementwise (through zero the two magnitudes add)."""
+    ua, ub = a.view(torch.uint8).int(), b.view(torch.uint8).int()
+    ma, mb = ua & 0x7F, ub & 0x7F
+    return torch.where((ua >> 7) == (ub >> 7), (ma - mb).abs(), ma + mb)
+
+
+def epilogue_support(emit) -> None:
+    """Which cuBLASLt epilogues nvmath plans for an e4m3 x e4m3 GEMM with an e4m3 result here."""
+    from nvmath.linalg.advanced import Matmul, MatmulEpilog
+
+    from bertqa_bench.backends.gemm_epilogue import _e4m3_type
+
+    w8 = torch.randn(256, 128, device="cuda").to(torch.float8_e4m3fn)
+    x8 = torch.randn(64, 128, device="cuda").to(torch.float8_e4m3fn)
+    one = torch.ones((), device="cuda")
+    for epi in ("DEFAULT", "BIAS", "GELU", "GELU_BIAS"):
+        for bias_dtype in ((torch.float16, torch.bfloat16) if "BIAS" in epi else (None,)):
+            rec = {"what": "epilogue_support", "epilog": epi, "bias": str(bias_dtype)}
+            try:
+                mm = Matmul(w8, x8.t(), quantization_scales={"a": one, "b": one, "d": one},
+                            options={"result_type": _e4m3_type()})
+                kw = {} if epi == "DEFAULT" else {"epilog": getattr(MatmulEpilog, epi)}
+                if bias_dtype is not None:
+                    kw["epilog_inputs"] = {"bias": torch.zeros(256, dtype=bias_dtype, device="cuda")}
+                mm.plan(**kw)
+                d = mm.execute()
+                d = d[0] if isinstance(d, tuple) else d
+                rec.update(ok=True, result_shape=list(d.shape), result_stride=list(d.stride()))
+            except Exception as e:  # noqa: BLE001
+                rec.update(ok=False, error=f"{type(e).__name__}: {e}"[:300])
+            emit(rec)
+
+
+def lengths_for(tokens: int, lo: int, hi: int, gen) -> list[int]:
+    out, total = [], 0
+    while True:
+        n = int(torch.randint(lo, hi + 1, (1,), generator=gen))
+        if total + n > tokens:
+            return out
+        out.append(n)
+        total += n
+
+
+def attention(args, hidden, heads, emit) -> None:
+    from bertqa_bench.backends.packed_bert import _cudnn_kernel, _varlen_kernel
+
+    d = hidden // heads
+    gen = torch.Generator().manual_seed(0)
+    lens = lengths_for(args.tokens, args.seq_min, args.seq_max, gen)
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device="cuda")
+    t = int(cu[-1])
+    qkv = torch.randn(t, 3, heads, d, device="cuda", dtype=torch.float16)
+    q, k, v = qkv.unbind(1)
+    scale = d ** -0.5
+    flash, cudnn_op = _varlen_kernel(), _cudnn_kernel()
+    kernels = {
+        "flash": lambda: flash(q, k, v, cu, cu, args.seq_max, args.seq_max, scale=scale),
+        "cudnn": lambda: cudnn_op(q, k, v, scale, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=args.seq_max,
+                                  max_seqlen_kv=args.seq_max, return_lse=False)[0],
+    }
+    ref = torch.empty(t, heads, d, device="cuda")
+    bounds = cu.tolist()
+    for s, e in zip(bounds[:-1], bounds[1:]):
+        qi, ki, vi = (x[s:e].float().transpose(0, 1) for x in (q, k, v))
+        ref[s:e] = torch.nn.functional.scaled_dot_product_attention(qi, ki, vi, scale=scale).transpose(0, 1)
+    # bytes of Q, K, V read and O written once: the kernel's memory floor
+    floor_bytes = 4 * t * hidden * 2
+    for name, fn in kernels.items():
+        rec = {"what": "attention", "kernel": name, "tokens": t, "sequences": len(lens), "heads": heads,
+               "head_dim": d, "seq_range": [args.seq_min, args.seq_max], "dtype": "fp16", "floor_MB": floor_bytes / 1e6}
+        try:
+            out = fn()
+            rec["max_abs_err_vs_fp32_sdpa"] = float((out.float() - ref).abs().max())
+            rec.update(timed(fn, args.warmup, args.iters))
+            replay, gout = graphed(fn)
+            replay()
+            torch.cuda.synchronize()
+            rec["graph_replay_equals_eager"] = bool(torch.equal(gout, out))
+            rec["graph"] = timed(replay, args.warmup, args.iters)
+        except Exception as e:  # noqa: BLE001 - one kernel's failure is a result, the others still run
+            rec["error"] = f"{type(e).__name__}: {e}"[:2000]
+        emit(rec)
+
+
+def ffn_up(args, hidden, ffn, emit) -> None:
+    from transformers.activations import GELUActivation
+
+    from bertqa_bench.backends import gemm_epilogue
+    from bertqa_bench.backends.torch_fp8 import fp8_classes, static_act_scale
+
+    Fp8Linear, _, Fp8Intermediate = fp8_classes()
+    torch.manual_seed(0)
+    w = (torch.randn(ffn, hidden, device="cuda") * hidden ** -0.5).half()
+    b = (torch.randn(ffn, device="cuda") * 0.1).half()
+    x = torch.randn(args.tokens, hidden, device="cuda").half()
+    y = x.float() @ w.float().t() + b.float()
+    out_scale = static_act_scale(float(y.abs().amax()))
+    down_scale = static_act_scale(float(gemm_epilogue.gelu_tanh(y).abs().amax()))
+    act = static_act_scale(float(x.abs().amax()))
+    rec0 = {"what": "ffn_up", "tokens": args.tokens, "hidden": hidden, "ffn": ffn,
+            "epilogue_saturates": None, "nvmath": None}
+    try:
+        import nvmath
+
+        rec0["nvmath"] = nvmath.__version__
+        rec0["epilogue_saturates"] = gemm_epilogue.epilogue_saturates("cuda")
+    except Exception as e:  # noqa: BLE001
+        rec0["error"] = f"{type(e).__name__}: {e}"[:2000]
+    emit(rec0)
+    up = Fp8Linear(w, b, scaling="tensor", act_scale=act, fast_accum=True, out_scale=out_scale)
+    paths = {}
+    for gelu in ("tanh", "epilogue"):
+        try:
+            paths[gelu] = Fp8Intermediate(up, GELUActivation(), down_scale, gelu=gelu)
+        except Exception as e:  # noqa: BLE001
+            emit({"what": "ffn_up", "gelu": gelu, "error": f"{type(e).__name__}: {e}"[:2000]})
+    x8, sa = up.quantize_input(x)
+    # the kernels alone, on the e4m3 input the LayerNorm kernel writes in the model (each module
+    # takes an e4m3 input as quantized with its static scale)
+    h8 = up(x8)
+    alone = {"gemm_e4m3_out (torch._scaled_mm)": lambda: up(x8)}
+    if "tanh" in paths:
+        alone["gelu_tanh_kernel (Triton)"] = lambda: paths["tanh"]._tanh_gelu(h8, up.out_scale_value,
+                                                                              1 / down_scale)
+        alone["gemm + gelu (two kernels)"] = lambda: paths["tanh"](x8)
+    if "epilogue" in paths:
+        alone["gemm_gelu_bias_epilogue (nvmath, heuristic)"] = lambda: paths["epilogue"](x8)
+    for label, fn in alone.items():
+        rec = {"what": "ffn_up_kernels", "kernel": label, "tokens": args.tokens, "hidden": hidden, "ffn": ffn}
+        try:
+            replay, _ = graphed(fn)
+            rec["graph"] = timed(replay, args.warmup, args.iters)
+        except Exception as e:  # noqa: BLE001
+            rec["error"] = f"{type(e).__name__}: {e}"[:1000]
+        emit(rec)
+    if "epilogue" in paths and args.autotune:
+        gemm_epilogue._PLANS.clear()
+        gemm_epilogue.AUTOTUNE_ITERATIONS = args.autotune
+        rec = {"what": "ffn_up_kernels", "kernel": f"gemm_gelu_bias_epilogue (nvmath, autotuned x{args.autotune})",
+               "tokens": args.tokens}
+        try:
+            replay, _ = graphed(lambda: paths["epilogue"](x8))
+            rec["graph"] = timed(replay, args.warmup, args.iters)
+        except Exception as e:  # noqa: BLE001
+            rec["error"] = f"{type(e).__name__}: {e}"[:1000]
+        emit(rec)
+        gemm_epilogue._PLANS.clear()
+        gemm_epilogue.AUTOTUNE_ITERATIONS = 0
+    ref = gemm_epilogue.fp8_gemm_gelu_reference(x8, up.weight_fp8, up.bias_unscaled.to(gemm_epilogue.BIAS_DTYPE),
+                                                up.weight_scale, sa, torch.tensor(1 / down_scale, device="cuda"))
+    for gelu, mod in paths.items():
+        rec = {"what": "ffn_up", "gelu": gelu, "tokens": args.tokens, "hidden": hidden, "ffn": ffn}
+        try:
+            fn = lambda m=mod: m(x)  # noqa: E731
+            out = fn()
+            diff = codes_apart(out, ref)
+            rec.update(dtype=str(out.dtype), shape=list(out.shape), contiguous=out.is_contiguous(),
+                       share_equal_code=float((diff == 0).float().mean()),
+                       share_within_one_code=float((diff <= 1).float().mean()),
+                       max_codes_apart=int(diff.max()), nan=int(out.float().isnan().sum()),
+                       max_abs_err=float((out.float() - ref.float()).abs().max()))
+            rec.update(timed(fn, args.warmup, args.iters))
+            replay, gout = graphed(fn)
+            replay()
+            torch.cuda.synchronize()
+            rec["graph_replay_equals_eager"] = bool(torch.equal(gout.view(torch.uint8), out.view(torch.uint8)))
+            rec["graph"] = timed(replay, args.warmup, args.iters)
+            rec["floor_MB"] = (args.tokens * hidden + args.tokens * ffn) / 1e6
+        except Exception as e:  # noqa: BLE001
+            import traceback
+
+            rec["error"] = f"{type(e).__name__}: {e}"[:2000]
+            rec["traceback"] = traceback.format_exc()[-3000:]
+        emit(rec)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", choices=sorted(SHAPES), default="bert-large")
+    p.add_argument("--tokens", type=int, default=32768, help="packed tokens per batch (default 32768)")
+    p.add_argument("--seq-min", type=int, default=100)
+    p.add_argument("--seq-max", type=int, default=384)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--only", choices=("attention", "ffn_up"), default=None)
+    p.add_argument("--autotune", type=int, default=5, help="also time the epilogue autotuned (iterations; 0: not)")
+    p.add_argument("--out", default="-", help="JSON lines file (default stdout)")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("kernel_bench: no CUDA device", file=sys.stderr)
+        return 2
+    hidden, heads, ffn = SHAPES[args.shape]
+    sink = sys.stdout if args.out == "-" else open(args.out, "w")
+    dev = {"what": "device", "name": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "capability": list(torch.cuda.get_device_capability()), "shape": args.shape}
+    try:
+        import cudnn
+
+        dev["cudnn_frontend"] = cudnn.__version__
+        dev["cudnn_backend"] = cudnn.backend_version()
+    except Exception as e:  # noqa: BLE001
+        dev["cudnn_frontend_error"] = f"{type(e).__name__}: {e}"[:500]
+
+    def emit(rec):
+        print(json.dumps(rec), file=sink, flush=True)
+        if sink is not sys.stdout:
+            print(json.dumps(rec)[:600], flush=True)
+
+    emit(dev)
+    if args.only in (None, "attention"):
+        attention(args, hidden, heads, emit)
+    if args.only in (None, "ffn_up"):
+        try:
+            epilogue_support(emit)
+        except Exception as e:  # noqa: BLE001
+            emit({"what": "epilogue_support", "error": f"{type(e).__name__}: {e}"[:500]})
+        ffn_up(args, hidden, ffn, emit)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
