@@ -627,6 +627,8 @@ def test_gelu_epilogue_formula_rounds_the_exact_value_once_and_saturates():
     assert int(e4m3_codes_apart(got, exact.float().to(torch.float8_e4m3fn)).max()) <= 1
     big = ge.fp8_gemm_gelu(x8, w8, bias, sw, sx, torch.tensor(1e4))
     assert not big.float().isnan().any() and float(big.float().max()) == fp8.E4M3_MAX
+    # saturated before the cast, so the result does not hang on what a cast does past the range
+    assert float(ge.fp8_gemm_gelu_scaled(x8, w8, bias, sw, sx, torch.tensor(1e4)).max()) == fp8.E4M3_MAX
 
 
 def test_gelu_epilogue_op_traces_without_graph_breaks():
@@ -680,6 +682,10 @@ def test_packed_attention_option_is_checked_and_cudnn_needs_a_gpu():
         torch_options.TorchOptions(packed_attention="cudnn")
     cpu = make_variant("x", "torch", "cpu", {"packed": True, "packed_attention": "cudnn"})
     assert "needs device: cuda" in cpu.unavailable_reason()
+    epilogue = {"ffn_hidden_fp8": True, "ffn_gelu": "epilogue"}
+    with pytest.raises(ConfigError, match="epilogue plans one cuBLASLt GEMM per token count.*token_bucket"):
+        torch_options.TorchOptions(weights="fp16", packed=True, fp8=torch_options.Fp8Options(**epilogue))
+    torch_options.TorchOptions(weights="fp16", packed=True, token_bucket=1024, fp8=torch_options.Fp8Options(**epilogue))
     with pytest.raises(ConfigError, match="ffn_gelu 'gelu' is not one of exact, tanh, epilogue"):
         torch_options.Fp8Options(ffn_hidden_fp8=True, ffn_gelu="gelu")
 

@@ -58,12 +58,18 @@ def gelu_tanh(y):
     return 0.5 * y * (1.0 + torch.tanh(_C * (y + _K * y * y * y)))
 
 
+def fp8_gemm_gelu_scaled(x8, w8, bias, w_scale, x_scale, out_inv_scale):
+    """The epilogue's formula in fp32, everything but the final rounding: an fp32 GEMM of the decoded
+    e4m3 values, the bias, GELU's tanh form, the output scale, saturated at +-448 here (not left to
+    whatever a cast does past the range: NaN for some, +-448 for others)."""
+    y = (x8.float() @ w8.float().t()) * (x_scale.float() * w_scale.float()) + bias.float()
+    return (gelu_tanh(y) * out_inv_scale.float()).clamp(-E4M3_MAX, E4M3_MAX)
+
+
 def fp8_gemm_gelu_reference(x8, w8, bias, w_scale, x_scale, out_inv_scale):
     """The epilogue's formula in torch: e4m3 [M, K] x8 and [N, K] w8 -> e4m3 [M, N]
-    (fp32 GEMM of the decoded values, bias, GELU's tanh form, scaled and saturated, rounded to
-    nearest even)."""
-    y = (x8.float() @ w8.float().t()) * (x_scale.float() * w_scale.float()) + bias.float()
-    return (gelu_tanh(y) * out_inv_scale.float()).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    (``fp8_gemm_gelu_scaled`` rounded to nearest even)."""
+    return fp8_gemm_gelu_scaled(x8, w8, bias, w_scale, x_scale, out_inv_scale).to(torch.float8_e4m3fn)
 
 
 # One planned Matmul per (device, M, N, K): the layers share it (same shapes, other weights).

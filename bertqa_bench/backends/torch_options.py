@@ -185,6 +185,9 @@ class TorchOptions:
         if self.packed_attention != "flash" and not self.packed:
             raise ConfigError(f"packed_attention: {self.packed_attention} is the padding-free encoder's attention "
                               "kernel: it needs packed: true (padded rows choose SDPA's with sdpa_backend)")
+        if self.fp8 is not None and self.fp8.ffn_gelu == "epilogue" and self.packed and not self.token_bucket:
+            raise ConfigError("fp8.ffn_gelu: epilogue plans one cuBLASLt GEMM per token count; packed batches need "
+                              "token_bucket (a few bucket sizes), not a new token count every batch")
         if self.host_pack and not self.token_bucket:
             raise ConfigError("host_pack feeds the token buckets' CUDA graphs: it needs packed: true and token_bucket")
 
