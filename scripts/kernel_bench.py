@@ -60,13 +60,6 @@ def graphed(fn):
     return g.replay, out
 
 
-def codes_apart(a, b):
-    """e4m3 codes between a and b, elementwise (through zero the two magnitudes add)."""
-    ua, ub = a.view(torch.uint8).int(), b.view(torch.uint8).int()
-    ma, mb = ua & 0x7F, ub & 0x7F
-    return torch.where((ua >> 7) == (ub >> 7), (ma - mb).abs(), ma + mb)
-
-
 def epilogue_support(emit) -> None:
     """Which cuBLASLt epilogues nvmath plans for an e4m3 x e4m3 GEMM with an e4m3 result here."""
     from nvmath.linalg.advanced import Matmul, MatmulEpilog
@@ -149,7 +142,7 @@ def ffn_up(args, hidden, ffn, emit) -> None:
     from transformers.activations import GELUActivation
 
     from bertqa_bench.backends import gemm_epilogue
-    from bertqa_bench.backends.torch_fp8 import fp8_classes, static_act_scale
+    from bertqa_bench.backends.torch_fp8 import e4m3_codes_apart, fp8_classes, static_act_scale
 
     Fp8Linear, _, Fp8Intermediate = fp8_classes()
     torch.manual_seed(0)
@@ -216,7 +209,7 @@ def ffn_up(args, hidden, ffn, emit) -> None:
         try:
             fn = lambda m=mod: m(x)  # noqa: E731
             out = fn()
-            diff = codes_apart(out, ref)
+            diff = e4m3_codes_apart(out, ref)
             rec.update(dtype=str(out.dtype), shape=list(out.shape), contiguous=out.is_contiguous(),
                        share_equal_code=float((diff == 0).float().mean()),
                        share_within_one_code=float((diff <= 1).float().mean()),

@@ -351,12 +351,7 @@ def test_ffn_hidden_fp8_needs_per_tensor_scales_both_ffn_gemms_and_the_output_ra
     assert type(model.model.bert.encoder.layer[0].intermediate.dense) is nn.Linear
 
 
-def e4m3_codes_apart(a, b):
-    """How many e4m3 codes lie between a and b, elementwise (magnitude codes are ordered;
-    through zero the two magnitudes add)."""
-    ua, ub = a.view(torch.uint8).int(), b.view(torch.uint8).int()
-    ma, mb = ua & 0x7F, ub & 0x7F
-    return torch.where((ua >> 7) == (ub >> 7), (ma - mb).abs(), ma + mb)
+e4m3_codes_apart = fp8.e4m3_codes_apart
 
 
 def _hidden_e4m3(n: int = 3 * 4099, seed: int = 0):

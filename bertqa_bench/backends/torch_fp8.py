@@ -78,6 +78,16 @@ def dequantize_fp8(q, scale):
     return q.float() * scale
 
 
+def e4m3_codes_apart(a, b):
+    """How many e4m3 codes lie between float8_e4m3fn tensors a and b, elementwise (magnitude codes
+    are ordered; through zero the two magnitudes add)."""
+    import torch
+
+    ua, ub = a.view(torch.uint8).int(), b.view(torch.uint8).int()
+    ma, mb = ua & 0x7F, ub & 0x7F
+    return torch.where((ua >> 7) == (ub >> 7), (ma - mb).abs(), ma + mb)
+
+
 _GEMM_SATURATES: dict = {}
 
 
