@@ -30,12 +30,15 @@ _K = 0.044715
 BLOCK = 4096  # elements per program: 16 per thread at 8 warps, one 16-byte load of e4m3 each
 
 
+def gelu_tanh(h):
+    """GELU's tanh form in torch (also the cuBLASLt epilogue's reference, gemm_epilogue.py)."""
+    return 0.5 * h * (1.0 + torch.tanh(_C * (h + _K * h * h * h)))
+
+
 def gelu_tanh_scaled(x8, in_scale: float, out_inv_scale: float):
     """e4m3 ``x8`` (values x8 * in_scale) -> GELU_tanh(x) * out_inv_scale in fp32, clamped to the
     e4m3 range: everything but the final rounding to e4m3."""
-    h = x8.float() * in_scale
-    g = 0.5 * h * (1.0 + torch.tanh(_C * (h + _K * h * h * h)))
-    return (g * out_inv_scale).clamp(-E4M3_MAX, E4M3_MAX)
+    return (gelu_tanh(x8.float() * in_scale) * out_inv_scale).clamp(-E4M3_MAX, E4M3_MAX)
 
 
 def gelu_tanh_fp8_reference(x8, in_scale: float, out_inv_scale: float):

@@ -34,9 +34,8 @@ from typing import Optional
 
 import torch
 
-E4M3_MAX = 448.0
-_C = 0.7978845608028654  # sqrt(2 / pi)
-_K = 0.044715
+from .gelu_fp8 import E4M3_MAX, gelu_tanh
+
 BIAS_DTYPE = torch.float16
 INSTALL = "pip install nvmath-python (cuBLASLt's epilogues through nvmath.linalg.advanced)"
 
@@ -52,10 +51,6 @@ def nvmath_unavailable_reason() -> str:
     except ImportError as e:
         return f"the GELU epilogue needs the package nvmath-python ({INSTALL}): {e}"
     return ""
-
-
-def gelu_tanh(y):
-    return 0.5 * y * (1.0 + torch.tanh(_C * (y + _K * y * y * y)))
 
 
 def fp8_gemm_gelu_scaled(x8, w8, bias, w_scale, x_scale, out_inv_scale):
@@ -160,11 +155,6 @@ def epilogue_saturates(device) -> bool:
         y = fp8_gemm_gelu(x8, x8, torch.zeros(16, dtype=BIAS_DTYPE, device=dev), one, one, one)
         _SATURATES[idx] = bool(torch.equal(y.float(), torch.full((16, 16), E4M3_MAX, device=dev)))
     return _SATURATES[idx]
-
-
-def plans() -> int:
-    """How many cuBLASLt plans are held (one per token count seen)."""
-    return len(_PLANS)
 
 
 def bias_for_epilogue(bias: Optional[torch.Tensor], n: int, device) -> torch.Tensor:

@@ -62,8 +62,7 @@ def _round_up(x: int, m: int) -> int:
 # cuDNN's fused attention through its Python frontend (PyPI nvidia-cudnn-frontend), given the same
 # packed [T, heads, head_dim] tensors and cumulative lengths (its ragged offsets). FA2 is not a
 # Hopper (wgmma) kernel: on BERT-large it ran at 3.2-3.8x the memory floor of Q, K, V and O
-# (h100-mlperf-bert-large.md); cuDNN's is.
-ATTENTION_KERNELS = PACKED_ATTENTION
+# (h100-mlperf-bert-large.md); cuDNN's is. The choice is PACKED_ATTENTION (torch_options).
 CUDNN_INSTALL = "pip install nvidia-cudnn-frontend"
 
 
@@ -99,8 +98,8 @@ def _cudnn_kernel():
 class PackedEncoder(nn.Module):
     def __init__(self, bert: nn.Module, *, use_kernel: bool = True, attention: str = "flash"):
         super().__init__()
-        if attention not in ATTENTION_KERNELS:
-            raise ValueError(f"attention '{attention}' is not one of {', '.join(ATTENTION_KERNELS)}")
+        if attention not in PACKED_ATTENTION:
+            raise ValueError(f"attention '{attention}' is not one of {', '.join(PACKED_ATTENTION)}")
         self.bert = bert
         cfg = bert.config
         self.heads = cfg.num_attention_heads

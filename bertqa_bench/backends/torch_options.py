@@ -146,7 +146,7 @@ class TorchOptions:
     # buckets' graphs), so 2 logits a token are scattered back instead of the hidden states
     # (packed_bert.fuse_token_head)
     head_first: bool = False
-    # packed only: the variable-length attention kernel on CUDA (packed_bert.ATTENTION_KERNELS):
+    # packed only: the variable-length attention kernel on CUDA (PACKED_ATTENTION, packed_bert.py):
     # flash (FlashAttention-2, torch's varlen_attn) | cudnn (cuDNN's fused attention through
     # nvidia-cudnn-frontend, told each sequence's length by ragged offsets)
     packed_attention: str = "flash"
