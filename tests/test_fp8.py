@@ -749,6 +749,125 @@ def test_cudnn_varlen_attention_matches_per_sequence_sdpa_on_gpu():
     assert float((got.float() - ref).abs().max()) < 2e-3  # fp16 inputs and output, fp32 softmax
 
 
+# --------------------------------------------------------------------------- FP8 attention (cudnn_fp8_attention.py)
+
+def _fp8_qkv(lens=(37, 5, 64, 1, 50), heads=4, d=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    t = sum(lens)
+    qkv8 = (torch.randn(t, 3, heads, d, generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    cu = torch.tensor([0] + np.cumsum(lens).tolist(), dtype=torch.int32)
+    return qkv8, cu
+
+
+def _fp8_attention_bound(q8, k8, v8, cu, scale, qkv_scale, o_inv, got8):
+    """|decoded output - fp32 attention of the decoded inputs|, and what e4m3 allows there: each
+    probability rounded once (relative 2^-4, or below e4m3's normal range an absolute 2^-10 / 256,
+    summed over the sequence's n keys), times |v| <= the head's max |v|; the output rounded once
+    (relative 2^-4 of the value it rounds, or half its smallest step, 2^-10, in output units)."""
+    out = torch.zeros(q8.shape)
+    allowed = torch.zeros(q8.shape)
+    b = cu.tolist()
+    for a, e in zip(b[:-1], b[1:]):
+        if e <= a:
+            continue
+        q, k, v = (x[a:e].float().transpose(0, 1) * qkv_scale for x in (q8, k8, v8))
+        p = torch.softmax(q @ k.transpose(1, 2) * scale, dim=-1)
+        o = (p @ v).transpose(0, 1)  # [n, heads, d]
+        vmax = v.abs().amax(dim=(1, 2))[None, :, None]  # per head
+        p_err = (2.0 ** -4 + 2.0 ** -10 / 256 * (e - a)) * vmax
+        out[a:e] = o
+        allowed[a:e] = p_err + 2.0 ** -4 * (o.abs() + p_err) + 2.0 ** -10 / o_inv
+    got = got8.float() / o_inv
+    return (got - out).abs(), allowed
+
+
+def test_fp8_attention_reference_is_attention_up_to_two_e4m3_roundings():
+    from bertqa_bench.backends import cudnn_fp8_attention as fa
+
+    qkv8, cu = _fp8_qkv()
+    q8, k8, v8 = qkv8.unbind(1)
+    qkv_scale, o_inv, scale = 0.01, 100.0, 16 ** -0.5
+    got = fa.fp8_varlen_attention(q8, k8, v8, cu, 64, scale, torch.tensor(qkv_scale), torch.tensor(o_inv))
+    assert got.dtype == torch.float8_e4m3fn and got.shape == q8.shape
+    err, allowed = _fp8_attention_bound(q8, k8, v8, cu, scale, qkv_scale, o_inv, got)
+    assert bool((err <= allowed).all()), float((err - allowed).max())
+    # the bound is not vacuous: the output is not zero and rounding moved it
+    assert float(got.float().abs().max()) > 10 and float(err.max()) > 0
+    big = fa.fp8_varlen_attention_reference(q8, k8, v8, cu, scale, qkv_scale, 1e6)
+    assert float(big.float().abs().max()) == fp8.E4M3_MAX and not big.float().isnan().any()
+
+
+def test_fp8_attention_swaps_qkv_to_e4m3_and_the_packed_model_tracks_the_padded_one():
+    """attention_fp8: the fused QKV GEMM writes e4m3 (its output scale from the calibrated q/k/v
+    amax), the layer knows 1 / the output GEMM's input scale, the padded forward decodes Q, K, V
+    for SDPA, and the packed encoder runs the FP8 pipeline (the op's torch path on the CPU): its
+    logits stay within the FP8 rows' bound of the padded model's."""
+    from bertqa_bench.backends.packed_bert import pack_model
+
+    model = qa(tiny_bert(hidden=64))
+    ids, mask, types = inputs()
+    x = (ids, mask, types)
+    targets = fp8.target_linears(model, fp8.GEMM_KINDS)
+    with pytest.raises(ValueError, match="attention_fp8 needs the calibrated output amax"):
+        fp8.swap_to_fp8(copy.deepcopy(model), fp8.calibrate_amax(model, [x], targets), gemms="all",
+                        attention_fp8=True)
+    amax = fp8.calibrate_amax(model, [x], targets, fp8.qkv_names(targets))
+    done = fp8.swap_to_fp8(model, amax, gemms="all", attention_fp8=True)
+    assert len(done["attention_fp8"]) == 2
+    sa = model.get_submodule(done["attention_fp8"][0])
+    out_dense = model.get_submodule(done["attention_fp8"][0][: -len("self")] + "output.dense")
+    assert sa.qkv.out_dtype == torch.float8_e4m3fn
+    assert float(sa.o_inv_scale) == pytest.approx(1.0 / out_dense.act_scale_value)
+    packed_model = copy.deepcopy(model)
+    pack_model(packed_model.model)
+    with torch.no_grad():
+        padded = model(*x)
+        packed = packed_model(*x)
+    real = mask.bool()
+    for p, r in zip(packed, padded):
+        assert torch.isfinite(p[real]).all()
+        assert rel_l2(p[real], r[real]) < 0.08
+    with pytest.raises(ValueError, match="attention: fp8 needs .* both attention GEMMs"):
+        fp8.swap_to_fp8(copy.deepcopy(model), amax, gemms="qkv,ffn_in,ffn_out", attention_fp8=True)
+
+
+def test_fp8_attention_options_are_checked():
+    from bertqa_bench.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="fp8.attention 'int8' is not one of fp16, fp8"):
+        torch_options.Fp8Options(attention="int8")
+    with pytest.raises(ConfigError, match="attention: fp8 needs .*qkv, attn_out"):
+        torch_options.Fp8Options(attention="fp8")
+    f = torch_options.Fp8Options(attention="fp8", gemms="all")
+    with pytest.raises(ConfigError, match="needs packed: true and packed_attention: cudnn"):
+        torch_options.TorchOptions(weights="fp16", packed=True, fp8=f)
+    torch_options.TorchOptions(weights="fp16", packed=True, packed_attention="cudnn", fp8=f)
+
+
+@pytest.mark.gpu
+def test_cudnn_fp8_attention_on_gpu_is_attention_up_to_the_e4m3_roundings():
+    """cuDNN's FP8 attention on packed e4m3 views of a fused [T, 3, heads, d] tensor, within the
+    same e4m3 bound as the reference (it rounds the unnormalized probabilities tile by tile instead:
+    the same relative step); a CUDA graph replays the same bytes."""
+    from bertqa_bench.backends import cudnn_fp8_attention as fa
+
+    if fa.unavailable_reason():
+        pytest.skip(fa.unavailable_reason())
+    qkv8, cu = _fp8_qkv(heads=4, d=64)
+    q8, k8, v8 = (t.cuda() for t in qkv8.cuda().unbind(1))
+    qkv_scale, o_inv, scale = 0.01, 100.0, 64 ** -0.5
+    sq, so = torch.tensor(qkv_scale, device="cuda"), torch.tensor(o_inv, device="cuda")
+    got = fa.fp8_varlen_attention(q8, k8, v8, cu.cuda(), 64, scale, sq, so)
+    err, allowed = _fp8_attention_bound(q8.cpu(), k8.cpu(), v8.cpu(), cu, scale, qkv_scale, o_inv, got.cpu())
+    assert bool((err <= allowed).all()), float((err - allowed).max())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fa.fp8_varlen_attention(q8, k8, v8, cu.cuda(), 64, scale, sq, so)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured.view(torch.uint8), got.view(torch.uint8))
+
+
 # --------------------------------------------------------------------------- GPU end-to-end
 
 def _gpu_ctx(tmp_path, b=4, s=64):
@@ -1102,6 +1221,7 @@ def test_host_bucket_lengths_equal_the_devices():
                                                   "torch-compile-fp8-graph-packed-gelu-epilogue",
                                                   "torch-compile-fp8-graph-packed-cudnn-epilogue",
                                                   "torch-compile-fp8all-graph-packed-cudnn-epilogue",
+                                                  "torch-compile-fp8all-graph-packed-cudnn-fp8attn",
                                                   "torch-compile-fp16-packed-cudnn-attn"))
 def test_fp8_attention_and_packing_variants_track_fp32_on_gpu(tmp_path, name):
     reason = TABLE.get(name).unavailable_reason()

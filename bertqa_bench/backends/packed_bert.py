@@ -106,6 +106,11 @@ class PackedEncoder(nn.Module):
         self.head_dim = cfg.hidden_size // cfg.num_attention_heads
         self.scale = self.head_dim ** -0.5
         self.attention = attention
+        # FP8 attention for layers whose QKV GEMM writes e4m3 (torch_fp8 attention_fp8); bound here,
+        # outside traced code
+        from .cudnn_fp8_attention import attention_fp8
+
+        self._fp8_attention = attention_fp8
         self._kernel = None
         if use_kernel and attention == "flash":
             self._kernel = _varlen_kernel()
@@ -198,6 +203,14 @@ class PackedEncoder(nn.Module):
         for layer in self.bert.encoder.layer:
             att = layer.attention
             sa = att.self
+            if getattr(sa, "o_inv_scale", None) is not None:  # FP8 attention: e4m3 Q, K, V and output
+                q, k, v = sa.qkv(x).view(t, 3, self.heads, self.head_dim).unbind(1)
+                ctx8 = self._fp8_attention(q, k, v, cu, max_len, self.scale, sa.qkv_out_scale, sa.o_inv_scale)
+                # the output GEMM takes e4m3 input as quantized at its own static input scale
+                x = att.output.LayerNorm(att.output.dense(ctx8.reshape(t, -1)) + x)
+                h = layer.intermediate(x)
+                x = layer.output.LayerNorm(layer.output.dense(h) + x)
+                continue
             if hasattr(sa, "qkv"):  # FP8's fused query/key/value (torch_fp8): one GEMM, [T, 3 x hidden]
                 q, k, v = sa.qkv(x).view(t, 3, self.heads, self.head_dim).unbind(1)
             else:

@@ -144,6 +144,12 @@ class TorchBackend(Backend):
             why = nvmath_unavailable_reason()
             if why:
                 return why
+        if o.fp8 is not None and o.fp8.attention == "fp8":
+            from .cudnn_fp8_attention import unavailable_reason as fp8_attention_reason
+
+            why = fp8_attention_reason()
+            if why:
+                return why
         if o.packed and o.packed_attention == "cudnn":
             from .packed_bert import cudnn_unavailable_reason
 

@@ -117,20 +117,21 @@ def quantize_torchao(module, t: TorchaoOptions) -> dict:
 
 def quantize_fp8(module, f: Fp8Options, batches) -> dict:
     from .quantize import n_encoder_layers
-    from .torch_fp8 import calibrate_amax, ffn_up_names, swap_to_fp8, target_linears
+    from .torch_fp8 import calibrate_amax, ffn_up_names, qkv_names, swap_to_fp8, target_linears
 
     gemms = parse_gemms(f.gemms)
     targets = target_linears(module, gemms)
     amax, t0 = None, time.perf_counter()
     if f.scaling != "rowwise":
-        amax = calibrate_amax(module, batches, targets, ffn_up_names(targets) if f.ffn_hidden_fp8 else ())
+        outputs = (ffn_up_names(targets) if f.ffn_hidden_fp8 else []) + (qkv_names(targets) if f.attention == "fp8" else [])
+        amax = calibrate_amax(module, batches, targets, outputs)
     calib_s = time.perf_counter() - t0
     n = n_encoder_layers(module)
 
     def swap(m, keep):
         return swap_to_fp8(m, amax, scaling=f.scaling, gemms=gemms, fuse_qkv=f.fuse_qkv, fast_accum=f.fast_accum,
                            act_margin=f.act_margin, keep_layers=keep, ffn_hidden_fp8=f.ffn_hidden_fp8,
-                           ffn_gelu=f.ffn_gelu)
+                           ffn_gelu=f.ffn_gelu, attention_fp8=f.attention == "fp8")
 
     kept, info = sensitivity_sweep(module, batches, lambda m, layer: swap(m, [i for i in range(n) if i != layer]),
                              f.sensitivity_keep)
@@ -145,6 +146,8 @@ def quantize_fp8(module, f: Fp8Options, batches) -> dict:
         "fp8_keep_layers": ",".join(map(str, keep)) or "none", "fp8_kept_linears": len(done["kept"]),
         "fp8_ffn_hidden": f"e4m3 in {len(done['ffn_hidden_fp8'])} layers" if f.ffn_hidden_fp8 else "16-bit",
         "fp8_ffn_gelu": gelu_info(f.ffn_gelu, module),
+        "fp8_attention": (f"e4m3 Q, K, V, probabilities and output in {len(done['attention_fp8'])} layers "
+                          "(cuDNN FP8 attention)" if f.attention == "fp8" else "16-bit"),
         "fp8_not_fp8": "embeddings, layernorms, attention softmax/PV (SDPA), qa head"
                        + ("" if "attn_out" in gemms else ", attention output projection"),
     })

@@ -312,7 +312,8 @@ def _define_modules():
         attention_mask, ...), ignores caches/cross-attention kwargs, returns (output, None).
         """
 
-        def __init__(self, attn, *, act_scale: Optional[float], scaling: str, fast_accum: bool):
+        def __init__(self, attn, *, act_scale: Optional[float], scaling: str, fast_accum: bool,
+                     out_scale: Optional[float] = None):
             super().__init__()
             q, k, v = (getattr(attn, n) for n in _QKV)
             self.num_heads = int(attn.num_attention_heads)
@@ -321,12 +322,22 @@ def _define_modules():
             w = torch.cat([q.weight, k.weight, v.weight], dim=0)
             b = None if q.bias is None else torch.cat([q.bias, k.bias, v.bias], dim=0)
             # cast_output=False: SDPA runs in the GEMM's output dtype, saving a cast pass over q/k/v.
+            # out_scale: Q, K and V in e4m3 (x out_scale), for FP8 attention on the packed path
+            # (cudnn_fp8_attention.py); this padded forward decodes them for SDPA.
             self.qkv = _Fp8Linear(w, b, scaling=scaling, act_scale=act_scale, fast_accum=fast_accum,
-                                  cast_output=False)
+                                  cast_output=False, out_scale=out_scale)
+            self.register_buffer("qkv_out_scale", None if out_scale is None else torch.tensor(
+                float(out_scale), dtype=torch.float32, device=w.device))
+            # 1 / the attention-output GEMM's static input scale: FP8 attention writes its output
+            # in that scale (set by swap_to_fp8 once that GEMM is FP8)
+            self.register_buffer("o_inv_scale", None)
 
         def forward(self, hidden_states, attention_mask=None, *args, **kwargs):
             bsz, seq = hidden_states.shape[:2]
-            qkv = self.qkv(hidden_states).view(bsz, seq, 3, self.num_heads, self.head_dim)
+            qkv = self.qkv(hidden_states)
+            if qkv.dtype == torch.float8_e4m3fn:
+                qkv = (qkv.float() * self.qkv_out_scale).to(self.qkv.act_dtype)
+            qkv = qkv.view(bsz, seq, 3, self.num_heads, self.head_dim)
             q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
             mask = attention_mask
             if mask is not None and mask.dtype != torch.bool and mask.dtype != q.dtype:
@@ -477,14 +488,18 @@ def ffn_up_names(names: Iterable[str]) -> list[str]:
 def swap_to_fp8(model, act_amax: Optional[Mapping[str, float]] = None, *, scaling: str = "tensor",
                 gemms=DEFAULT_GEMMS, fuse_qkv: bool = True, fast_accum: bool = False,
                 act_margin: float = 2.0, keep_layers: Iterable[int] = (),
-                ffn_hidden_fp8: bool = False, ffn_gelu: str = "exact") -> dict[str, Any]:
+                ffn_hidden_fp8: bool = False, ffn_gelu: str = "exact",
+                attention_fp8: bool = False) -> dict[str, Any]:
     """Replace encoder Linears of ``model`` (those of the kinds in ``gemms``) in place by FP8 modules.
 
     ``act_amax`` (name -> calibrated input amax, ``calibrate_amax``) is needed for the static
     scalings. ``ffn_hidden_fp8``: in every layer whose two FFN GEMMs are both FP8, the hidden
     activations between them stay e4m3 (``Fp8Intermediate``; needs per-tensor scaling and the
     up-projections' calibrated output amax, ``name + OUT``); ``ffn_gelu`` (FFN_GELUS) is the GELU
-    between them.
+    between them. ``attention_fp8``: in every layer whose fused QKV and attention-output GEMMs are
+    both FP8, Q, K and V are written in e4m3 (needs the q/k/v outputs' calibrated amax, ``name +
+    OUT``) and the attention output is read in e4m3 at the output GEMM's input scale: the packed
+    encoder runs attention in FP8 there (cudnn_fp8_attention.py).
     ``keep_layers``: encoder layer indices left entirely in 16 bits. Returns what was done:
     ``swapped`` (original Linear names now computed in FP8), ``fused_qkv`` (self-attention
     modules replaced by a fused-QKV FP8 attention), ``gemms`` (FP8 GEMMs per forward), ``kept``
@@ -498,6 +513,12 @@ def swap_to_fp8(model, act_amax: Optional[Mapping[str, float]] = None, *, scalin
     if static and not act_amax:
         raise ValueError(f"scaling '{scaling}' needs calibrated activation amax values (act_amax)")
     check_ffn_hidden(scaling, gemms, ffn_hidden_fp8, ffn_gelu)
+    check_attention_fp8(scaling, gemms, fuse_qkv, attention_fp8)
+    if attention_fp8:
+        missing = [n for n in qkv_names(target_linears(model, gemms)) if n + OUT not in act_amax]
+        if missing:
+            raise ValueError(f"attention_fp8 needs the calibrated output amax of {missing[0]} "
+                             f"(calibrate_amax(..., outputs=qkv_names(...)))")
     if ffn_hidden_fp8:
         missing = [n for n in ffn_up_names(target_linears(model, gemms)) if n + OUT not in act_amax]
         if missing:
@@ -526,8 +547,11 @@ def swap_to_fp8(model, act_amax: Optional[Mapping[str, float]] = None, *, scalin
             dims = [getattr(attn, a).weight.shape for a in _QKV]
             if any(d[0] % 16 or d[1] % 16 for d in dims):
                 continue  # handled (and reported) per Linear below
+            out_scale = None
+            if attention_fp8 and _fp8_able(model, attn_name[: -len("self")] + "output.dense", targets, done):
+                out_scale = static_act_scale(max(float(act_amax[n + OUT]) for n in names), act_margin)
             _set_submodule(model, attn_name, Fp8SelfAttention_(attn, act_scale=scale_for(names), scaling=scaling,
-                                                               fast_accum=fast_accum))
+                                                               fast_accum=fast_accum, out_scale=out_scale))
             fused.append(attn_name)
             swapped += names
             done.update(names)
@@ -547,6 +571,16 @@ def swap_to_fp8(model, act_amax: Optional[Mapping[str, float]] = None, *, scalin
                                                            fast_accum=fast_accum, out_scale=out_scale))
         swapped.append(name)
         n_gemms += 1
+    attention_fp8_layers = []
+    for attn_name in fused:
+        sa = model.get_submodule(attn_name)
+        out = attn_name[: -len("self")] + "output.dense"
+        if sa.qkv_out_scale is None:
+            continue
+        if out not in swapped:  # never reached: _fp8_able said it would be swapped
+            raise ValueError(f"{attn_name} writes e4m3 Q, K, V but {out} is not an FP8 GEMM")
+        sa.o_inv_scale = torch_tensor(1.0 / model.get_submodule(out).act_scale_value, sa.qkv_out_scale)
+        attention_fp8_layers.append(attn_name)
     hidden_fp8 = []
     for name in swapped:
         up = model.get_submodule(name) if gemm_kind(name) == "ffn_in" else None
@@ -557,7 +591,29 @@ def swap_to_fp8(model, act_amax: Optional[Mapping[str, float]] = None, *, scalin
         act = model.get_submodule(inter).intermediate_act_fn
         _set_submodule(model, inter, Fp8Intermediate_(up, act, model.get_submodule(down).act_scale_value, ffn_gelu))
         hidden_fp8.append(inter)
-    return {"swapped": swapped, "fused_qkv": fused, "gemms": n_gemms, "kept": kept, "ffn_hidden_fp8": hidden_fp8}
+    return {"swapped": swapped, "fused_qkv": fused, "gemms": n_gemms, "kept": kept, "ffn_hidden_fp8": hidden_fp8,
+            "attention_fp8": attention_fp8_layers}
+
+
+def torch_tensor(value: float, like):
+    """A 0-d fp32 tensor on ``like``'s device."""
+    import torch
+
+    return torch.tensor(float(value), dtype=torch.float32, device=like.device)
+
+
+def qkv_names(names: Iterable[str]) -> list[str]:
+    """The query/key/value projections among ``names``: the Linears whose outputs
+    ``swap_to_fp8(attention_fp8=True)`` needs calibrated."""
+    return [n for n in names if gemm_kind(n) == "qkv"]
+
+
+def check_attention_fp8(scaling: str, gemms, fuse_qkv: bool, attention_fp8: bool) -> None:
+    """ValueError unless FP8 attention's options fit the rest."""
+    if attention_fp8 and (scaling != "tensor" or not fuse_qkv or not {"qkv", "attn_out"} <= set(parse_gemms(gemms))):
+        raise ValueError("attention: fp8 needs scaling 'tensor', fuse_qkv and both attention GEMMs (qkv, attn_out) "
+                         f"in FP8, not scaling '{scaling}' with gemms {','.join(parse_gemms(gemms))}"
+                         + ("" if fuse_qkv else " and fuse_qkv false"))
 
 
 def _fp8_able(model, name: str, targets: list[str], done: set[str]) -> bool:

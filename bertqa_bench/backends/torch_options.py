@@ -8,7 +8,7 @@ from typing import Optional
 
 from ..errors import ConfigError
 from ..model.checkpoint import PACKED_FAMILIES  # noqa: F401 - the families the padding-free encoder computes
-from .torch_fp8 import SCALINGS, check_ffn_hidden, parse_gemms
+from .torch_fp8 import SCALINGS, check_attention_fp8, check_ffn_hidden, parse_gemms
 
 DTYPES = ("fp32", "fp16", "bf16")
 # Families whose encoder is BertModel's layout (tests/test_checkpoint.py checks the FP8/INT8
@@ -19,6 +19,7 @@ CUDA_GRAPHS = ("none", "trees", "manual")
 SDPA_BACKENDS = ("cudnn", "efficient", "flash", "math")
 # the padding-free encoder's variable-length attention on CUDA (packed_bert.py)
 PACKED_ATTENTION = ("flash", "cudnn")
+FP8_ATTENTION = ("fp16", "fp8")
 
 
 def parse_layers(text: str) -> tuple[int, ...]:
@@ -44,6 +45,10 @@ class Fp8Options:
     # that hidden path's GELU: exact (the model's erf form) or tanh (one Triton kernel with the
     # GPU's tanh.approx; torch_fp8.FFN_GELUS, gelu_fp8.py); tanh needs ffn_hidden_fp8
     ffn_gelu: str = "exact"
+    # attention itself: fp16 (the packed encoder's kernel or SDPA, in 16 bits), or fp8 (Q, K, V,
+    # the softmax probabilities and the output in e4m3 through cuDNN's FP8 attention,
+    # cudnn_fp8_attention.py; packed with packed_attention: cudnn, both attention GEMMs in FP8)
+    attention: str = "fp16"
 
     def __post_init__(self):
         if self.scaling not in SCALINGS:
@@ -54,6 +59,12 @@ class Fp8Options:
             raise ConfigError(f"fp8.gemms: {e}") from None
         try:
             check_ffn_hidden(self.scaling, self.gemms, self.ffn_hidden_fp8, self.ffn_gelu)
+        except ValueError as e:
+            raise ConfigError(f"fp8.{e}") from None
+        if self.attention not in FP8_ATTENTION:
+            raise ConfigError(f"fp8.attention '{self.attention}' is not one of {', '.join(FP8_ATTENTION)}")
+        try:
+            check_attention_fp8(self.scaling, self.gemms, self.fuse_qkv, self.attention == "fp8")
         except ValueError as e:
             raise ConfigError(f"fp8.{e}") from None
         if self.act_margin <= 0 or self.calibration_batches < 1:
@@ -188,6 +199,9 @@ class TorchOptions:
         if self.fp8 is not None and self.fp8.ffn_gelu == "epilogue" and self.packed and not self.token_bucket:
             raise ConfigError("fp8.ffn_gelu: epilogue plans one cuBLASLt GEMM per token count; packed batches need "
                               "token_bucket (a few bucket sizes), not a new token count every batch")
+        if self.fp8 is not None and self.fp8.attention == "fp8" and not (self.packed and self.packed_attention == "cudnn"):
+            raise ConfigError("fp8.attention: fp8 is cuDNN's FP8 attention on the padding-free encoder: it needs "
+                              "packed: true and packed_attention: cudnn")
         if self.host_pack and not self.token_bucket:
             raise ConfigError("host_pack feeds the token buckets' CUDA graphs: it needs packed: true and token_bucket")
 
