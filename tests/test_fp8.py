@@ -1221,6 +1221,7 @@ def test_host_bucket_lengths_equal_the_devices():
                                                   "torch-compile-fp8-graph-packed-gelu-epilogue",
                                                   "torch-compile-fp8-graph-packed-cudnn-epilogue",
                                                   "torch-compile-fp8all-graph-packed-cudnn-epilogue",
+                                                  "torch-compile-fp8all-graph-packed-cudnn-attn",
                                                   "torch-compile-fp8all-graph-packed-cudnn-fp8attn",
                                                   "torch-compile-fp16-packed-cudnn-attn"))
 def test_fp8_attention_and_packing_variants_track_fp32_on_gpu(tmp_path, name):
@@ -1248,6 +1249,8 @@ def test_fp8_attention_and_packing_variants_track_fp32_on_gpu(tmp_path, name):
         assert info["attention_kernel"].startswith("cuDNN")
     if "epilogue" in name:
         assert info["fp8_ffn_gelu"].startswith("tanh form, cuBLASLt GELU_BIAS epilogue")
+    if "fp8attn" in name:
+        assert info["fp8_attention"].startswith("e4m3 Q, K, V")
     for out, ref, b in zip(outs, refs, batches):
         valid = b["attention_mask"].astype(bool)
         for n in OUTPUTS:

@@ -27,7 +27,8 @@ import threading
 
 import torch
 
-E4M3_MAX = 448.0
+from .gelu_fp8 import E4M3_MAX
+
 SCALE_S = 256.0
 INSTALL = "pip install nvidia-cudnn-frontend"
 
