@@ -857,12 +857,13 @@ def test_cudnn_fp8_attention_on_gpu_is_attention_up_to_the_e4m3_roundings():
     q8, k8, v8 = (t.cuda() for t in qkv8.cuda().unbind(1))
     qkv_scale, o_inv, scale = 0.01, 100.0, 64 ** -0.5
     sq, so = torch.tensor(qkv_scale, device="cuda"), torch.tensor(o_inv, device="cuda")
-    got = fa.fp8_varlen_attention(q8, k8, v8, cu.cuda(), 64, scale, sq, so)
+    cu_gpu = cu.cuda()  # made before capture: a host-to-device copy cannot be captured
+    got = fa.fp8_varlen_attention(q8, k8, v8, cu_gpu, 64, scale, sq, so)
     err, allowed = _fp8_attention_bound(q8.cpu(), k8.cpu(), v8.cpu(), cu, scale, qkv_scale, o_inv, got.cpu())
     assert bool((err <= allowed).all()), float((err - allowed).max())
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = fa.fp8_varlen_attention(q8, k8, v8, cu.cuda(), 64, scale, sq, so)
+        captured = fa.fp8_varlen_attention(q8, k8, v8, cu_gpu, 64, scale, sq, so)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured.view(torch.uint8), got.view(torch.uint8))
