@@ -802,7 +802,7 @@ def test_fp8_attention_swaps_qkv_to_e4m3_and_the_packed_model_tracks_the_padded_
     amax), the layer knows 1 / the output GEMM's input scale, the padded forward decodes Q, K, V
     for SDPA, and the packed encoder runs the FP8 pipeline (the op's torch path on the CPU): its
     logits stay within the FP8 rows' bound of the padded model's."""
-    from bertqa_bench.backends.packed_bert import pack_model
+    from bertqa_bench.backends.packed_bert import encoder_of, pack_model
 
     model = qa(tiny_bert(hidden=64))
     ids, mask, types = inputs()
@@ -820,6 +820,8 @@ def test_fp8_attention_swaps_qkv_to_e4m3_and_the_packed_model_tracks_the_padded_
     assert float(sa.o_inv_scale) == pytest.approx(1.0 / out_dense.act_scale_value)
     packed_model = copy.deepcopy(model)
     pack_model(packed_model.model)
+    assert encoder_of(packed_model.model).kernel_name.startswith("cuDNN FP8 attention") and "in 2 layers" in \
+        encoder_of(packed_model.model).kernel_name
     with torch.no_grad():
         padded = model(*x)
         packed = packed_model(*x)

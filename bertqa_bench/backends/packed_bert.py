@@ -133,6 +133,10 @@ class PackedEncoder(nn.Module):
 
     @property
     def kernel_name(self) -> str:
+        layers = () if self.family == "distilbert" else self.bert.encoder.layer
+        n_fp8 = sum(getattr(layer.attention.self, "o_inv_scale", None) is not None for layer in layers)
+        if n_fp8:  # layers whose QKV GEMM writes e4m3 run cuDNN's FP8 attention, whatever the 16-bit kernel
+            return f"cuDNN FP8 attention, ragged offsets (cudnn-frontend sdpa_fp8) in {n_fp8} layers"
         if self._kernel is None:
             return "per-sequence SDPA"
         if self.attention == "cudnn":

@@ -148,7 +148,8 @@ def quantize_fp8(module, f: Fp8Options, batches) -> dict:
         "fp8_ffn_gelu": gelu_info(f.ffn_gelu, module),
         "fp8_attention": (f"e4m3 Q, K, V, probabilities and output in {len(done['attention_fp8'])} layers "
                           "(cuDNN FP8 attention)" if f.attention == "fp8" else "16-bit"),
-        "fp8_not_fp8": "embeddings, layernorms, attention softmax/PV (SDPA), qa head"
+        "fp8_not_fp8": "embeddings, layernorms, "
+                       + ("" if f.attention == "fp8" else "attention softmax/PV (SDPA), ") + "qa head"
                        + ("" if "attn_out" in gemms else ", attention output projection"),
     })
     if amax is not None:
