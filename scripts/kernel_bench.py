@@ -60,6 +60,17 @@ def graphed(fn):
     return g.replay, out
 
 
+def timed_eager_and_graphed(fn, out, args) -> dict:
+    """fn timed eagerly and replayed in a CUDA graph, and whether the replay writes ``out``'s bytes."""
+    rec = timed(fn, args.warmup, args.iters)
+    replay, gout = graphed(fn)
+    replay()
+    torch.cuda.synchronize()
+    rec["graph_replay_equals_eager"] = bool(torch.equal(gout.view(torch.uint8), out.view(torch.uint8)))
+    rec["graph"] = timed(replay, args.warmup, args.iters)
+    return rec
+
+
 def epilogue_support(emit) -> None:
     """Which cuBLASLt epilogues nvmath plans for an e4m3 x e4m3 GEMM with an e4m3 result here."""
     from nvmath.linalg.advanced import Matmul, MatmulEpilog
@@ -136,12 +147,7 @@ def attention(args, hidden, heads, emit) -> None:
             decoded = out.float() / 16.0 if out.dtype == torch.float8_e4m3fn else out.float()
             rec["max_abs_err_vs_fp32_sdpa"] = float((decoded - ref).abs().max())
             rec["dtype"] = str(out.dtype)
-            rec.update(timed(fn, args.warmup, args.iters))
-            replay, gout = graphed(fn)
-            replay()
-            torch.cuda.synchronize()
-            rec["graph_replay_equals_eager"] = bool(torch.equal(gout.view(torch.uint8), out.view(torch.uint8)))
-            rec["graph"] = timed(replay, args.warmup, args.iters)
+            rec.update(timed_eager_and_graphed(fn, out, args))
         except Exception as e:  # noqa: BLE001 - one kernel's failure is a result, the others still run
             rec["error"] = f"{type(e).__name__}: {e}"[:2000]
         emit(rec)
@@ -224,12 +230,7 @@ def ffn_up(args, hidden, ffn, emit) -> None:
                        share_within_one_code=float((diff <= 1).float().mean()),
                        max_codes_apart=int(diff.max()), nan=int(out.float().isnan().sum()),
                        max_abs_err=float((out.float() - ref.float()).abs().max()))
-            rec.update(timed(fn, args.warmup, args.iters))
-            replay, gout = graphed(fn)
-            replay()
-            torch.cuda.synchronize()
-            rec["graph_replay_equals_eager"] = bool(torch.equal(gout.view(torch.uint8), out.view(torch.uint8)))
-            rec["graph"] = timed(replay, args.warmup, args.iters)
+            rec.update(timed_eager_and_graphed(fn, out, args))
             rec["floor_MB"] = (args.tokens * hidden + args.tokens * ffn) / 1e6
         except Exception as e:  # noqa: BLE001
             import traceback
