@@ -207,22 +207,20 @@ class PackedEncoder(nn.Module):
         for layer in self.bert.encoder.layer:
             att = layer.attention
             sa = att.self
-            if getattr(sa, "o_inv_scale", None) is not None:  # FP8 attention: e4m3 Q, K, V and output
-                q, k, v = sa.qkv(x).view(t, 3, self.heads, self.head_dim).unbind(1)
-                ctx8 = self._fp8_attention(q, k, v, cu, max_len, self.scale, sa.qkv_out_scale, sa.o_inv_scale)
-                # the output GEMM takes e4m3 input as quantized at its own static input scale
-                x = att.output.LayerNorm(att.output.dense(ctx8.reshape(t, -1)) + x)
-                h = layer.intermediate(x)
-                x = layer.output.LayerNorm(layer.output.dense(h) + x)
-                continue
             if hasattr(sa, "qkv"):  # FP8's fused query/key/value (torch_fp8): one GEMM, [T, 3 x hidden]
                 q, k, v = sa.qkv(x).view(t, 3, self.heads, self.head_dim).unbind(1)
             else:
                 q = sa.query(x).view(t, self.heads, self.head_dim)
                 k = sa.key(x).view(t, self.heads, self.head_dim)
                 v = sa.value(x).view(t, self.heads, self.head_dim)
-            # (the fused FP8 GEMM may write bf16 under rowwise scaling: back to the model's dtype)
-            ctx = self._attention(q, k, v, cu, max_len).reshape(t, -1).to(x.dtype)
+            if getattr(sa, "o_inv_scale", None) is not None:
+                # FP8 attention on e4m3 Q, K, V: its e4m3 output is quantized at the output GEMM's
+                # own static input scale, so that GEMM takes it as it is
+                ctx = self._fp8_attention(q, k, v, cu, max_len, self.scale, sa.qkv_out_scale,
+                                          sa.o_inv_scale).reshape(t, -1)
+            else:
+                # (the fused FP8 GEMM may write bf16 under rowwise scaling: back to the model's dtype)
+                ctx = self._attention(q, k, v, cu, max_len).reshape(t, -1).to(x.dtype)
             x = att.output.LayerNorm(att.output.dense(ctx) + x)
             h = layer.intermediate(x)  # dense + activation (e4m3 out of FP8's Fp8Intermediate)
             x = layer.output.LayerNorm(layer.output.dense(h) + x)
