@@ -579,7 +579,7 @@ def swap_to_fp8(model, act_amax: Optional[Mapping[str, float]] = None, *, scalin
             continue
         if out not in swapped:  # never reached: _fp8_able said it would be swapped
             raise ValueError(f"{attn_name} writes e4m3 Q, K, V but {out} is not an FP8 GEMM")
-        sa.o_inv_scale = torch_tensor(1.0 / model.get_submodule(out).act_scale_value, sa.qkv_out_scale)
+        sa.o_inv_scale = sa.qkv_out_scale.new_tensor(1.0 / model.get_submodule(out).act_scale_value)
         attention_fp8_layers.append(attn_name)
     hidden_fp8 = []
     for name in swapped:
@@ -593,13 +593,6 @@ def swap_to_fp8(model, act_amax: Optional[Mapping[str, float]] = None, *, scalin
         hidden_fp8.append(inter)
     return {"swapped": swapped, "fused_qkv": fused, "gemms": n_gemms, "kept": kept, "ffn_hidden_fp8": hidden_fp8,
             "attention_fp8": attention_fp8_layers}
-
-
-def torch_tensor(value: float, like):
-    """A 0-d fp32 tensor on ``like``'s device."""
-    import torch
-
-    return torch.tensor(float(value), dtype=torch.float32, device=like.device)
 
 
 def qkv_names(names: Iterable[str]) -> list[str]:
