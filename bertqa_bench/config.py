@@ -385,6 +385,12 @@ class LoadGenConfig:
     # None: from the same process's bench throughput (bench features/s x server_qps_fraction)
     server_target_qps: Optional[float] = None
     server_qps_fraction: float = 0.5
+    # Offline: LoadGen sizes its one query as expected QPS x min_duration (+10%); the expected QPS
+    # is the same process's bench throughput times this. Above 1 guards against a run that ends
+    # before min_duration (INVALID) when LoadGen's rate beats the bench's, at the cost of a longer
+    # run (2: about twice min_duration); a 600 s run may take 1.0, since LoadGen's rate stays at or
+    # below the bench passes' (it adds its own per-query work)
+    offline_qps_hint: float = 2.0
     server_target_latency_ns: int = 130_000_000
     server_target_latency_percentile: float = 0.99
     # The SUT's dynamic batcher: at most this many samples a batch (None: the variant's batch
@@ -416,6 +422,8 @@ class LoadGenConfig:
                 raise ConfigError(f"loadgen.{k} must be in (0, 1)")
         if self.server_target_qps is not None and self.server_target_qps <= 0:
             raise ConfigError("loadgen.server_target_qps must be positive")
+        if not 0.0 < self.offline_qps_hint:
+            raise ConfigError("loadgen.offline_qps_hint must be positive")
         if not 0.0 < self.server_qps_fraction:
             raise ConfigError("loadgen.server_qps_fraction must be positive")
         if self.server_target_latency_ns <= 0:

@@ -8,6 +8,12 @@ would replace, with its numerics checked against a reference on the same inputs:
 * the FFN's first half: the FP8 up-projection writing e4m3 then the Triton tanh-GELU kernel
   (``ffn_gelu: tanh``) against cuBLASLt's GELU_BIAS epilogue through nvmath-python
   (``ffn_gelu: epilogue``); reference: the epilogue's formula in fp32 (gemm_epilogue.py);
+* the layer's other FP8 GEMMs (QKV, attention output, FFN down, fp16 out with their bias): torch's
+  ``_scaled_mm`` (cuBLASLt's heuristic choice, today's path) against the same cuBLASLt GEMM through
+  nvmath-python, first at the heuristic's choice, then autotuned among its candidates; for the two
+  GEMMs a residual follows, also with the residual added in the GEMM (cuBLASLt's C operand, beta 1)
+  and the Inductor LayerNorm + e4m3 quantize kernel that then reads one tensor instead of two;
+  reference: the same GEMM in fp32 on the decoded e4m3 values;
 * each inside a captured CUDA graph as well, replayed and compared with its eager result.
 
 Times are CUDA-event medians (min-max) over ``--iters`` calls after ``--warmup``; each line of the
@@ -195,7 +201,11 @@ def ffn_up(args, hidden, ffn, emit) -> None:
                                                                               1 / down_scale)
         alone["gemm + gelu (two kernels)"] = lambda: paths["tanh"](x8)
     if "epilogue" in paths:
-        alone["gemm_gelu_bias_epilogue (nvmath, heuristic)"] = lambda: paths["epilogue"](x8)
+        alone["gemm_gelu_bias_epilogue (nvmath, heuristic, fast accumulation)"] = lambda: paths["epilogue"](x8)
+        ep = paths["epilogue"]
+        alone["gemm_gelu_bias_epilogue (nvmath, heuristic, fp32 promotion: no fast accumulation)"] = \
+            lambda: gemm_epilogue.gemm_gelu_fp8(x8, up.weight_fp8, ep.epilogue_bias, up.weight_scale, sa,
+                                                ep.down_inv_scale, False)
     for label, fn in alone.items():
         rec = {"what": "ffn_up_kernels", "kernel": label, "tokens": args.tokens, "hidden": hidden, "ffn": ffn}
         try:
@@ -207,7 +217,7 @@ def ffn_up(args, hidden, ffn, emit) -> None:
     if "epilogue" in paths and args.autotune:
         gemm_epilogue._PLANS.clear()
         gemm_epilogue.AUTOTUNE_ITERATIONS = args.autotune
-        rec = {"what": "ffn_up_kernels", "kernel": f"gemm_gelu_bias_epilogue (nvmath, autotuned x{args.autotune})",
+        rec = {"what": "ffn_up_kernels", "kernel": f"gemm_gelu_bias_epilogue (nvmath, autotuned x{args.autotune}, fast accumulation)",
                "tokens": args.tokens}
         try:
             replay, _ = graphed(lambda: paths["epilogue"](x8))
@@ -240,6 +250,106 @@ def ffn_up(args, hidden, ffn, emit) -> None:
         emit(rec)
 
 
+def _nvmath_fp8_gemm(w8, x8, bias, sw, sx, *, residual=None, autotune: int = 0):
+    """cuBLASLt through nvmath: D = x8 @ w8^T * sx * sw + bias (+ residual), fp16, fast accumulation.
+    Computed transposed as in gemm_epilogue.py (D^T = W @ X^T, column-major: D row-major)."""
+    import nvmath
+    from nvmath.linalg.advanced import Matmul, MatmulEpilog
+
+    kw = {} if residual is None else {"c": residual.t(), "beta": 1.0}
+    mm = Matmul(w8, x8.t(), quantization_scales={"a": sw, "b": sx},
+                options={"result_type": nvmath.CudaDataType.CUDA_R_16F, "fast_accumulation": True}, **kw)
+    mm.plan(epilog=MatmulEpilog.BIAS, epilog_inputs={"bias": bias})
+    if autotune:
+        mm.autotune(iterations=autotune)
+
+    def run():
+        d = mm.execute(release_workspace=False, stream=torch.cuda.current_stream())
+        return (d[0] if isinstance(d, tuple) else d).t()
+    return run, mm
+
+
+def gemms(args, hidden, ffn, emit) -> None:
+    """The FP8 GEMMs with a 16-bit output, torch's path against nvmath's, with and without the residual."""
+    from bertqa_bench.backends.torch_fp8 import fp8_classes, static_act_scale
+
+    Fp8Linear = fp8_classes()[0]
+    torch.manual_seed(0)
+    m = args.tokens
+    for name, n, k, residual in (("qkv", 3 * hidden, hidden, False), ("attn_out", hidden, hidden, True),
+                                 ("ffn_down", hidden, ffn, True)):
+        w = (torch.randn(n, k, device="cuda") * k ** -0.5).half()
+        b = (torch.randn(n, device="cuda") * 0.1).half()
+        x = torch.randn(m, k, device="cuda").half()
+        lin = Fp8Linear(w, b, scaling="tensor", act_scale=static_act_scale(float(x.abs().amax())), fast_accum=True)
+        x8, sx = lin.quantize_input(x)
+        ref = (x8.float() @ lin.weight_fp8.float().t()) * (sx * lin.weight_scale) + b.float()
+        r = torch.randn(m, n, device="cuda").half()
+        base = {"what": "gemm", "gemm": name, "M": m, "N": n, "K": k, "tflop": round(2 * m * n * k / 1e12, 4)}
+        paths = {"torch._scaled_mm (fast accum)": (lambda: lin(x8), False)}
+        try:
+            for tune in (0, args.autotune):
+                run, mm = _nvmath_fp8_gemm(lin.weight_fp8, x8, b, lin.weight_scale, sx, autotune=tune)
+                paths[f"nvmath BIAS, {'autotuned x%d' % tune if tune else 'heuristic'}"] = (run, False)
+                if residual:
+                    run_r, _ = _nvmath_fp8_gemm(lin.weight_fp8, x8, b, lin.weight_scale, sx, residual=r,
+                                                autotune=tune)
+                    paths[f"nvmath BIAS + residual (C, beta 1), {'autotuned x%d' % tune if tune else 'heuristic'}"] \
+                        = (run_r, True)
+                if not args.autotune:
+                    break
+        except Exception as e:  # noqa: BLE001 - torch's path is still timed
+            emit({**base, "kernel": "nvmath", "error": f"{type(e).__name__}: {e}"[:1500]})
+        for label, (fn, adds_residual) in paths.items():
+            rec = {**base, "kernel": label}
+            try:
+                out = fn()
+                want = ref + r.float() if adds_residual else ref
+                rec["max_rel_err"] = float(((out.float() - want).abs() / (want.abs() + 1)).max())
+                rec.update(timed_eager_and_graphed(fn, out, args))
+                rec["pflops_graph"] = round(rec["tflop"] / (rec["graph"]["us_median"] * 1e-6) / 1e3, 3)
+            except Exception as e:  # noqa: BLE001
+                rec["error"] = f"{type(e).__name__}: {e}"[:1500]
+            emit(rec)
+        if residual:
+            _layernorm_after(args, x.new_empty(m, n).copy_(ref), r, emit, base)
+
+
+def _layernorm_after(args, y, r, emit, base) -> None:
+    """Residual + LayerNorm + e4m3 quantize (the packed encoder's pass after this GEMM), compiled by
+    Inductor, reading the GEMM's output and the residual, against LayerNorm + quantize reading one
+    tensor (the residual already added in the GEMM)."""
+    n = y.shape[1]
+    ln = torch.nn.LayerNorm(n, device="cuda", dtype=torch.float16)
+    inv = 1.0 / static_scale_for(y + r)
+
+    def two(y, r):
+        h = ln(y + r)
+        return h, (h.float() * inv).clamp(-448, 448).to(torch.float8_e4m3fn)
+
+    def one(s):
+        h = ln(s)
+        return h, (h.float() * inv).clamp(-448, 448).to(torch.float8_e4m3fn)
+    s = y + r
+    for label, fn in (("residual + LayerNorm + quantize (reads 2 tensors)", torch.compile(two, dynamic=False)),
+                      ("LayerNorm + quantize (reads 1 tensor)", torch.compile(one, dynamic=False))):
+        call = (lambda f=fn: f(y, r)[1]) if "2" in label else (lambda f=fn: f(s)[1])
+        reads = 2 if "2" in label else 1
+        rec = {**base, "what": "layernorm", "kernel": label, "floor_MB": y.numel() * (2 * reads + 2 + 1) / 1e6}
+        try:
+            out = call()
+            rec.update(timed_eager_and_graphed(call, out, args))
+        except Exception as e:  # noqa: BLE001
+            rec["error"] = f"{type(e).__name__}: {e}"[:1500]
+        emit(rec)
+
+
+def static_scale_for(t) -> float:
+    from bertqa_bench.backends.torch_fp8 import static_act_scale
+
+    return static_act_scale(float(t.abs().amax()))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="bert-large")
@@ -248,7 +358,7 @@ def main(argv=None) -> int:
     p.add_argument("--seq-max", type=int, default=384)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--iters", type=int, default=50)
-    p.add_argument("--only", choices=("attention", "ffn_up"), default=None)
+    p.add_argument("--only", choices=("attention", "ffn_up", "gemms"), default=None)
     p.add_argument("--autotune", type=int, default=5, help="also time the epilogue autotuned (iterations; 0: not)")
     p.add_argument("--out", default="-", help="JSON lines file (default stdout)")
     args = p.parse_args(argv)
@@ -281,6 +391,8 @@ def main(argv=None) -> int:
         except Exception as e:  # noqa: BLE001
             emit({"what": "epilogue_support", "error": f"{type(e).__name__}: {e}"[:500]})
         ffn_up(args, hidden, ffn, emit)
+    if args.only in (None, "gemms"):
+        gemms(args, hidden, ffn, emit)
     return 0
 
 

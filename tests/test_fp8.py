@@ -833,6 +833,93 @@ def test_fp8_attention_swaps_qkv_to_e4m3_and_the_packed_model_tracks_the_padded_
         fp8.swap_to_fp8(copy.deepcopy(model), amax, gemms="qkv,ffn_in,ffn_out", attention_fp8=True)
 
 
+# --------------------------------------------------------------------------- the residual in the GEMM
+
+@needs_cpu_scaled_mm
+def test_residual_in_gemm_calls_the_gemm_with_the_residual_and_the_packed_model_keeps_its_answers():
+    """residual: gemm on the padding-free encoder: the attention-output and FFN-down FP8 GEMMs add
+    the residual themselves (gemm_epilogue's op, its torch formula on the CPU), every one of them
+    is called with it, and the logits are the LayerNorm-path model's up to fp32 summation order."""
+    from bertqa_bench.backends import gemm_epilogue as ge
+    from bertqa_bench.backends.packed_bert import pack_model
+
+    model = qa(tiny_bert(hidden=64))
+    ids, mask, types = inputs()
+    x = (ids, mask, types)
+    targets = fp8.target_linears(model, fp8.GEMM_KINDS)
+    amax = fp8.calibrate_amax(model, [x], targets)
+    plain = copy.deepcopy(model)
+    fp8.swap_to_fp8(plain, amax, gemms="all")
+    done = fp8.swap_to_fp8(model, amax, gemms="all", residual="gemm")
+    assert sorted(fp8.gemm_kind(n) for n in done["residual_in_gemm"]) == ["attn_out"] * 2 + ["ffn_out"] * 2
+    calls = []
+    for name in done["residual_in_gemm"]:
+        lin = model.get_submodule(name)
+        assert lin.residual_in_gemm and "residual added in the GEMM" in lin.extra_repr()
+        lin._gemm_add = lambda *a, _f=lin._gemm_add, _n=name: calls.append(_n) or _f(*a)
+    pack_model(model.model)
+    pack_model(plain.model)
+    with torch.no_grad():
+        got = model(*x)
+        want = plain(*x)
+    assert sorted(calls) == sorted(done["residual_in_gemm"])
+    real = mask.bool()
+    for g, w in zip(got, want):
+        assert (g - w)[real].abs().max() < 1e-4
+    # the op is the formula: one GEMM of the decoded values, the bias and the residual
+    x8, w8, bias, sw, sx = _epilogue_operands()
+    r = torch.randn(x8.shape[0], w8.shape[0]).to(torch.float16)
+    y = ge.fp8_gemm_add(x8, w8, bias, sw, sx, r)
+    want = ((x8.float() @ w8.float().t()) * (sx * sw) + bias.float() + r.float()).to(torch.float16)
+    assert y.dtype == torch.float16 and torch.equal(y, want)
+
+
+def test_residual_in_gemm_options_are_checked():
+    from bertqa_bench.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="fp8.residual 'ffn' is not one of layernorm, gemm"):
+        torch_options.Fp8Options(residual="ffn")
+    with pytest.raises(ConfigError, match="residual: gemm .* needs scaling 'tensor' and attn_out or ffn_out"):
+        torch_options.Fp8Options(residual="gemm", gemms="qkv,ffn_in")
+    with pytest.raises(ConfigError, match="residual: gemm .* needs scaling 'tensor'"):
+        torch_options.Fp8Options(residual="gemm", scaling="rowwise")
+    f = torch_options.Fp8Options(residual="gemm")
+    with pytest.raises(ConfigError, match="fp8.residual: gemm .* needs packed: true and token_bucket"):
+        torch_options.TorchOptions(weights="fp16", fp8=f)
+    with pytest.raises(ConfigError, match="needs packed: true and token_bucket"):
+        torch_options.TorchOptions(weights="fp16", packed=True, fp8=f)
+    torch_options.TorchOptions(weights="fp16", packed=True, token_bucket=256, fp8=f)
+    with pytest.raises(ValueError, match="residual 'x' is not one of"):
+        fp8.swap_to_fp8(qa(tiny_bert()), None, scaling="rowwise", residual="x")
+
+
+@pytest.mark.gpu
+def test_residual_gemm_on_gpu_is_its_formula_and_captures():
+    """cuBLASLt with the residual as C (nvmath-python) against the formula in fp32: within what
+    its arithmetic allows (one fp16 rounding of the result, and fast FP8 accumulation, bounded
+    relative to the sum of the products' magnitudes); fp16 [M, N] row-major; a CUDA graph
+    captured after the shape was planned replays the same bytes."""
+    from bertqa_bench.backends import gemm_epilogue as ge
+
+    if ge.nvmath_unavailable_reason():
+        pytest.skip(ge.nvmath_unavailable_reason())
+    x8, w8, bias, sw, sx = (t.cuda() for t in _epilogue_operands(m=256, k=256, n=512))
+    r = torch.randn(256, 512, device="cuda").half()
+    for fast in (False, True):
+        got = ge.fp8_gemm_add(x8, w8, bias, sw, sx, r, fast)
+        assert got.shape == (256, 512) and got.is_contiguous() and got.dtype == torch.float16
+        exact = (x8.float() @ w8.float().t()) * (sx * sw) + bias.float() + r.float()
+        magnitude = (x8.float().abs() @ w8.float().abs().t()) * (sx * sw) + bias.float().abs() + r.float().abs()
+        # fp16 rounding: half a unit in the last place (2^-11 relative); accumulation: 2^-10 of the magnitude
+        assert bool(((got.float() - exact).abs() <= exact.abs() * 2.0 ** -11 + magnitude * 2.0 ** -10).all()), fast
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = ge.fp8_gemm_add(x8, w8, bias, sw, sx, r, fast)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, got)
+
+
 def test_fp8_attention_options_are_checked():
     from bertqa_bench.errors import ConfigError
 

@@ -49,7 +49,7 @@ def nvmath_unavailable_reason() -> str:
     try:
         import nvmath.linalg.advanced  # noqa: F401
     except ImportError as e:
-        return f"the GELU epilogue needs the package nvmath-python ({INSTALL}): {e}"
+        return f"cuBLASLt's epilogues need the package nvmath-python ({INSTALL}): {e}"
     return ""
 
 
@@ -81,12 +81,12 @@ def _e4m3_type():
     return nvmath.CudaDataType.CUDA_R_8F_E4M3
 
 
-def _matmul(x8, w8, bias, w_scale, x_scale, out_inv_scale):
+def _matmul(x8, w8, bias, w_scale, x_scale, out_inv_scale, fast_accum: bool):
     """D^T = GELU(W @ X^T * scales + bias) * out_inv_scale in e4m3, column-major; returns D [M, N]."""
     from nvmath.linalg.advanced import Matmul, MatmulEpilog
 
     stream = torch.cuda.current_stream(x8.device)
-    key = (x8.device.index, x8.shape[0], w8.shape[0], w8.shape[1])
+    key = (x8.device.index, x8.shape[0], w8.shape[0], w8.shape[1], fast_accum)
     scales = {"a": w_scale, "b": x_scale, "d": out_inv_scale}
     b = x8.t()  # [K, M], column-major: K contiguous
     mm = _PLANS.get(key)
@@ -95,7 +95,11 @@ def _matmul(x8, w8, bias, w_scale, x_scale, out_inv_scale):
             raise RuntimeError(f"the GELU epilogue for {tuple(x8.shape)} x {tuple(w8.shape)} was not planned before "
                                "CUDA graph capture (planning synchronizes the stream): run the shape once first")
         with _LOCK:
-            mm = Matmul(w8, b, quantization_scales=scales, options={"result_type": _e4m3_type()}, stream=stream)
+            # fast_accumulation: the same accumulation as the torch._scaled_mm GEMM this replaces
+            # (Hopper's FP8 tensor cores without the periodic promotion to fp32), else the two
+            # paths would differ in more than the epilogue
+            mm = Matmul(w8, b, quantization_scales=scales, stream=stream,
+                        options={"result_type": _e4m3_type(), "fast_accumulation": bool(fast_accum)})
             mm.plan(epilog=MatmulEpilog.GELU_BIAS, epilog_inputs={"bias": bias}, stream=stream)
             if AUTOTUNE_ITERATIONS > 0:
                 mm.autotune(iterations=AUTOTUNE_ITERATIONS, stream=stream)
@@ -114,22 +118,23 @@ def _matmul(x8, w8, bias, w_scale, x_scale, out_inv_scale):
 
 @torch.library.custom_op("bertqa::fp8_gemm_gelu", mutates_args=())
 def fp8_gemm_gelu(x8: torch.Tensor, w8: torch.Tensor, bias: torch.Tensor, w_scale: torch.Tensor,
-                  x_scale: torch.Tensor, out_inv_scale: torch.Tensor) -> torch.Tensor:
+                  x_scale: torch.Tensor, out_inv_scale: torch.Tensor, fast_accum: bool = False) -> torch.Tensor:
     """e4m3 [M, K] x8, [N, K] w8 -> e4m3 [M, N]: cuBLASLt's GELU_BIAS epilogue on CUDA, the same
-    formula in torch elsewhere. Scales are 0-d fp32 tensors (on the device: no host copy)."""
+    formula in torch elsewhere. Scales are 0-d fp32 tensors (on the device: no host copy).
+    ``fast_accum``: Hopper's fast FP8 accumulation (CUDA only; the torch formula accumulates in fp32)."""
     if x8.is_cuda:
-        return _matmul(x8.contiguous(), w8, bias, w_scale, x_scale, out_inv_scale)
+        return _matmul(x8.contiguous(), w8, bias, w_scale, x_scale, out_inv_scale, fast_accum)
     return fp8_gemm_gelu_reference(x8, w8, bias, w_scale, x_scale, out_inv_scale)
 
 
 @fp8_gemm_gelu.register_fake
-def _(x8, w8, bias, w_scale, x_scale, out_inv_scale):
+def _(x8, w8, bias, w_scale, x_scale, out_inv_scale, fast_accum=False):
     return x8.new_empty((x8.shape[0], w8.shape[0]), dtype=torch.float8_e4m3fn)
 
 
-def gemm_gelu_fp8(x8, w8, bias, w_scale, x_scale, out_inv_scale):
+def gemm_gelu_fp8(x8, w8, bias, w_scale, x_scale, out_inv_scale, fast_accum: bool = False):
     """``fp8_gemm_gelu`` as a plain function: what a module holds (a custom op object does not copy)."""
-    return fp8_gemm_gelu(x8, w8, bias, w_scale, x_scale, out_inv_scale)
+    return fp8_gemm_gelu(x8, w8, bias, w_scale, x_scale, out_inv_scale, fast_accum)
 
 
 def implementation(on_cuda: bool) -> str:
@@ -164,3 +169,73 @@ def bias_for_epilogue(bias: Optional[torch.Tensor], n: int, device) -> torch.Ten
     if bias is None:
         return torch.zeros(n, dtype=BIAS_DTYPE, device=device)
     return bias.detach().to(BIAS_DTYPE).contiguous()
+
+
+# --- the residual in the GEMM: D = x8 @ w8^T * scales + bias + residual, fp16 ----------------------
+# A BERT layer adds its residual right after the attention-output and FFN-down GEMMs, then runs
+# LayerNorm. Inductor fuses that add into the LayerNorm + e4m3 quantize pass, which then reads two
+# [tokens, hidden] fp16 tensors (the GEMM's output and the residual). cuBLASLt can add the residual
+# as its C operand (beta 1) in the GEMM's epilogue, where the tile is still in registers: the
+# LayerNorm pass then reads one tensor. Numerics: the sum is rounded to fp16 once, in the GEMM,
+# where the fused pass kept it in fp32 (one fp16 rounding of the LayerNorm's input more).
+
+
+def fp8_gemm_add_reference(x8, w8, bias, w_scale, x_scale, residual):
+    """The formula in fp32, rounded once to the residual's dtype."""
+    y = (x8.float() @ w8.float().t()) * (x_scale.float() * w_scale.float()) + residual.float()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(residual.dtype)
+
+
+def _matmul_add(x8, w8, bias, w_scale, x_scale, residual, fast_accum: bool):
+    """D^T = W @ X^T * scales + bias + R^T, fp16 column-major (D row-major [M, N]); see _matmul."""
+    import nvmath
+    from nvmath.linalg.advanced import Matmul, MatmulEpilog
+
+    stream = torch.cuda.current_stream(x8.device)
+    key = ("add", x8.device.index, x8.shape[0], w8.shape[0], w8.shape[1], fast_accum)
+    scales = {"a": w_scale, "b": x_scale}
+    b, c = x8.t(), residual.t()
+    mm = _PLANS.get(key)
+    if mm is None:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"the residual GEMM for {tuple(x8.shape)} x {tuple(w8.shape)} was not planned before "
+                               "CUDA graph capture (planning synchronizes the stream): run the shape once first")
+        with _LOCK:
+            mm = Matmul(w8, b, c=c, beta=1.0, quantization_scales=scales, stream=stream,
+                        options={"result_type": nvmath.CudaDataType.CUDA_R_16F, "fast_accumulation": bool(fast_accum)})
+            mm.plan(epilog=MatmulEpilog.BIAS, epilog_inputs={"bias": bias}, stream=stream)
+            if AUTOTUNE_ITERATIONS > 0:
+                mm.autotune(iterations=AUTOTUNE_ITERATIONS, stream=stream)
+            _PLANS[key] = mm
+    else:
+        mm.reset_operands(a=w8, b=b, c=c, quantization_scales=scales, epilog_inputs={"bias": bias}, stream=stream)
+    d = mm.execute(release_workspace=False, stream=stream)
+    if isinstance(d, tuple):
+        d = d[0]
+    out = d.t()
+    if not out.is_contiguous():
+        raise RuntimeError(f"cuBLASLt's residual GEMM wrote a {tuple(d.shape)} result with strides {d.stride()}, "
+                           "not the column-major layout LayerNorm reads")
+    return out
+
+
+@torch.library.custom_op("bertqa::fp8_gemm_add", mutates_args=())
+def fp8_gemm_add(x8: torch.Tensor, w8: torch.Tensor, bias: torch.Tensor, w_scale: torch.Tensor,
+                 x_scale: torch.Tensor, residual: torch.Tensor, fast_accum: bool = False) -> torch.Tensor:
+    """e4m3 [M, K] x8, [N, K] w8, fp16 [M, N] residual -> fp16 [M, N]: cuBLASLt with the residual
+    as C (beta 1) and the bias in its epilogue on CUDA, the same formula in torch elsewhere."""
+    if x8.is_cuda:
+        return _matmul_add(x8.contiguous(), w8, bias, w_scale, x_scale, residual.contiguous(), fast_accum)
+    return fp8_gemm_add_reference(x8, w8, bias, w_scale, x_scale, residual)
+
+
+@fp8_gemm_add.register_fake
+def _(x8, w8, bias, w_scale, x_scale, residual, fast_accum=False):
+    return residual.new_empty((x8.shape[0], w8.shape[0]))
+
+
+def gemm_add_fp8(x8, w8, bias, w_scale, x_scale, residual, fast_accum: bool = False):
+    """``fp8_gemm_add`` as a plain function (what a module holds)."""
+    return fp8_gemm_add(x8, w8, bias, w_scale, x_scale, residual, fast_accum)

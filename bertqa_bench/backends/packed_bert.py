@@ -95,6 +95,13 @@ def _cudnn_kernel():
     return torch.ops.cudnn.sdpa_fwd
 
 
+def _dense_plus(dense, x, residual):
+    """dense(x) + residual; an FP8 GEMM that adds the residual itself (torch_fp8's ``plus``, fp8
+    option ``residual: gemm``) does it in its epilogue."""
+    plus = getattr(dense, "plus", None)
+    return plus(x, residual) if plus is not None else dense(x) + residual
+
+
 class PackedEncoder(nn.Module):
     def __init__(self, bert: nn.Module, *, use_kernel: bool = True, attention: str = "flash"):
         super().__init__()
@@ -221,9 +228,9 @@ class PackedEncoder(nn.Module):
             else:
                 # (the fused FP8 GEMM may write bf16 under rowwise scaling: back to the model's dtype)
                 ctx = self._attention(q, k, v, cu, max_len).reshape(t, -1).to(x.dtype)
-            x = att.output.LayerNorm(att.output.dense(ctx) + x)
+            x = att.output.LayerNorm(_dense_plus(att.output.dense, ctx, x))
             h = layer.intermediate(x)  # dense + activation (e4m3 out of FP8's Fp8Intermediate)
-            x = layer.output.LayerNorm(layer.output.dense(h) + x)
+            x = layer.output.LayerNorm(_dense_plus(layer.output.dense, h, x))
         return x
 
     def _encode_distilbert(self, ids, positions, cu, max_len: int):

@@ -131,7 +131,7 @@ def quantize_fp8(module, f: Fp8Options, batches) -> dict:
     def swap(m, keep):
         return swap_to_fp8(m, amax, scaling=f.scaling, gemms=gemms, fuse_qkv=f.fuse_qkv, fast_accum=f.fast_accum,
                            act_margin=f.act_margin, keep_layers=keep, ffn_hidden_fp8=f.ffn_hidden_fp8,
-                           ffn_gelu=f.ffn_gelu, attention_fp8=f.attention == "fp8")
+                           ffn_gelu=f.ffn_gelu, attention_fp8=f.attention == "fp8", residual=f.residual)
 
     kept, info = sensitivity_sweep(module, batches, lambda m, layer: swap(m, [i for i in range(n) if i != layer]),
                              f.sensitivity_keep)
@@ -146,6 +146,8 @@ def quantize_fp8(module, f: Fp8Options, batches) -> dict:
         "fp8_keep_layers": ",".join(map(str, keep)) or "none", "fp8_kept_linears": len(done["kept"]),
         "fp8_ffn_hidden": f"e4m3 in {len(done['ffn_hidden_fp8'])} layers" if f.ffn_hidden_fp8 else "16-bit",
         "fp8_ffn_gelu": gelu_info(f.ffn_gelu, module),
+        "fp8_residual": (f"added in {len(done['residual_in_gemm'])} GEMMs (cuBLASLt C operand, nvmath-python)"
+                         if f.residual == "gemm" else "added in the LayerNorm pass"),
         "fp8_attention": (f"e4m3 Q, K, V, probabilities and output in {len(done['attention_fp8'])} layers "
                           "(cuDNN FP8 attention)" if f.attention == "fp8" else "16-bit"),
         "fp8_not_fp8": "embeddings, layernorms, "

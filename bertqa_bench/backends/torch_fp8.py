@@ -44,6 +44,10 @@ SCALINGS = ("tensor", "rowwise", "static-rowwise")
 FFN_GELUS = ("exact", "tanh", "epilogue")
 # the activations (transformers' and torch's classes) whose function the tanh form computes or
 # approximates: erf-GELU and the tanh forms; not QuickGELU (x * sigmoid(1.702 x))
+# where the attention-output and FFN-down GEMMs' residual is added: in the LayerNorm pass after
+# them (Inductor fuses the add there), or in the GEMM itself as cuBLASLt's C operand
+# (gemm_epilogue.py), so that the LayerNorm pass reads one tensor instead of two
+RESIDUALS = ("layernorm", "gemm")
 GELU_CLASSES = ("GELUActivation", "GELU", "NewGELUActivation", "PytorchGELUTanh", "GELUTanh", "FastGELUActivation")
 _EPS = 1e-12
 # Names of the encoder Linear layers inside one transformer layer (HF BERT naming).
@@ -208,11 +212,41 @@ def _define_modules():
         def from_linear(cls, linear, **kw):
             return cls(linear.weight, linear.bias, **kw)
 
+        residual_in_gemm = False
+
+        def add_residual_in_gemm(self) -> None:
+            """``plus`` adds the residual in the GEMM (cuBLASLt's C operand, gemm_epilogue.py)
+            instead of leaving it to the next elementwise pass."""
+            if self.scaling != "tensor" or self.out_scale_value is not None:
+                raise ValueError("the residual in the GEMM needs per-tensor scales and a 16-bit output "
+                                 f"(scaling '{self.scaling}', out_scale {self.out_scale_value})")
+            if self.act_dtype == torch.bfloat16:
+                raise ValueError("the residual in the GEMM runs in fp16 (cuBLASLt's FP8 kernels take C in the "
+                                 "output's type); this model computes in bf16")
+            from .gemm_epilogue import gemm_add_fp8
+
+            self._gemm_add = gemm_add_fp8
+            bias = self.bias if self.bias is not None else torch.zeros(self.out_features, dtype=self.act_dtype,
+                                                                       device=self.weight_fp8.device)
+            self.register_buffer("residual_bias", bias.to(self.act_dtype))
+            self.residual_in_gemm = True
+
+        def plus(self, x, residual):
+            """self(x) + residual, the add in the GEMM when ``add_residual_in_gemm`` was called."""
+            if not self.residual_in_gemm:
+                return self(x) + residual
+            lead = x.shape[:-1]
+            xq, sa = self.quantize_input(x.reshape(-1, self.in_features))
+            y = self._gemm_add(xq, self.weight_fp8, self.residual_bias, self.weight_scale, sa,
+                               residual.reshape(-1, self.out_features), self.fast_accum)
+            return y.reshape(*lead, self.out_features)
+
         def extra_repr(self) -> str:
             return (f"in_features={self.in_features}, out_features={self.out_features}, scaling={self.scaling}, "
                     f"act_scale={self.act_scale_value}, fast_accum={self.fast_accum}, out_dtype={self.out_dtype}"
                     + ("" if self.gemm_dtype == self.out_dtype else f" (GEMM {self.gemm_dtype}, clamped)")
-                    + ("" if self.out_scale_value is None else f", out_scale={self.out_scale_value}"))
+                    + ("" if self.out_scale_value is None else f", out_scale={self.out_scale_value}")
+                    + (", residual added in the GEMM" if self.residual_in_gemm else ""))
 
         def quantize_input(self, x2):
             """(fp8 [M, K], scale_a) for a [M, K] activation. An input already in e4m3 is taken as
@@ -298,7 +332,8 @@ def _define_modules():
                 d = self.dense
                 lead = hidden_states.shape[:-1]
                 x8, sa = d.quantize_input(hidden_states.reshape(-1, d.in_features))
-                h8 = self._epilogue(x8, d.weight_fp8, self.epilogue_bias, d.weight_scale, sa, self.down_inv_scale)
+                h8 = self._epilogue(x8, d.weight_fp8, self.epilogue_bias, d.weight_scale, sa, self.down_inv_scale,
+                                    d.fast_accum)
                 return h8.reshape(*lead, d.out_features)
             if self._tanh_gelu is not None:  # gelu_fp8: one Triton kernel on CUDA, e4m3 in and out
                 return self._tanh_gelu(self.dense(hidden_states), self.out_scale_value, self._inv_down_scale)
@@ -489,7 +524,7 @@ def swap_to_fp8(model, act_amax: Optional[Mapping[str, float]] = None, *, scalin
                 gemms=DEFAULT_GEMMS, fuse_qkv: bool = True, fast_accum: bool = False,
                 act_margin: float = 2.0, keep_layers: Iterable[int] = (),
                 ffn_hidden_fp8: bool = False, ffn_gelu: str = "exact",
-                attention_fp8: bool = False) -> dict[str, Any]:
+                attention_fp8: bool = False, residual: str = "layernorm") -> dict[str, Any]:
     """Replace encoder Linears of ``model`` (those of the kinds in ``gemms``) in place by FP8 modules.
 
     ``act_amax`` (name -> calibrated input amax, ``calibrate_amax``) is needed for the static
@@ -499,7 +534,9 @@ def swap_to_fp8(model, act_amax: Optional[Mapping[str, float]] = None, *, scalin
     between them. ``attention_fp8``: in every layer whose fused QKV and attention-output GEMMs are
     both FP8, Q, K and V are written in e4m3 (needs the q/k/v outputs' calibrated amax, ``name +
     OUT``) and the attention output is read in e4m3 at the output GEMM's input scale: the packed
-    encoder runs attention in FP8 there (cudnn_fp8_attention.py).
+    encoder runs attention in FP8 there (cudnn_fp8_attention.py). ``residual`` (RESIDUALS): "gemm"
+    adds the residual in the attention-output and FFN-down FP8 GEMMs (``Fp8Linear.plus``, which
+    the padding-free encoder calls).
     ``keep_layers``: encoder layer indices left entirely in 16 bits. Returns what was done:
     ``swapped`` (original Linear names now computed in FP8), ``fused_qkv`` (self-attention
     modules replaced by a fused-QKV FP8 attention), ``gemms`` (FP8 GEMMs per forward), ``kept``
@@ -514,6 +551,7 @@ def swap_to_fp8(model, act_amax: Optional[Mapping[str, float]] = None, *, scalin
         raise ValueError(f"scaling '{scaling}' needs calibrated activation amax values (act_amax)")
     check_ffn_hidden(scaling, gemms, ffn_hidden_fp8, ffn_gelu)
     check_attention_fp8(scaling, gemms, fuse_qkv, attention_fp8)
+    check_residual(scaling, gemms, residual)
     if attention_fp8:
         missing = [n for n in qkv_names(target_linears(model, gemms)) if n + OUT not in act_amax]
         if missing:
@@ -591,8 +629,14 @@ def swap_to_fp8(model, act_amax: Optional[Mapping[str, float]] = None, *, scalin
         act = model.get_submodule(inter).intermediate_act_fn
         _set_submodule(model, inter, Fp8Intermediate_(up, act, model.get_submodule(down).act_scale_value, ffn_gelu))
         hidden_fp8.append(inter)
+    residual_in_gemm = []
+    if residual == "gemm":
+        for name in swapped:
+            if gemm_kind(name) in RESIDUAL_GEMMS:
+                model.get_submodule(name).add_residual_in_gemm()
+                residual_in_gemm.append(name)
     return {"swapped": swapped, "fused_qkv": fused, "gemms": n_gemms, "kept": kept, "ffn_hidden_fp8": hidden_fp8,
-            "attention_fp8": attention_fp8_layers}
+            "attention_fp8": attention_fp8_layers, "residual_in_gemm": residual_in_gemm}
 
 
 def qkv_names(names: Iterable[str]) -> list[str]:
@@ -607,6 +651,20 @@ def check_attention_fp8(scaling: str, gemms, fuse_qkv: bool, attention_fp8: bool
         raise ValueError("attention: fp8 needs scaling 'tensor', fuse_qkv and both attention GEMMs (qkv, attn_out) "
                          f"in FP8, not scaling '{scaling}' with gemms {','.join(parse_gemms(gemms))}"
                          + ("" if fuse_qkv else " and fuse_qkv false"))
+
+
+# the GEMMs a residual follows
+RESIDUAL_GEMMS = ("attn_out", "ffn_out")
+
+
+def check_residual(scaling: str, gemms, residual: str) -> None:
+    """ValueError unless the residual's place fits the rest."""
+    if residual not in RESIDUALS:
+        raise ValueError(f"residual '{residual}' is not one of {', '.join(RESIDUALS)}")
+    if residual == "gemm" and (scaling != "tensor" or not set(RESIDUAL_GEMMS) & set(parse_gemms(gemms))):
+        raise ValueError("residual: gemm adds the residual in FP8 GEMMs with per-tensor scales: it needs scaling "
+                         f"'tensor' and attn_out or ffn_out in gemms, not scaling '{scaling}' with gemms "
+                         f"{','.join(parse_gemms(gemms))}")
 
 
 def _fp8_able(model, name: str, targets: list[str], done: set[str]) -> bool:

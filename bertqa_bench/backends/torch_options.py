@@ -8,7 +8,7 @@ from typing import Optional
 
 from ..errors import ConfigError
 from ..model.checkpoint import PACKED_FAMILIES  # noqa: F401 - the families the padding-free encoder computes
-from .torch_fp8 import SCALINGS, check_attention_fp8, check_ffn_hidden, parse_gemms
+from .torch_fp8 import RESIDUALS, SCALINGS, check_attention_fp8, check_ffn_hidden, check_residual, parse_gemms
 
 DTYPES = ("fp32", "fp16", "bf16")
 # Families whose encoder is BertModel's layout (tests/test_checkpoint.py checks the FP8/INT8
@@ -49,6 +49,11 @@ class Fp8Options:
     # the softmax probabilities and the output in e4m3 through cuDNN's FP8 attention,
     # cudnn_fp8_attention.py; packed with packed_attention: cudnn, both attention GEMMs in FP8)
     attention: str = "fp16"
+    # where the attention-output and FFN-down GEMMs' residual is added: layernorm (in the fused
+    # LayerNorm + quantize pass) or gemm (cuBLASLt's C operand, beta 1, through nvmath-python:
+    # that pass then reads one tensor instead of two); gemm needs scaling: tensor and the packed
+    # encoder, whose layer calls the GEMM with its residual
+    residual: str = "layernorm"
 
     def __post_init__(self):
         if self.scaling not in SCALINGS:
@@ -65,6 +70,12 @@ class Fp8Options:
             raise ConfigError(f"fp8.attention '{self.attention}' is not one of {', '.join(FP8_ATTENTION)}")
         try:
             check_attention_fp8(self.scaling, self.gemms, self.fuse_qkv, self.attention == "fp8")
+        except ValueError as e:
+            raise ConfigError(f"fp8.{e}") from None
+        if self.residual not in RESIDUALS:
+            raise ConfigError(f"fp8.residual '{self.residual}' is not one of {', '.join(RESIDUALS)}")
+        try:
+            check_residual(self.scaling, self.gemms, self.residual)
         except ValueError as e:
             raise ConfigError(f"fp8.{e}") from None
         if self.act_margin <= 0 or self.calibration_batches < 1:
@@ -199,6 +210,10 @@ class TorchOptions:
         if self.fp8 is not None and self.fp8.ffn_gelu == "epilogue" and self.packed and not self.token_bucket:
             raise ConfigError("fp8.ffn_gelu: epilogue plans one cuBLASLt GEMM per token count; packed batches need "
                               "token_bucket (a few bucket sizes), not a new token count every batch")
+        if self.fp8 is not None and self.fp8.residual == "gemm" and not (self.packed and self.token_bucket):
+            raise ConfigError("fp8.residual: gemm is the padding-free encoder's layer calling its GEMMs with the "
+                              "residual, one cuBLASLt GEMM planned per token count: it needs packed: true and "
+                              "token_bucket")
         if self.fp8 is not None and self.fp8.attention == "fp8" and not (self.packed and self.packed_attention == "cudnn"):
             raise ConfigError("fp8.attention: fp8 is cuDNN's FP8 attention on the padding-free encoder: it needs "
                               "packed: true and packed_attention: cudnn")

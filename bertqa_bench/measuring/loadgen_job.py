@@ -183,11 +183,12 @@ def _execute(job) -> tuple[dict, Optional[dict]]:
                                                       max_batch_rows=spec.get("max_batch_rows")))
         try:
             # Hints LoadGen sizes its queries by (enough for min_duration): from the bench
-            # throughput of this process, doubled, since a run that turns out faster than its
-            # hint ends before min_duration and is INVALID (LoadGen's own slack is 10%); without
-            # a bench timing, a guess.
+            # throughput of this process, times offline_qps_hint (2 by default), since a run that
+            # turns out faster than its hint ends before min_duration and is INVALID (LoadGen's
+            # own slack is 10%); without a bench timing, a guess.
             fps = bench_fps or 100.0
-            hints = {"offline_expected_qps": 2.0 * fps, "single_stream_expected_latency_ns": 1e9 / (2.0 * fps)}
+            hints = {"offline_expected_qps": cfg.offline_qps_hint * fps,
+                     "single_stream_expected_latency_ns": 1e9 / (2.0 * fps)}
             target = cfg.server_target_qps or max(1.0, fps * cfg.server_qps_fraction)
             record["accuracy"] = run_test(lg, sut, qsl, test_settings(lg, cfg, scenario, "accuracy", target, **hints),
                                           out_root / "accuracy")
