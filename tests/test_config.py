@@ -50,6 +50,7 @@ def test_overrides_parse_yaml_values():
     ({"parity": {"fp32": {"min_f1_ratio": 1.5, "min_agreement": 0.9}}}, "min_f1_ratio"),
     ({"model": {"timing_only": True}}, "timing_only"),
     ({"variants": {"x": {"options": {}}}}, "exactly one of 'base'"),
+    ({"loadgen": {"offline_qps_hint": 0}}, "loadgen.offline_qps_hint must be positive"),
 ])
 def test_invalid_configs_are_rejected_with_the_field(raw, match):
     with pytest.raises(ConfigError, match=match):

@@ -666,6 +666,15 @@ def test_ffn_epilogue_path_is_the_epilogue_formula_on_the_layers_own_operands():
         assert float((apart <= 1).float().mean()) > 0.95
     with pytest.raises(ValueError, match="gelu 'epilogue' replaces a GELU"):
         Fp8Intermediate(up, nn.ReLU(), down_scale, gelu="epilogue")
+    # the op is told the up-projection's accumulation mode: the GEMM it replaces runs with Hopper's
+    # fast FP8 accumulation, and cuBLASLt's default (fp32 promotion) made the epilogue as slow as
+    # the two kernels on an H100
+    for fast in (True, False):
+        up.fast_accum = fast
+        seen = []
+        epi._epilogue = lambda *a: seen.append(a[-1]) or ge.gemm_gelu_fp8(*a)
+        epi(x)
+        assert seen == [fast]
 
 
 def test_packed_attention_option_is_checked_and_cudnn_needs_a_gpu():
@@ -1313,6 +1322,7 @@ def test_host_bucket_lengths_equal_the_devices():
                                                   "torch-compile-fp8all-graph-packed-cudnn-epilogue",
                                                   "torch-compile-fp8all-graph-packed-cudnn-attn",
                                                   "torch-compile-fp8all-graph-packed-cudnn-fp8attn",
+                                                  "torch-compile-fp8all-graph-packed-cudnn-residual",
                                                   "torch-compile-fp16-packed-cudnn-attn"))
 def test_fp8_attention_and_packing_variants_track_fp32_on_gpu(tmp_path, name):
     reason = TABLE.get(name).unavailable_reason()
