@@ -81,39 +81,52 @@ def _e4m3_type():
     return nvmath.CudaDataType.CUDA_R_8F_E4M3
 
 
-def _matmul(x8, w8, bias, w_scale, x_scale, out_inv_scale, fast_accum: bool):
-    """D^T = GELU(W @ X^T * scales + bias) * out_inv_scale in e4m3, column-major; returns D [M, N]."""
-    from nvmath.linalg.advanced import Matmul, MatmulEpilog
-
-    stream = torch.cuda.current_stream(x8.device)
-    key = (x8.device.index, x8.shape[0], w8.shape[0], w8.shape[1], fast_accum)
-    scales = {"a": w_scale, "b": x_scale, "d": out_inv_scale}
-    b = x8.t()  # [K, M], column-major: K contiguous
+def _planned(key, what: str, make, operands: dict, stream):
+    """Execute the Matmul planned for ``key`` on this call's operands: planned by ``make(stream)``
+    on the shape's first call (outside graph capture), reset to ``operands`` on later ones (the
+    layers share a shape, not weights). Returns D [M, N], row-major (cuBLASLt's column-major D^T)."""
     mm = _PLANS.get(key)
     if mm is None:
         if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"the GELU epilogue for {tuple(x8.shape)} x {tuple(w8.shape)} was not planned before "
-                               "CUDA graph capture (planning synchronizes the stream): run the shape once first")
+            raise RuntimeError(f"{what} was not planned before CUDA graph capture (planning synchronizes the "
+                               "stream): run the shape once first")
         with _LOCK:
-            # fast_accumulation: the same accumulation as the torch._scaled_mm GEMM this replaces
-            # (Hopper's FP8 tensor cores without the periodic promotion to fp32), else the two
-            # paths would differ in more than the epilogue
-            mm = Matmul(w8, b, quantization_scales=scales, stream=stream,
-                        options={"result_type": _e4m3_type(), "fast_accumulation": bool(fast_accum)})
-            mm.plan(epilog=MatmulEpilog.GELU_BIAS, epilog_inputs={"bias": bias}, stream=stream)
+            mm = make(stream)
             if AUTOTUNE_ITERATIONS > 0:
                 mm.autotune(iterations=AUTOTUNE_ITERATIONS, stream=stream)
             _PLANS[key] = mm
     else:
-        mm.reset_operands(a=w8, b=b, quantization_scales=scales, epilog_inputs={"bias": bias}, stream=stream)
+        mm.reset_operands(**operands, stream=stream)
     d = mm.execute(release_workspace=False, stream=stream)
     if isinstance(d, tuple):  # (result, auxiliary outputs)
         d = d[0]
     out = d.t()
     if not out.is_contiguous():
-        raise RuntimeError(f"cuBLASLt's GELU epilogue wrote a {tuple(d.shape)} result with strides {d.stride()}, "
-                           "not the column-major layout the FFN's next GEMM reads")
+        raise RuntimeError(f"{what} wrote a {tuple(d.shape)} result with strides {d.stride()}, not the "
+                           "column-major layout the next kernel reads")
     return out
+
+
+def _matmul(x8, w8, bias, w_scale, x_scale, out_inv_scale, fast_accum: bool):
+    """D^T = GELU(W @ X^T * scales + bias) * out_inv_scale in e4m3, column-major; returns D [M, N]."""
+    from nvmath.linalg.advanced import Matmul, MatmulEpilog
+
+    scales = {"a": w_scale, "b": x_scale, "d": out_inv_scale}
+    b = x8.t()  # [K, M], column-major: K contiguous
+
+    def make(stream):
+        # fast_accumulation: the same accumulation as the torch._scaled_mm GEMM this replaces
+        # (Hopper's FP8 tensor cores without the periodic promotion to fp32), else the two
+        # paths would differ in more than the epilogue
+        mm = Matmul(w8, b, quantization_scales=scales, stream=stream,
+                    options={"result_type": _e4m3_type(), "fast_accumulation": bool(fast_accum)})
+        mm.plan(epilog=MatmulEpilog.GELU_BIAS, epilog_inputs={"bias": bias}, stream=stream)
+        return mm
+
+    return _planned((x8.device.index, x8.shape[0], w8.shape[0], w8.shape[1], fast_accum),
+                    f"the GELU epilogue for {tuple(x8.shape)} x {tuple(w8.shape)}", make,
+                    {"a": w8, "b": b, "quantization_scales": scales, "epilog_inputs": {"bias": bias}},
+                    torch.cuda.current_stream(x8.device))
 
 
 @torch.library.custom_op("bertqa::fp8_gemm_gelu", mutates_args=())
@@ -189,36 +202,23 @@ def fp8_gemm_add_reference(x8, w8, bias, w_scale, x_scale, residual):
 
 
 def _matmul_add(x8, w8, bias, w_scale, x_scale, residual, fast_accum: bool):
-    """D^T = W @ X^T * scales + bias + R^T, fp16 column-major (D row-major [M, N]); see _matmul."""
+    """D^T = W @ X^T * scales + bias + R^T, fp16 column-major; returns D [M, N] (see _matmul)."""
     import nvmath
     from nvmath.linalg.advanced import Matmul, MatmulEpilog
 
-    stream = torch.cuda.current_stream(x8.device)
-    key = ("add", x8.device.index, x8.shape[0], w8.shape[0], w8.shape[1], fast_accum)
     scales = {"a": w_scale, "b": x_scale}
     b, c = x8.t(), residual.t()
-    mm = _PLANS.get(key)
-    if mm is None:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"the residual GEMM for {tuple(x8.shape)} x {tuple(w8.shape)} was not planned before "
-                               "CUDA graph capture (planning synchronizes the stream): run the shape once first")
-        with _LOCK:
-            mm = Matmul(w8, b, c=c, beta=1.0, quantization_scales=scales, stream=stream,
-                        options={"result_type": nvmath.CudaDataType.CUDA_R_16F, "fast_accumulation": bool(fast_accum)})
-            mm.plan(epilog=MatmulEpilog.BIAS, epilog_inputs={"bias": bias}, stream=stream)
-            if AUTOTUNE_ITERATIONS > 0:
-                mm.autotune(iterations=AUTOTUNE_ITERATIONS, stream=stream)
-            _PLANS[key] = mm
-    else:
-        mm.reset_operands(a=w8, b=b, c=c, quantization_scales=scales, epilog_inputs={"bias": bias}, stream=stream)
-    d = mm.execute(release_workspace=False, stream=stream)
-    if isinstance(d, tuple):
-        d = d[0]
-    out = d.t()
-    if not out.is_contiguous():
-        raise RuntimeError(f"cuBLASLt's residual GEMM wrote a {tuple(d.shape)} result with strides {d.stride()}, "
-                           "not the column-major layout LayerNorm reads")
-    return out
+
+    def make(stream):
+        mm = Matmul(w8, b, c=c, beta=1.0, quantization_scales=scales, stream=stream,
+                    options={"result_type": nvmath.CudaDataType.CUDA_R_16F, "fast_accumulation": bool(fast_accum)})
+        mm.plan(epilog=MatmulEpilog.BIAS, epilog_inputs={"bias": bias}, stream=stream)
+        return mm
+
+    return _planned(("add", x8.device.index, x8.shape[0], w8.shape[0], w8.shape[1], fast_accum),
+                    f"the residual GEMM for {tuple(x8.shape)} x {tuple(w8.shape)}", make,
+                    {"a": w8, "b": b, "c": c, "quantization_scales": scales, "epilog_inputs": {"bias": bias}},
+                    torch.cuda.current_stream(x8.device))
 
 
 @torch.library.custom_op("bertqa::fp8_gemm_add", mutates_args=())

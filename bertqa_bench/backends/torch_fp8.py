@@ -42,12 +42,12 @@ SCALINGS = ("tensor", "rowwise", "static-rowwise")
 # Triton kernel (gelu_fp8.py), or the tanh form in the up-projection's cuBLASLt epilogue with its
 # bias (gemm_epilogue.py: one kernel for GEMM, bias, GELU and the e4m3 output)
 FFN_GELUS = ("exact", "tanh", "epilogue")
-# the activations (transformers' and torch's classes) whose function the tanh form computes or
-# approximates: erf-GELU and the tanh forms; not QuickGELU (x * sigmoid(1.702 x))
 # where the attention-output and FFN-down GEMMs' residual is added: in the LayerNorm pass after
 # them (Inductor fuses the add there), or in the GEMM itself as cuBLASLt's C operand
 # (gemm_epilogue.py), so that the LayerNorm pass reads one tensor instead of two
 RESIDUALS = ("layernorm", "gemm")
+# the activations (transformers' and torch's classes) whose function the tanh form computes or
+# approximates: erf-GELU and the tanh forms; not QuickGELU (x * sigmoid(1.702 x))
 GELU_CLASSES = ("GELUActivation", "GELU", "NewGELUActivation", "PytorchGELUTanh", "GELUTanh", "FastGELUActivation")
 _EPS = 1e-12
 # Names of the encoder Linear layers inside one transformer layer (HF BERT naming).

@@ -8,7 +8,7 @@ from typing import Optional
 
 from ..errors import ConfigError
 from ..model.checkpoint import PACKED_FAMILIES  # noqa: F401 - the families the padding-free encoder computes
-from .torch_fp8 import RESIDUALS, SCALINGS, check_attention_fp8, check_ffn_hidden, check_residual, parse_gemms
+from .torch_fp8 import SCALINGS, check_attention_fp8, check_ffn_hidden, check_residual, parse_gemms
 
 DTYPES = ("fp32", "fp16", "bf16")
 # Families whose encoder is BertModel's layout (tests/test_checkpoint.py checks the FP8/INT8
@@ -72,8 +72,6 @@ class Fp8Options:
             check_attention_fp8(self.scaling, self.gemms, self.fuse_qkv, self.attention == "fp8")
         except ValueError as e:
             raise ConfigError(f"fp8.{e}") from None
-        if self.residual not in RESIDUALS:
-            raise ConfigError(f"fp8.residual '{self.residual}' is not one of {', '.join(RESIDUALS)}")
         try:
             check_residual(self.scaling, self.gemms, self.residual)
         except ValueError as e:
