@@ -287,7 +287,7 @@ class RunMeta:
 
 def _fmt(v):
     if isinstance(v, float):
-        return "" if math.isnan(v) else f"{v:.6g}"
+        return "" if math.isnan(v) else f"{v:.10g}"  # enough digits that a value read back rounds as the original does
     if v is None:
         return ""
     return v
