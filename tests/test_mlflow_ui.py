@@ -13,6 +13,7 @@ Without Chromium or Playwright the test is skipped with the reason, except under
 test that cannot run fails instead of passing in silence.
 """
 import json
+import math
 import os
 import re
 import socket
@@ -162,8 +163,19 @@ def _shown(value: float) -> str:
 
 
 def _compare_shown(value: float) -> str:
-    """A metric as the compare page prints it: at most three decimals, no trailing zeros."""
-    return f"{round(float(value), 3):.3f}".rstrip("0").rstrip(".")
+    """A metric as the compare page prints it: MLflow's ``Utils.formatMetric`` (its JavaScript
+    bundle), which keeps 3 decimals below 10, 2 below 100, 1 above, rounds with ``Math.round``
+    (halves up: 0.9175 shows as 0.918, where Python's round gives 0.917) and prints the shortest
+    form (no trailing zeros)."""
+    v = float(value)
+    if v == 0:
+        return "0"
+    if abs(v) < 1e-3:
+        mantissa, exp = f"{v:.3e}".split("e")
+        return f"{mantissa}e{int(exp):+d}"
+    scale = 1000 if abs(v) < 10 else 100 if abs(v) < 100 else 10
+    shown = math.floor(v * scale + 0.5) / scale  # Math.round: the same IEEE product, then half up
+    return str(int(shown)) if shown == int(shown) else repr(shown)
 
 
 def _assert_runs_table_shows_the_comparison(page, bench) -> None:
