@@ -180,3 +180,19 @@ def test_a_disk_that_fills_mid_run_leaves_run_json_failed_not_running(setup, tmp
     meta = json.loads((tmp_path / "results" / "full" / "run.json").read_text())
     assert meta["status"] == "failed"
     assert any("No space left on device" in n and "results.csv" in n for n in meta["notes"]), meta["notes"]
+
+
+def test_results_csv_keeps_enough_digits_to_round_as_the_run_did():
+    """A rate written to results.csv and read back prints as the run's own summary printed it:
+    at six significant digits 6,028.500062 came back as 6028.5, which the reference table then
+    rounded to 6,028 (half to even) where the summary said 6,029."""
+    import csv
+    import io
+
+    from bertqa_bench.record.results import rows_to_csv
+
+    values = [6028.500062373395, 182.92635066550562, 0.91749999, 12345.6789012]
+    text = rows_to_csv([{"v": v} for v in values])
+    back = [float(r["v"]) for r in csv.DictReader(io.StringIO(text))]
+    for v, b in zip(values, back):
+        assert f"{b:,.0f}" == f"{v:,.0f}" and f"{b:.3f}" == f"{v:.3f}", (v, b)
