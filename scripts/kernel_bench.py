@@ -319,22 +319,21 @@ def _layernorm_after(args, y, r, emit, base) -> None:
     """Residual + LayerNorm + e4m3 quantize (the packed encoder's pass after this GEMM), compiled by
     Inductor, reading the GEMM's output and the residual, against LayerNorm + quantize reading one
     tensor (the residual already added in the GEMM)."""
-    n = y.shape[1]
-    ln = torch.nn.LayerNorm(n, device="cuda", dtype=torch.float16)
-    inv = 1.0 / static_scale_for(y + r)
+    from bertqa_bench.backends.torch_fp8 import static_act_scale
 
-    def two(y, r):
-        h = ln(y + r)
-        return h, (h.float() * inv).clamp(-448, 448).to(torch.float8_e4m3fn)
-
-    def one(s):
-        h = ln(s)
-        return h, (h.float() * inv).clamp(-448, 448).to(torch.float8_e4m3fn)
+    ln = torch.nn.LayerNorm(y.shape[1], device="cuda", dtype=torch.float16)
     s = y + r
-    for label, fn in (("residual + LayerNorm + quantize (reads 2 tensors)", torch.compile(two, dynamic=False)),
-                      ("LayerNorm + quantize (reads 1 tensor)", torch.compile(one, dynamic=False))):
-        call = (lambda f=fn: f(y, r)[1]) if "2" in label else (lambda f=fn: f(s)[1])
-        reads = 2 if "2" in label else 1
+    inv = 1.0 / static_act_scale(float(s.abs().amax()))
+
+    def ln_quantize(t):
+        h = ln(t)
+        return h, (h.float() * inv).clamp(-448, 448).to(torch.float8_e4m3fn)
+
+    two = torch.compile(lambda y, r: ln_quantize(y + r), dynamic=False)
+    one = torch.compile(ln_quantize, dynamic=False)
+    for label, reads, call in (("residual + LayerNorm + quantize (reads 2 tensors)", 2, lambda: two(y, r)[1]),
+                               ("LayerNorm + quantize (reads 1 tensor)", 1, lambda: one(s)[1])):
+        # bytes: the fp16 inputs read, the fp16 hidden state and its e4m3 copy written
         rec = {**base, "what": "layernorm", "kernel": label, "floor_MB": y.numel() * (2 * reads + 2 + 1) / 1e6}
         try:
             out = call()
@@ -342,12 +341,6 @@ def _layernorm_after(args, y, r, emit, base) -> None:
         except Exception as e:  # noqa: BLE001
             rec["error"] = f"{type(e).__name__}: {e}"[:1500]
         emit(rec)
-
-
-def static_scale_for(t) -> float:
-    from bertqa_bench.backends.torch_fp8 import static_act_scale
-
-    return static_act_scale(float(t.abs().amax()))
 
 
 def main(argv=None) -> int:
