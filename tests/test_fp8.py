@@ -669,12 +669,13 @@ def test_ffn_epilogue_path_is_the_epilogue_formula_on_the_layers_own_operands():
     # the op is told the up-projection's accumulation mode: the GEMM it replaces runs with Hopper's
     # fast FP8 accumulation, and cuBLASLt's default (fp32 promotion) made the epilogue as slow as
     # the two kernels on an H100
-    for fast in (True, False):
-        up.fast_accum = fast
+    # and the up-projection's autotune setting (cublaslt_autotune)
+    for fast, tune in ((True, 0), (False, 3)):
+        up.fast_accum, up.cublaslt_autotune = fast, tune
         seen = []
-        epi._epilogue = lambda *a: seen.append(a[-1]) or ge.gemm_gelu_fp8(*a)
+        epi._epilogue = lambda *a: seen.append(a[-2:]) or ge.gemm_gelu_fp8(*a)
         epi(x)
-        assert seen == [fast]
+        assert seen == [(fast, tune)]
 
 
 def test_packed_attention_option_is_checked_and_cudnn_needs_a_gpu():
@@ -927,6 +928,113 @@ def test_residual_gemm_on_gpu_is_its_formula_and_captures():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(captured, got)
+
+
+# --------------------------------------------------------------------------- GEMMs planned through nvmath
+
+@needs_cpu_scaled_mm
+def test_cublaslt_gemms_run_the_planned_op_with_the_autotune_setting_and_keep_the_answers():
+    """cublaslt_gemms: the named FP8 GEMMs (fused QKV, attention output, FFN down) run through
+    gemm_epilogue's planned op (its torch formula on the CPU) instead of torch._scaled_mm; every
+    GEMM planned through nvmath (those, the GELU epilogue, the residual GEMMs) is handed
+    cublaslt_autotune; the logits are the torch._scaled_mm model's up to fp32 summation order."""
+    from bertqa_bench.backends.packed_bert import pack_model
+
+    model = qa(tiny_bert(hidden=64))
+    ids, mask, types = inputs()
+    x = (ids, mask, types)
+    targets = fp8.target_linears(model, fp8.GEMM_KINDS)
+    amax = fp8.calibrate_amax(model, [x], targets, fp8.ffn_up_names(targets))
+    plain = copy.deepcopy(model)
+    fp8.swap_to_fp8(plain, amax, gemms="all", ffn_hidden_fp8=True, ffn_gelu="epilogue")
+    done = fp8.swap_to_fp8(model, amax, gemms="all", ffn_hidden_fp8=True, ffn_gelu="epilogue", residual="gemm",
+                           cublaslt_gemms="qkv,attn_out,ffn_out", cublaslt_autotune=4)
+    assert sorted(fp8.gemm_kind(n.replace(".qkv", ".query")) for n in done["cublaslt"]) == \
+        ["attn_out"] * 2 + ["ffn_out"] * 2 + ["qkv"] * 2
+    calls = []
+    for name in done["cublaslt"]:
+        lin = model.get_submodule(name)
+        assert lin.planned_gemm and "autotuned x4" in lin.extra_repr()
+        lin._gemm_bias = lambda *a, _f=lin._gemm_bias, _n=name: calls.append((_n, a[-1])) or _f(*a)
+        if lin.residual_in_gemm:
+            lin._gemm_add = lambda *a, _f=lin._gemm_add, _n=name: calls.append((_n + "+r", a[-1])) or _f(*a)
+    for inter in done["ffn_hidden_fp8"]:
+        m = model.get_submodule(inter)
+        m._epilogue = lambda *a, _f=m._epilogue, _n=inter: calls.append((_n, a[-1])) or _f(*a)
+    with torch.no_grad():
+        padded, want = model(*x), plain(*x)
+    # padded forward: the plain op for every named GEMM, the GELU epilogue per layer, all told 4
+    assert sorted(n for n, _ in calls) == sorted(done["cublaslt"] + done["ffn_hidden_fp8"])
+    assert {t for _, t in calls} == {4}
+    real = mask.bool()
+    for g, w in zip(padded, want):
+        assert (g - w)[real].abs().max() < 1e-4
+    calls.clear()
+    pack_model(model.model)
+    with torch.no_grad():
+        packed = model(*x)
+    # packed: the residual GEMMs add their residual (residual: gemm wins over the plain op there)
+    assert sorted(n for n, _ in calls if n.endswith("+r")) == sorted(n + "+r" for n in done["residual_in_gemm"])
+    assert {t for _, t in calls} == {4}
+    for g, w in zip(packed, want):
+        assert (g - w)[real].abs().max() < 1e-4
+    # the op is the formula: one GEMM of the decoded values and the bias, rounded once
+    x8, w8, bias, sw, sx = _epilogue_operands()
+    y = torch.ops.bertqa.fp8_gemm_bias(x8, w8, bias, sw, sx)
+    assert y.dtype == torch.float16 and torch.equal(
+        y, ((x8.float() @ w8.float().t()) * (sx * sw) + bias.float()).to(torch.float16))
+
+
+def test_cublaslt_options_are_checked():
+    from bertqa_bench.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="cublaslt_gemms must name some of qkv, attn_out, ffn_in, ffn_out"):
+        torch_options.Fp8Options(cublaslt_gemms="proj")
+    with pytest.raises(ConfigError, match="cublaslt_gemms names attn_out, which gemms .* leaves in 16 bits"):
+        torch_options.Fp8Options(cublaslt_gemms="attn_out")
+    with pytest.raises(ConfigError, match="cublaslt_gemms needs scaling 'tensor'"):
+        torch_options.Fp8Options(cublaslt_gemms="qkv", scaling="rowwise")
+    with pytest.raises(ConfigError, match="cublaslt_gemms: ffn_in writes e4m3 here"):
+        torch_options.Fp8Options(cublaslt_gemms="ffn_in", ffn_hidden_fp8=True)
+    with pytest.raises(ConfigError, match="cublaslt_gemms: qkv writes e4m3 here"):
+        torch_options.Fp8Options(cublaslt_gemms="qkv", gemms="all", attention="fp8")
+    with pytest.raises(ConfigError, match="cublaslt_autotune tunes the GEMMs planned through nvmath-python, and none is"):
+        torch_options.Fp8Options(cublaslt_autotune=3)
+    with pytest.raises(ConfigError, match="cublaslt_autotune must be >= 0"):
+        torch_options.Fp8Options(cublaslt_gemms="qkv", cublaslt_autotune=-1)
+    torch_options.Fp8Options(ffn_hidden_fp8=True, ffn_gelu="epilogue", cublaslt_autotune=3)
+    f = torch_options.Fp8Options(cublaslt_gemms="ffn_out")
+    with pytest.raises(ConfigError, match="cublaslt_gemms plans one cuBLASLt GEMM per token count.*token_bucket"):
+        torch_options.TorchOptions(weights="fp16", packed=True, fp8=f)
+    torch_options.TorchOptions(weights="fp16", packed=True, token_bucket=256, fp8=f)
+    torch_options.TorchOptions(weights="fp16", fp8=f)  # padded: a few shapes, each planned in warm-up
+
+
+@pytest.mark.gpu
+def test_planned_fp8_gemm_on_gpu_is_its_formula_autotuned_or_not_and_captures():
+    """cuBLASLt planned through nvmath (bias epilogue, fp16 out) against the formula in fp32, at the
+    heuristic's algorithm and autotuned: within one fp16 rounding and fast accumulation's bound;
+    the two settings are planned apart (the autotuned plan does not replace the heuristic's); a CUDA
+    graph captured after planning replays the same bytes."""
+    from bertqa_bench.backends import gemm_epilogue as ge
+
+    if ge.nvmath_unavailable_reason():
+        pytest.skip(ge.nvmath_unavailable_reason())
+    x8, w8, bias, sw, sx = (t.cuda() for t in _epilogue_operands(m=256, k=256, n=512))
+    exact = (x8.float() @ w8.float().t()) * (sx * sw) + bias.float()
+    magnitude = (x8.float().abs() @ w8.float().abs().t()) * (sx * sw) + bias.float().abs()
+    before = len(ge._PLANS)
+    for tune in (0, 3):
+        got = ge.fp8_gemm_bias(x8, w8, bias, sw, sx, True, tune)
+        assert got.shape == (256, 512) and got.is_contiguous() and got.dtype == torch.float16
+        assert bool(((got.float() - exact).abs() <= exact.abs() * 2.0 ** -11 + magnitude * 2.0 ** -10).all()), tune
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = ge.fp8_gemm_bias(x8, w8, bias, sw, sx, True, tune)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, got)
+    assert len(ge._PLANS) == before + 2
 
 
 def test_fp8_attention_options_are_checked():
@@ -1320,6 +1428,8 @@ def test_host_bucket_lengths_equal_the_devices():
                                                   "torch-compile-fp8-graph-packed-gelu-epilogue",
                                                   "torch-compile-fp8-graph-packed-cudnn-epilogue",
                                                   "torch-compile-fp8all-graph-packed-cudnn-epilogue",
+                                                  "torch-compile-fp8all-graph-packed-cudnn-epilogue-autotune",
+                                                  "torch-compile-fp8-graph-gelu-epilogue-autotune",
                                                   "torch-compile-fp8all-graph-packed-cudnn-attn",
                                                   "torch-compile-fp8all-graph-packed-cudnn-fp8attn",
                                                   "torch-compile-fp8all-graph-packed-cudnn-residual",

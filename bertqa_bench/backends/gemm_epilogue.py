@@ -67,11 +67,9 @@ def fp8_gemm_gelu_reference(x8, w8, bias, w_scale, x_scale, out_inv_scale):
     return fp8_gemm_gelu_scaled(x8, w8, bias, w_scale, x_scale, out_inv_scale).to(torch.float8_e4m3fn)
 
 
-# One planned Matmul per (device, M, N, K): the layers share it (same shapes, other weights).
+# One planned Matmul per (device, M, N, K, accumulation, autotune): the layers share it (same
+# shapes, other weights).
 _PLANS: dict = {}
-# > 0: time cuBLASLt's candidate algorithms this many times each when a shape is planned and keep
-# the fastest (nvmath's Matmul.autotune), instead of the heuristic's first choice
-AUTOTUNE_ITERATIONS = 0
 _LOCK = threading.Lock()
 
 
@@ -81,10 +79,17 @@ def _e4m3_type():
     return nvmath.CudaDataType.CUDA_R_8F_E4M3
 
 
-def _planned(key, what: str, make, operands: dict, stream):
+def _planned(key, what: str, make, operands: dict, stream, autotune: int = 0):
     """Execute the Matmul planned for ``key`` on this call's operands: planned by ``make(stream)``
     on the shape's first call (outside graph capture), reset to ``operands`` on later ones (the
-    layers share a shape, not weights). Returns D [M, N], row-major (cuBLASLt's column-major D^T)."""
+    layers share a shape, not weights). Returns D [M, N], row-major (cuBLASLt's column-major D^T).
+
+    ``autotune`` > 0: when the shape is planned, time cuBLASLt's candidate algorithms that many
+    times each (nvmath's ``Matmul.autotune``) and keep the fastest, instead of the heuristic's first
+    choice. They are timed on the layer's own weights and random activations (and residual) of the
+    call's shapes and layouts, not on the call's own: the first call of a shape can be a CUDA graph
+    warm-up on dummy tokens (the packed encoder's buckets), whose activations repeat one row, and a
+    tensor core's speed depends on the bits it multiplies."""
     mm = _PLANS.get(key)
     if mm is None:
         if torch.cuda.is_current_stream_capturing():
@@ -92,8 +97,10 @@ def _planned(key, what: str, make, operands: dict, stream):
                                "stream): run the shape once first")
         with _LOCK:
             mm = make(stream)
-            if AUTOTUNE_ITERATIONS > 0:
-                mm.autotune(iterations=AUTOTUNE_ITERATIONS, stream=stream)
+            if autotune > 0:
+                mm.reset_operands(**{k: _random_like(operands[k]) for k in ("b", "c") if k in operands}, stream=stream)
+                mm.autotune(iterations=int(autotune), stream=stream)
+                mm.reset_operands(**operands, stream=stream)
             _PLANS[key] = mm
     else:
         mm.reset_operands(**operands, stream=stream)
@@ -107,7 +114,15 @@ def _planned(key, what: str, make, operands: dict, stream):
     return out
 
 
-def _matmul(x8, w8, bias, w_scale, x_scale, out_inv_scale, fast_accum: bool):
+def _random_like(t):
+    """Random values in ``t``'s shape, strides and dtype (e4m3: normal x 16, inside +-448)."""
+    r = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device)
+    v = torch.randn(t.size(), device=t.device)
+    r.copy_((v * 16).clamp(-E4M3_MAX, E4M3_MAX).to(t.dtype) if t.dtype == torch.float8_e4m3fn else v.to(t.dtype))
+    return r
+
+
+def _matmul(x8, w8, bias, w_scale, x_scale, out_inv_scale, fast_accum: bool, autotune: int):
     """D^T = GELU(W @ X^T * scales + bias) * out_inv_scale in e4m3, column-major; returns D [M, N]."""
     from nvmath.linalg.advanced import Matmul, MatmulEpilog
 
@@ -123,31 +138,33 @@ def _matmul(x8, w8, bias, w_scale, x_scale, out_inv_scale, fast_accum: bool):
         mm.plan(epilog=MatmulEpilog.GELU_BIAS, epilog_inputs={"bias": bias}, stream=stream)
         return mm
 
-    return _planned((x8.device.index, x8.shape[0], w8.shape[0], w8.shape[1], fast_accum),
+    return _planned(("gelu", x8.device.index, x8.shape[0], w8.shape[0], w8.shape[1], fast_accum, autotune),
                     f"the GELU epilogue for {tuple(x8.shape)} x {tuple(w8.shape)}", make,
                     {"a": w8, "b": b, "quantization_scales": scales, "epilog_inputs": {"bias": bias}},
-                    torch.cuda.current_stream(x8.device))
+                    torch.cuda.current_stream(x8.device), autotune)
 
 
 @torch.library.custom_op("bertqa::fp8_gemm_gelu", mutates_args=())
 def fp8_gemm_gelu(x8: torch.Tensor, w8: torch.Tensor, bias: torch.Tensor, w_scale: torch.Tensor,
-                  x_scale: torch.Tensor, out_inv_scale: torch.Tensor, fast_accum: bool = False) -> torch.Tensor:
+                  x_scale: torch.Tensor, out_inv_scale: torch.Tensor, fast_accum: bool = False,
+                  autotune: int = 0) -> torch.Tensor:
     """e4m3 [M, K] x8, [N, K] w8 -> e4m3 [M, N]: cuBLASLt's GELU_BIAS epilogue on CUDA, the same
     formula in torch elsewhere. Scales are 0-d fp32 tensors (on the device: no host copy).
-    ``fast_accum``: Hopper's fast FP8 accumulation (CUDA only; the torch formula accumulates in fp32)."""
+    ``fast_accum``: Hopper's fast FP8 accumulation (CUDA only; the torch formula accumulates in fp32).
+    ``autotune``: see ``_planned`` (CUDA only)."""
     if x8.is_cuda:
-        return _matmul(x8.contiguous(), w8, bias, w_scale, x_scale, out_inv_scale, fast_accum)
+        return _matmul(x8.contiguous(), w8, bias, w_scale, x_scale, out_inv_scale, fast_accum, autotune)
     return fp8_gemm_gelu_reference(x8, w8, bias, w_scale, x_scale, out_inv_scale)
 
 
 @fp8_gemm_gelu.register_fake
-def _(x8, w8, bias, w_scale, x_scale, out_inv_scale, fast_accum=False):
+def _(x8, w8, bias, w_scale, x_scale, out_inv_scale, fast_accum=False, autotune=0):
     return x8.new_empty((x8.shape[0], w8.shape[0]), dtype=torch.float8_e4m3fn)
 
 
-def gemm_gelu_fp8(x8, w8, bias, w_scale, x_scale, out_inv_scale, fast_accum: bool = False):
+def gemm_gelu_fp8(x8, w8, bias, w_scale, x_scale, out_inv_scale, fast_accum: bool = False, autotune: int = 0):
     """``fp8_gemm_gelu`` as a plain function: what a module holds (a custom op object does not copy)."""
-    return fp8_gemm_gelu(x8, w8, bias, w_scale, x_scale, out_inv_scale, fast_accum)
+    return fp8_gemm_gelu(x8, w8, bias, w_scale, x_scale, out_inv_scale, fast_accum, autotune)
 
 
 def implementation(on_cuda: bool) -> str:
@@ -184,13 +201,26 @@ def bias_for_epilogue(bias: Optional[torch.Tensor], n: int, device) -> torch.Ten
     return bias.detach().to(BIAS_DTYPE).contiguous()
 
 
-# --- the residual in the GEMM: D = x8 @ w8^T * scales + bias + residual, fp16 ----------------------
-# A BERT layer adds its residual right after the attention-output and FFN-down GEMMs, then runs
-# LayerNorm. Inductor fuses that add into the LayerNorm + e4m3 quantize pass, which then reads two
-# [tokens, hidden] fp16 tensors (the GEMM's output and the residual). cuBLASLt can add the residual
-# as its C operand (beta 1) in the GEMM's epilogue, where the tile is still in registers: the
-# LayerNorm pass then reads one tensor. Numerics: the sum is rounded to fp16 once, in the GEMM,
-# where the fused pass kept it in fp32 (one fp16 rounding of the LayerNorm's input more).
+# --- 16-bit output: D = x8 @ w8^T * scales + bias (+ residual), fp16 ------------------------------
+# The attention-output, FFN-down and QKV GEMMs write fp16 with their bias. torch._scaled_mm runs
+# them through cuBLASLt at its heuristic's first algorithm; planned here instead, the same GEMM can
+# be autotuned (``_planned``): on BERT-large's attention-output shape (32,768 x 1,024 x 1,024) an
+# autotuned algorithm took 60.8 us against 71.6 us for the heuristic's (H100, kernel_bench.py).
+#
+# The residual in the GEMM: a BERT layer adds its residual right after the attention-output and
+# FFN-down GEMMs, then runs LayerNorm. Inductor fuses that add into the LayerNorm + e4m3 quantize
+# pass, which then reads two [tokens, hidden] fp16 tensors (the GEMM's output and the residual).
+# cuBLASLt can add the residual as its C operand (beta 1) in the GEMM's epilogue, where the tile is
+# still in registers: the LayerNorm pass then reads one tensor. Numerics: the sum is rounded to fp16
+# once, in the GEMM, where the fused pass kept it in fp32 (one fp16 rounding of the LayerNorm's
+# input more).
+
+
+def fp8_gemm_bias_reference(x8, w8, bias, w_scale, x_scale):
+    """D = x8 @ w8^T * scales + bias in fp32, rounded once to the bias's dtype (the output's: fp16
+    on CUDA, where cuBLASLt takes the bias in the output's type)."""
+    y = (x8.float() @ w8.float().t()) * (x_scale.float() * w_scale.float()) + bias.float()
+    return y.to(bias.dtype)
 
 
 def fp8_gemm_add_reference(x8, w8, bias, w_scale, x_scale, residual):
@@ -201,41 +231,72 @@ def fp8_gemm_add_reference(x8, w8, bias, w_scale, x_scale, residual):
     return y.to(residual.dtype)
 
 
-def _matmul_add(x8, w8, bias, w_scale, x_scale, residual, fast_accum: bool):
-    """D^T = W @ X^T * scales + bias + R^T, fp16 column-major; returns D [M, N] (see _matmul)."""
+def _matmul_16(x8, w8, bias, w_scale, x_scale, residual, fast_accum: bool, autotune: int):
+    """D^T = W @ X^T * scales + bias (+ R^T), fp16 column-major; returns D [M, N] (see _matmul)."""
     import nvmath
     from nvmath.linalg.advanced import Matmul, MatmulEpilog
 
     scales = {"a": w_scale, "b": x_scale}
-    b, c = x8.t(), residual.t()
+    b = x8.t()
+    c = None if residual is None else residual.t()
 
     def make(stream):
-        mm = Matmul(w8, b, c=c, beta=1.0, quantization_scales=scales, stream=stream,
-                    options={"result_type": nvmath.CudaDataType.CUDA_R_16F, "fast_accumulation": bool(fast_accum)})
+        kw = {} if c is None else {"c": c, "beta": 1.0}
+        mm = Matmul(w8, b, quantization_scales=scales, stream=stream,
+                    options={"result_type": nvmath.CudaDataType.CUDA_R_16F, "fast_accumulation": bool(fast_accum)},
+                    **kw)
         mm.plan(epilog=MatmulEpilog.BIAS, epilog_inputs={"bias": bias}, stream=stream)
         return mm
 
-    return _planned(("add", x8.device.index, x8.shape[0], w8.shape[0], w8.shape[1], fast_accum),
-                    f"the residual GEMM for {tuple(x8.shape)} x {tuple(w8.shape)}", make,
-                    {"a": w8, "b": b, "c": c, "quantization_scales": scales, "epilog_inputs": {"bias": bias}},
-                    torch.cuda.current_stream(x8.device))
+    operands = {"a": w8, "b": b, "quantization_scales": scales, "epilog_inputs": {"bias": bias}}
+    if c is not None:
+        operands["c"] = c
+    what = "the residual GEMM" if c is not None else "the FP8 GEMM"
+    return _planned(("add" if c is not None else "bias", x8.device.index, x8.shape[0], w8.shape[0], w8.shape[1],
+                     fast_accum, autotune),
+                    f"{what} for {tuple(x8.shape)} x {tuple(w8.shape)}", make, operands,
+                    torch.cuda.current_stream(x8.device), autotune)
+
+
+@torch.library.custom_op("bertqa::fp8_gemm_bias", mutates_args=())
+def fp8_gemm_bias(x8: torch.Tensor, w8: torch.Tensor, bias: torch.Tensor, w_scale: torch.Tensor,
+                  x_scale: torch.Tensor, fast_accum: bool = False, autotune: int = 0) -> torch.Tensor:
+    """e4m3 [M, K] x8, [N, K] w8 -> [M, N] in the bias's dtype (fp16 on CUDA): cuBLASLt planned through
+    nvmath-python with the bias in its epilogue on CUDA (``autotune``: see ``_planned``), the same
+    formula in torch elsewhere."""
+    if x8.is_cuda:
+        if bias.dtype != torch.float16:
+            raise ValueError(f"the FP8 GEMM through nvmath writes fp16 and takes its bias in fp16, not {bias.dtype}")
+        return _matmul_16(x8.contiguous(), w8, bias, w_scale, x_scale, None, fast_accum, autotune)
+    return fp8_gemm_bias_reference(x8, w8, bias, w_scale, x_scale)
+
+
+@fp8_gemm_bias.register_fake
+def _(x8, w8, bias, w_scale, x_scale, fast_accum=False, autotune=0):
+    return x8.new_empty((x8.shape[0], w8.shape[0]), dtype=bias.dtype)
+
+
+def gemm_bias_fp8(x8, w8, bias, w_scale, x_scale, fast_accum: bool = False, autotune: int = 0):
+    """``fp8_gemm_bias`` as a plain function (what a module holds)."""
+    return fp8_gemm_bias(x8, w8, bias, w_scale, x_scale, fast_accum, autotune)
 
 
 @torch.library.custom_op("bertqa::fp8_gemm_add", mutates_args=())
 def fp8_gemm_add(x8: torch.Tensor, w8: torch.Tensor, bias: torch.Tensor, w_scale: torch.Tensor,
-                 x_scale: torch.Tensor, residual: torch.Tensor, fast_accum: bool = False) -> torch.Tensor:
+                 x_scale: torch.Tensor, residual: torch.Tensor, fast_accum: bool = False,
+                 autotune: int = 0) -> torch.Tensor:
     """e4m3 [M, K] x8, [N, K] w8, fp16 [M, N] residual -> fp16 [M, N]: cuBLASLt with the residual
     as C (beta 1) and the bias in its epilogue on CUDA, the same formula in torch elsewhere."""
     if x8.is_cuda:
-        return _matmul_add(x8.contiguous(), w8, bias, w_scale, x_scale, residual.contiguous(), fast_accum)
+        return _matmul_16(x8.contiguous(), w8, bias, w_scale, x_scale, residual.contiguous(), fast_accum, autotune)
     return fp8_gemm_add_reference(x8, w8, bias, w_scale, x_scale, residual)
 
 
 @fp8_gemm_add.register_fake
-def _(x8, w8, bias, w_scale, x_scale, residual, fast_accum=False):
+def _(x8, w8, bias, w_scale, x_scale, residual, fast_accum=False, autotune=0):
     return residual.new_empty((x8.shape[0], w8.shape[0]))
 
 
-def gemm_add_fp8(x8, w8, bias, w_scale, x_scale, residual, fast_accum: bool = False):
+def gemm_add_fp8(x8, w8, bias, w_scale, x_scale, residual, fast_accum: bool = False, autotune: int = 0):
     """``fp8_gemm_add`` as a plain function (what a module holds)."""
-    return fp8_gemm_add(x8, w8, bias, w_scale, x_scale, residual, fast_accum)
+    return fp8_gemm_add(x8, w8, bias, w_scale, x_scale, residual, fast_accum, autotune)

@@ -138,7 +138,7 @@ class TorchBackend(Backend):
                 return f"FP8 tensor cores need Hopper/Ada (sm_89+); {torch.cuda.get_device_name()} is sm_{cap[0]}{cap[1]}"
             if o.fp8 is not None and o.fp8.scaling != "tensor" and cap < (9, 0):
                 return "rowwise FP8 scaling needs sm_90 (Hopper)"
-        if o.fp8 is not None and (o.fp8.ffn_gelu == "epilogue" or o.fp8.residual == "gemm"):
+        if o.fp8 is not None and (o.fp8.ffn_gelu == "epilogue" or o.fp8.residual == "gemm" or o.fp8.cublaslt_gemms.strip()):
             from .gemm_epilogue import nvmath_unavailable_reason
 
             why = nvmath_unavailable_reason()

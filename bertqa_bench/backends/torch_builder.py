@@ -11,7 +11,7 @@ import numpy as np
 
 from ..errors import BackendUnavailableError
 from .base import INPUT_NAMES, BackendContext
-from .torch_fp8 import parse_gemms
+from .torch_fp8 import parse_cublaslt_gemms, parse_gemms
 from .torch_options import Fp8Options, Int8Options, TorchaoOptions, TorchOptions, parse_layers, torchao_targets
 
 
@@ -131,7 +131,8 @@ def quantize_fp8(module, f: Fp8Options, batches) -> dict:
     def swap(m, keep):
         return swap_to_fp8(m, amax, scaling=f.scaling, gemms=gemms, fuse_qkv=f.fuse_qkv, fast_accum=f.fast_accum,
                            act_margin=f.act_margin, keep_layers=keep, ffn_hidden_fp8=f.ffn_hidden_fp8,
-                           ffn_gelu=f.ffn_gelu, attention_fp8=f.attention == "fp8", residual=f.residual)
+                           ffn_gelu=f.ffn_gelu, attention_fp8=f.attention == "fp8", residual=f.residual,
+                           cublaslt_gemms=f.cublaslt_gemms, cublaslt_autotune=f.cublaslt_autotune)
 
     kept, info = sensitivity_sweep(module, batches, lambda m, layer: swap(m, [i for i in range(n) if i != layer]),
                              f.sensitivity_keep)
@@ -148,6 +149,10 @@ def quantize_fp8(module, f: Fp8Options, batches) -> dict:
         "fp8_ffn_gelu": gelu_info(f.ffn_gelu, module),
         "fp8_residual": (f"added in {len(done['residual_in_gemm'])} GEMMs (cuBLASLt C operand, nvmath-python)"
                          if f.residual == "gemm" else "added in the LayerNorm pass"),
+        "fp8_cublaslt": (f"{len(done['cublaslt'])} GEMMs ({','.join(parse_cublaslt_gemms(f.cublaslt_gemms))}) through "
+                         "cuBLASLt planned by nvmath-python" if done["cublaslt"] else "none: torch._scaled_mm"),
+        "fp8_cublaslt_algorithm": (f"autotuned per shape ({f.cublaslt_autotune} timings of each candidate)"
+                                   if f.cublaslt_autotune else "cuBLASLt's heuristic"),
         "fp8_attention": (f"e4m3 Q, K, V, probabilities and output in {len(done['attention_fp8'])} layers "
                           "(cuDNN FP8 attention)" if f.attention == "fp8" else "16-bit"),
         "fp8_not_fp8": "embeddings, layernorms, "

@@ -213,22 +213,48 @@ def _define_modules():
             return cls(linear.weight, linear.bias, **kw)
 
         residual_in_gemm = False
+        # the GEMM runs through cuBLASLt planned by nvmath-python (gemm_epilogue.fp8_gemm_bias)
+        # instead of torch._scaled_mm (use_cublaslt)
+        planned_gemm = False
+        # > 0: every GEMM of this layer planned through nvmath-python (this one under use_cublaslt,
+        # the residual GEMM, a GELU epilogue reading this layer's weights) has its algorithm
+        # autotuned when its shape is planned (gemm_epilogue._planned)
+        cublaslt_autotune = 0
+
+        def use_cublaslt(self, autotune: int = 0) -> None:
+            """Run this GEMM (fp16 out, bias in the epilogue) through cuBLASLt planned by nvmath-python,
+            whose algorithm can be autotuned per shape (``autotune`` > 0), instead of torch._scaled_mm
+            at cuBLASLt's heuristic choice."""
+            self._check_16bit_gemm("cuBLASLt through nvmath-python")
+            from .gemm_epilogue import gemm_bias_fp8
+
+            self._gemm_bias = gemm_bias_fp8
+            self._register_epilogue_bias()
+            self.planned_gemm = True
+            self.cublaslt_autotune = int(autotune)
+
+        def _check_16bit_gemm(self, what: str) -> None:
+            if self.scaling != "tensor" or self.out_scale_value is not None:
+                raise ValueError(f"{what} needs per-tensor scales and a 16-bit output "
+                                 f"(scaling '{self.scaling}', out_scale {self.out_scale_value})")
+            if self.act_dtype == torch.bfloat16:
+                raise ValueError(f"{what} runs in fp16 (cuBLASLt's FP8 kernels take the bias and C in the "
+                                 "output's type); this model computes in bf16")
+
+        def _register_epilogue_bias(self) -> None:
+            if getattr(self, "residual_bias", None) is None:
+                bias = self.bias if self.bias is not None else torch.zeros(
+                    self.out_features, dtype=self.act_dtype, device=self.weight_fp8.device)
+                self.register_buffer("residual_bias", bias.to(self.act_dtype))
 
         def add_residual_in_gemm(self) -> None:
             """``plus`` adds the residual in the GEMM (cuBLASLt's C operand, gemm_epilogue.py)
             instead of leaving it to the next elementwise pass."""
-            if self.scaling != "tensor" or self.out_scale_value is not None:
-                raise ValueError("the residual in the GEMM needs per-tensor scales and a 16-bit output "
-                                 f"(scaling '{self.scaling}', out_scale {self.out_scale_value})")
-            if self.act_dtype == torch.bfloat16:
-                raise ValueError("the residual in the GEMM runs in fp16 (cuBLASLt's FP8 kernels take C in the "
-                                 "output's type); this model computes in bf16")
+            self._check_16bit_gemm("the residual in the GEMM")
             from .gemm_epilogue import gemm_add_fp8
 
             self._gemm_add = gemm_add_fp8
-            bias = self.bias if self.bias is not None else torch.zeros(self.out_features, dtype=self.act_dtype,
-                                                                       device=self.weight_fp8.device)
-            self.register_buffer("residual_bias", bias.to(self.act_dtype))
+            self._register_epilogue_bias()
             self.residual_in_gemm = True
 
         def plus(self, x, residual):
@@ -238,7 +264,7 @@ def _define_modules():
             lead = x.shape[:-1]
             xq, sa = self.quantize_input(x.reshape(-1, self.in_features))
             y = self._gemm_add(xq, self.weight_fp8, self.residual_bias, self.weight_scale, sa,
-                               residual.reshape(-1, self.out_features), self.fast_accum)
+                               residual.reshape(-1, self.out_features), self.fast_accum, self.cublaslt_autotune)
             return y.reshape(*lead, self.out_features)
 
         def extra_repr(self) -> str:
@@ -246,7 +272,9 @@ def _define_modules():
                     f"act_scale={self.act_scale_value}, fast_accum={self.fast_accum}, out_dtype={self.out_dtype}"
                     + ("" if self.gemm_dtype == self.out_dtype else f" (GEMM {self.gemm_dtype}, clamped)")
                     + ("" if self.out_scale_value is None else f", out_scale={self.out_scale_value}")
-                    + (", residual added in the GEMM" if self.residual_in_gemm else ""))
+                    + (", residual added in the GEMM" if self.residual_in_gemm else "")
+                    + (", cuBLASLt through nvmath" if self.planned_gemm else "")
+                    + (f", algorithm autotuned x{self.cublaslt_autotune}" if self.cublaslt_autotune else ""))
 
         def quantize_input(self, x2):
             """(fp8 [M, K], scale_a) for a [M, K] activation. An input already in e4m3 is taken as
@@ -267,6 +295,10 @@ def _define_modules():
         def forward(self, x):
             lead = x.shape[:-1]
             xq, sa = self.quantize_input(x.reshape(-1, self.in_features))
+            if self.planned_gemm:
+                y = self._gemm_bias(xq, self.weight_fp8, self.residual_bias, self.weight_scale, sa, self.fast_accum,
+                                    self.cublaslt_autotune)
+                return y.reshape(*lead, self.out_features)
             if self.gemm_scale_a is not None:
                 sa = self.gemm_scale_a
             y = torch._scaled_mm(xq, self.weight_fp8.t(), scale_a=sa, scale_b=self.weight_scale,
@@ -333,7 +365,7 @@ def _define_modules():
                 lead = hidden_states.shape[:-1]
                 x8, sa = d.quantize_input(hidden_states.reshape(-1, d.in_features))
                 h8 = self._epilogue(x8, d.weight_fp8, self.epilogue_bias, d.weight_scale, sa, self.down_inv_scale,
-                                    d.fast_accum)
+                                    d.fast_accum, d.cublaslt_autotune)
                 return h8.reshape(*lead, d.out_features)
             if self._tanh_gelu is not None:  # gelu_fp8: one Triton kernel on CUDA, e4m3 in and out
                 return self._tanh_gelu(self.dense(hidden_states), self.out_scale_value, self._inv_down_scale)
@@ -524,7 +556,8 @@ def swap_to_fp8(model, act_amax: Optional[Mapping[str, float]] = None, *, scalin
                 gemms=DEFAULT_GEMMS, fuse_qkv: bool = True, fast_accum: bool = False,
                 act_margin: float = 2.0, keep_layers: Iterable[int] = (),
                 ffn_hidden_fp8: bool = False, ffn_gelu: str = "exact",
-                attention_fp8: bool = False, residual: str = "layernorm") -> dict[str, Any]:
+                attention_fp8: bool = False, residual: str = "layernorm",
+                cublaslt_gemms="", cublaslt_autotune: int = 0) -> dict[str, Any]:
     """Replace encoder Linears of ``model`` (those of the kinds in ``gemms``) in place by FP8 modules.
 
     ``act_amax`` (name -> calibrated input amax, ``calibrate_amax``) is needed for the static
@@ -536,7 +569,10 @@ def swap_to_fp8(model, act_amax: Optional[Mapping[str, float]] = None, *, scalin
     OUT``) and the attention output is read in e4m3 at the output GEMM's input scale: the packed
     encoder runs attention in FP8 there (cudnn_fp8_attention.py). ``residual`` (RESIDUALS): "gemm"
     adds the residual in the attention-output and FFN-down FP8 GEMMs (``Fp8Linear.plus``, which
-    the padding-free encoder calls).
+    the padding-free encoder calls). ``cublaslt_gemms``: GEMM kinds (16-bit output) run through
+    cuBLASLt planned by nvmath-python instead of torch._scaled_mm (``Fp8Linear.use_cublaslt``);
+    ``cublaslt_autotune`` > 0: every GEMM planned there (those, the GELU epilogue, the residual
+    GEMMs) has its algorithm autotuned per shape.
     ``keep_layers``: encoder layer indices left entirely in 16 bits. Returns what was done:
     ``swapped`` (original Linear names now computed in FP8), ``fused_qkv`` (self-attention
     modules replaced by a fused-QKV FP8 attention), ``gemms`` (FP8 GEMMs per forward), ``kept``
@@ -552,6 +588,8 @@ def swap_to_fp8(model, act_amax: Optional[Mapping[str, float]] = None, *, scalin
     check_ffn_hidden(scaling, gemms, ffn_hidden_fp8, ffn_gelu)
     check_attention_fp8(scaling, gemms, fuse_qkv, attention_fp8)
     check_residual(scaling, gemms, residual)
+    check_cublaslt(scaling, gemms, cublaslt_gemms, cublaslt_autotune, ffn_hidden_fp8=ffn_hidden_fp8,
+                   ffn_gelu=ffn_gelu, attention_fp8=attention_fp8, residual=residual)
     if attention_fp8:
         missing = [n for n in qkv_names(target_linears(model, gemms)) if n + OUT not in act_amax]
         if missing:
@@ -635,8 +673,22 @@ def swap_to_fp8(model, act_amax: Optional[Mapping[str, float]] = None, *, scalin
             if gemm_kind(name) in RESIDUAL_GEMMS:
                 model.get_submodule(name).add_residual_in_gemm()
                 residual_in_gemm.append(name)
+    planned = []
+    kinds = parse_cublaslt_gemms(cublaslt_gemms)
+    for name in swapped:
+        kind, parent = gemm_kind(name), name.rsplit(".", 1)[0]
+        if kind == "qkv" and parent in fused:  # one fused Fp8Linear per attention module, met at its query
+            if not name.endswith(".query"):
+                continue
+            lin, label = model.get_submodule(parent).qkv, parent + ".qkv"
+        else:
+            lin, label = model.get_submodule(name), name
+        if kind in kinds:
+            lin.use_cublaslt(cublaslt_autotune)
+            planned.append(label)
+        lin.cublaslt_autotune = int(cublaslt_autotune)
     return {"swapped": swapped, "fused_qkv": fused, "gemms": n_gemms, "kept": kept, "ffn_hidden_fp8": hidden_fp8,
-            "attention_fp8": attention_fp8_layers, "residual_in_gemm": residual_in_gemm}
+            "attention_fp8": attention_fp8_layers, "residual_in_gemm": residual_in_gemm, "cublaslt": planned}
 
 
 def qkv_names(names: Iterable[str]) -> list[str]:
@@ -665,6 +717,42 @@ def check_residual(scaling: str, gemms, residual: str) -> None:
         raise ValueError("residual: gemm adds the residual in FP8 GEMMs with per-tensor scales: it needs scaling "
                          f"'tensor' and attn_out or ffn_out in gemms, not scaling '{scaling}' with gemms "
                          f"{','.join(parse_gemms(gemms))}")
+
+
+def parse_cublaslt_gemms(value) -> tuple[str, ...]:
+    """``cublaslt_gemms``: '' (none) or GEMM kinds, as ``parse_gemms``."""
+    if isinstance(value, str) and not value.strip():
+        return ()
+    return parse_gemms(value)
+
+
+def check_cublaslt(scaling: str, gemms, cublaslt_gemms, autotune: int, *, ffn_hidden_fp8: bool = False,
+                   ffn_gelu: str = "exact", attention_fp8: bool = False, residual: str = "layernorm") -> None:
+    """ValueError unless the GEMMs planned through nvmath-python (``cublaslt_gemms``) and their
+    autotuning fit the rest: FP8 GEMMs with per-tensor scales and a 16-bit output, and something
+    planned there when ``autotune`` > 0."""
+    try:
+        kinds = parse_cublaslt_gemms(cublaslt_gemms)
+    except ValueError:
+        raise ValueError(f"cublaslt_gemms must name some of {', '.join(GEMM_KINDS)} (or 'all', or ''), "
+                         f"not {cublaslt_gemms!r}") from None
+    fp8_kinds = set(parse_gemms(gemms))
+    if kinds and scaling != "tensor":
+        raise ValueError(f"cublaslt_gemms needs scaling 'tensor' (per-tensor scales), not '{scaling}'")
+    missing = [k for k in kinds if k not in fp8_kinds]
+    if missing:
+        raise ValueError(f"cublaslt_gemms names {','.join(missing)}, which gemms ({','.join(sorted(fp8_kinds))}) "
+                         "leaves in 16 bits")
+    e4m3_out = (["ffn_in"] if ffn_hidden_fp8 else []) + (["qkv"] if attention_fp8 else [])
+    clash = [k for k in kinds if k in e4m3_out]
+    if clash:
+        raise ValueError(f"cublaslt_gemms: {','.join(clash)} writes e4m3 here (ffn_hidden_fp8 / attention: fp8); "
+                         "only GEMMs with a 16-bit output run as a planned cuBLASLt GEMM")
+    if int(autotune) < 0:
+        raise ValueError(f"cublaslt_autotune must be >= 0 (0: the heuristic's choice), not {autotune}")
+    if int(autotune) > 0 and not (kinds or ffn_gelu == "epilogue" or residual == "gemm"):
+        raise ValueError("cublaslt_autotune tunes the GEMMs planned through nvmath-python, and none is: name some in "
+                         "cublaslt_gemms, or use ffn_gelu: epilogue or residual: gemm")
 
 
 def _fp8_able(model, name: str, targets: list[str], done: set[str]) -> bool:

@@ -8,7 +8,8 @@ from typing import Optional
 
 from ..errors import ConfigError
 from ..model.checkpoint import PACKED_FAMILIES  # noqa: F401 - the families the padding-free encoder computes
-from .torch_fp8 import SCALINGS, check_attention_fp8, check_ffn_hidden, check_residual, parse_gemms
+from .torch_fp8 import (SCALINGS, check_attention_fp8, check_cublaslt, check_ffn_hidden, check_residual,
+                        parse_cublaslt_gemms, parse_gemms)
 
 DTYPES = ("fp32", "fp16", "bf16")
 # Families whose encoder is BertModel's layout (tests/test_checkpoint.py checks the FP8/INT8
@@ -54,6 +55,14 @@ class Fp8Options:
     # that pass then reads one tensor instead of two); gemm needs scaling: tensor and the packed
     # encoder, whose layer calls the GEMM with its residual
     residual: str = "layernorm"
+    # FP8 GEMMs with a 16-bit output (some of qkv, attn_out, ffn_out; "" none) run through cuBLASLt
+    # planned by nvmath-python, with their bias in its epilogue, instead of torch._scaled_mm: what
+    # lets cublaslt_autotune choose their algorithm (needs scaling: tensor; packed needs token_bucket)
+    cublaslt_gemms: str = ""
+    # > 0: every GEMM planned through nvmath-python (cublaslt_gemms, ffn_gelu: epilogue, residual:
+    # gemm) times cuBLASLt's candidate algorithms this many times each when its shape is first run
+    # (a warm-up batch) and keeps the fastest; 0: the heuristic's first choice
+    cublaslt_autotune: int = 0
 
     def __post_init__(self):
         if self.scaling not in SCALINGS:
@@ -74,6 +83,12 @@ class Fp8Options:
             raise ConfigError(f"fp8.{e}") from None
         try:
             check_residual(self.scaling, self.gemms, self.residual)
+        except ValueError as e:
+            raise ConfigError(f"fp8.{e}") from None
+        try:
+            check_cublaslt(self.scaling, self.gemms, self.cublaslt_gemms, self.cublaslt_autotune,
+                           ffn_hidden_fp8=self.ffn_hidden_fp8, ffn_gelu=self.ffn_gelu,
+                           attention_fp8=self.attention == "fp8", residual=self.residual)
         except ValueError as e:
             raise ConfigError(f"fp8.{e}") from None
         if self.act_margin <= 0 or self.calibration_batches < 1:
@@ -207,6 +222,10 @@ class TorchOptions:
                               "kernel: it needs packed: true (padded rows choose SDPA's with sdpa_backend)")
         if self.fp8 is not None and self.fp8.ffn_gelu == "epilogue" and self.packed and not self.token_bucket:
             raise ConfigError("fp8.ffn_gelu: epilogue plans one cuBLASLt GEMM per token count; packed batches need "
+                              "token_bucket (a few bucket sizes), not a new token count every batch")
+        if (self.fp8 is not None and parse_cublaslt_gemms(self.fp8.cublaslt_gemms) and self.packed
+                and not self.token_bucket):
+            raise ConfigError("fp8.cublaslt_gemms plans one cuBLASLt GEMM per token count; packed batches need "
                               "token_bucket (a few bucket sizes), not a new token count every batch")
         if self.fp8 is not None and self.fp8.residual == "gemm" and not (self.packed and self.token_bucket):
             raise ConfigError("fp8.residual: gemm is the padding-free encoder's layer calling its GEMMs with the "
