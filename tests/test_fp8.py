@@ -1020,21 +1020,23 @@ def test_planned_fp8_gemm_on_gpu_is_its_formula_autotuned_or_not_and_captures():
 
     if ge.nvmath_unavailable_reason():
         pytest.skip(ge.nvmath_unavailable_reason())
-    x8, w8, bias, sw, sx = (t.cuda() for t in _epilogue_operands(m=256, k=256, n=512))
-    exact = (x8.float() @ w8.float().t()) * (sx * sw) + bias.float()
-    magnitude = (x8.float().abs() @ w8.float().abs().t()) * (sx * sw) + bias.float().abs()
     before = len(ge._PLANS)
-    for tune in (0, 3):
-        got = ge.fp8_gemm_bias(x8, w8, bias, sw, sx, True, tune)
-        assert got.shape == (256, 512) and got.is_contiguous() and got.dtype == torch.float16
-        assert bool(((got.float() - exact).abs() <= exact.abs() * 2.0 ** -11 + magnitude * 2.0 ** -10).all()), tune
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = ge.fp8_gemm_bias(x8, w8, bias, sw, sx, True, tune)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(captured, got)
-    assert len(ge._PLANS) == before + 2
+    # 120 tokens: not a multiple of 16, which cuBLASLt's FP8 kernels need (padded for the GEMM)
+    for m in (256, 120):
+        x8, w8, bias, sw, sx = (t.cuda() for t in _epilogue_operands(m=m, k=256, n=512))
+        exact = (x8.float() @ w8.float().t()) * (sx * sw) + bias.float()
+        magnitude = (x8.float().abs() @ w8.float().abs().t()) * (sx * sw) + bias.float().abs()
+        for tune in (0, 3):
+            got = ge.fp8_gemm_bias(x8, w8, bias, sw, sx, True, tune)
+            assert got.shape == (m, 512) and got.is_contiguous() and got.dtype == torch.float16
+            assert bool(((got.float() - exact).abs() <= exact.abs() * 2.0 ** -11 + magnitude * 2.0 ** -10).all()), tune
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                captured = ge.fp8_gemm_bias(x8, w8, bias, sw, sx, True, tune)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(captured, got)
+    assert len(ge._PLANS) == before + 4
 
 
 def test_fp8_attention_options_are_checked():

@@ -114,6 +114,28 @@ def _planned(key, what: str, make, operands: dict, stream, autotune: int = 0):
     return out
 
 
+# cuBLASLt's FP8 kernels need every dimension a multiple of 16 (torch._scaled_mm only K and N): a
+# token count that is not (a padded batch of 3 x 40 tokens) is padded with zero rows for the GEMM,
+# and those rows of the result dropped
+_FP8_MULTIPLE = 16
+
+
+def _rows_padded(t, rows: int):
+    """``t`` [M, ...] with zero rows appended up to ``rows`` (e4m3 through its bytes: a copy either way)."""
+    if t.shape[0] == rows:
+        return t
+    raw = t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+    out = torch.cat([raw, raw.new_zeros((rows - t.shape[0],) + tuple(t.shape[1:]))])
+    return out.view(t.dtype) if t.dtype == torch.float8_e4m3fn else out
+
+
+def _padded_to_multiple(x8, *others):
+    """(m, x8 and others padded to a multiple of 16 rows); m is the rows to keep of the result."""
+    m = x8.shape[0]
+    rows = -(-m // _FP8_MULTIPLE) * _FP8_MULTIPLE
+    return m, _rows_padded(x8, rows), *(_rows_padded(t, rows) for t in others)
+
+
 def _random_like(t):
     """Random values in ``t``'s shape, strides and dtype (e4m3: normal x 16, inside +-448)."""
     r = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device)
@@ -153,7 +175,8 @@ def fp8_gemm_gelu(x8: torch.Tensor, w8: torch.Tensor, bias: torch.Tensor, w_scal
     ``fast_accum``: Hopper's fast FP8 accumulation (CUDA only; the torch formula accumulates in fp32).
     ``autotune``: see ``_planned`` (CUDA only)."""
     if x8.is_cuda:
-        return _matmul(x8.contiguous(), w8, bias, w_scale, x_scale, out_inv_scale, fast_accum, autotune)
+        m, x8 = _padded_to_multiple(x8.contiguous())
+        return _matmul(x8, w8, bias, w_scale, x_scale, out_inv_scale, fast_accum, autotune)[:m]
     return fp8_gemm_gelu_reference(x8, w8, bias, w_scale, x_scale, out_inv_scale)
 
 
@@ -267,7 +290,8 @@ def fp8_gemm_bias(x8: torch.Tensor, w8: torch.Tensor, bias: torch.Tensor, w_scal
     if x8.is_cuda:
         if bias.dtype != torch.float16:
             raise ValueError(f"the FP8 GEMM through nvmath writes fp16 and takes its bias in fp16, not {bias.dtype}")
-        return _matmul_16(x8.contiguous(), w8, bias, w_scale, x_scale, None, fast_accum, autotune)
+        m, x8 = _padded_to_multiple(x8.contiguous())
+        return _matmul_16(x8, w8, bias, w_scale, x_scale, None, fast_accum, autotune)[:m]
     return fp8_gemm_bias_reference(x8, w8, bias, w_scale, x_scale)
 
 
@@ -288,7 +312,8 @@ def fp8_gemm_add(x8: torch.Tensor, w8: torch.Tensor, bias: torch.Tensor, w_scale
     """e4m3 [M, K] x8, [N, K] w8, fp16 [M, N] residual -> fp16 [M, N]: cuBLASLt with the residual
     as C (beta 1) and the bias in its epilogue on CUDA, the same formula in torch elsewhere."""
     if x8.is_cuda:
-        return _matmul_16(x8.contiguous(), w8, bias, w_scale, x_scale, residual.contiguous(), fast_accum, autotune)
+        m, x8, residual = _padded_to_multiple(x8.contiguous(), residual.contiguous())
+        return _matmul_16(x8, w8, bias, w_scale, x_scale, residual, fast_accum, autotune)[:m]
     return fp8_gemm_add_reference(x8, w8, bias, w_scale, x_scale, residual)
 
 
