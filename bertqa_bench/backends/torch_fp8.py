@@ -242,10 +242,12 @@ def _define_modules():
                                  "output's type); this model computes in bf16")
 
         def _register_epilogue_bias(self) -> None:
-            if getattr(self, "residual_bias", None) is None:
+            """The bias as the nvmath-planned GEMMs take it: in the output's dtype, zeros when the
+            layer has none (the BIAS epilogue always adds one)."""
+            if getattr(self, "cublaslt_bias", None) is None:
                 bias = self.bias if self.bias is not None else torch.zeros(
                     self.out_features, dtype=self.act_dtype, device=self.weight_fp8.device)
-                self.register_buffer("residual_bias", bias.to(self.act_dtype))
+                self.register_buffer("cublaslt_bias", bias.to(self.act_dtype))
 
         def add_residual_in_gemm(self) -> None:
             """``plus`` adds the residual in the GEMM (cuBLASLt's C operand, gemm_epilogue.py)
@@ -263,7 +265,7 @@ def _define_modules():
                 return self(x) + residual
             lead = x.shape[:-1]
             xq, sa = self.quantize_input(x.reshape(-1, self.in_features))
-            y = self._gemm_add(xq, self.weight_fp8, self.residual_bias, self.weight_scale, sa,
+            y = self._gemm_add(xq, self.weight_fp8, self.cublaslt_bias, self.weight_scale, sa,
                                residual.reshape(-1, self.out_features), self.fast_accum, self.cublaslt_autotune)
             return y.reshape(*lead, self.out_features)
 
@@ -296,7 +298,7 @@ def _define_modules():
             lead = x.shape[:-1]
             xq, sa = self.quantize_input(x.reshape(-1, self.in_features))
             if self.planned_gemm:
-                y = self._gemm_bias(xq, self.weight_fp8, self.residual_bias, self.weight_scale, sa, self.fast_accum,
+                y = self._gemm_bias(xq, self.weight_fp8, self.cublaslt_bias, self.weight_scale, sa, self.fast_accum,
                                     self.cublaslt_autotune)
                 return y.reshape(*lead, self.out_features)
             if self.gemm_scale_a is not None:
