@@ -932,57 +932,136 @@ def test_residual_gemm_on_gpu_is_its_formula_and_captures():
 
 # --------------------------------------------------------------------------- GEMMs planned through nvmath
 
-@needs_cpu_scaled_mm
-def test_cublaslt_gemms_run_the_planned_op_with_the_autotune_setting_and_keep_the_answers():
-    """cublaslt_gemms: the named FP8 GEMMs (fused QKV, attention output, FFN down) run through
-    gemm_epilogue's planned op (its torch formula on the CPU) instead of torch._scaled_mm; every
-    GEMM planned through nvmath (those, the GELU epilogue, the residual GEMMs) is handed
-    cublaslt_autotune; the logits are the torch._scaled_mm model's up to fp32 summation order."""
-    from bertqa_bench.backends.packed_bert import pack_model
-
-    model = qa(tiny_bert(hidden=64))
-    ids, mask, types = inputs()
-    x = (ids, mask, types)
-    targets = fp8.target_linears(model, fp8.GEMM_KINDS)
-    amax = fp8.calibrate_amax(model, [x], targets, fp8.ffn_up_names(targets))
-    plain = copy.deepcopy(model)
-    fp8.swap_to_fp8(plain, amax, gemms="all", ffn_hidden_fp8=True, ffn_gelu="epilogue")
-    done = fp8.swap_to_fp8(model, amax, gemms="all", ffn_hidden_fp8=True, ffn_gelu="epilogue", residual="gemm",
-                           cublaslt_gemms="qkv,attn_out,ffn_out", cublaslt_autotune=4)
-    assert sorted(fp8.gemm_kind(n.replace(".qkv", ".query")) for n in done["cublaslt"]) == \
-        ["attn_out"] * 2 + ["ffn_out"] * 2 + ["qkv"] * 2
-    calls = []
-    for name in done["cublaslt"]:
+def _recorded(model, done, calls):
+    """Wrap the nvmath-planned ops of ``model`` to record (module name, autotune) per call."""
+    for name in done["cublaslt"] + done["residual_in_gemm"]:
         lin = model.get_submodule(name)
-        assert lin.planned_gemm and "autotuned x4" in lin.extra_repr()
-        lin._gemm_bias = lambda *a, _f=lin._gemm_bias, _n=name: calls.append((_n, a[-1])) or _f(*a)
+        if lin.planned_gemm:
+            lin._gemm_bias = lambda *a, _f=lin._gemm_bias, _n=name: calls.append((_n, a[-1])) or _f(*a)
         if lin.residual_in_gemm:
             lin._gemm_add = lambda *a, _f=lin._gemm_add, _n=name: calls.append((_n + "+r", a[-1])) or _f(*a)
     for inter in done["ffn_hidden_fp8"]:
         m = model.get_submodule(inter)
         m._epilogue = lambda *a, _f=m._epilogue, _n=inter: calls.append((_n, a[-1])) or _f(*a)
-    with torch.no_grad():
-        padded, want = model(*x), plain(*x)
-    # padded forward: the plain op for every named GEMM, the GELU epilogue per layer, all told 4
-    assert sorted(n for n, _ in calls) == sorted(done["cublaslt"] + done["ffn_hidden_fp8"])
-    assert {t for _, t in calls} == {4}
+
+
+@needs_cpu_scaled_mm
+def test_cublaslt_gemms_run_the_planned_op_with_the_autotune_setting_and_keep_the_answers():
+    """cublaslt_gemms: the named FP8 GEMMs (fused QKV, attention output, FFN down) run through
+    gemm_epilogue's planned op (its torch formula on the CPU) instead of torch._scaled_mm; every
+    GEMM planned through nvmath (those, the GELU epilogue, the residual GEMMs) is handed
+    cublaslt_autotune, and only those say they are autotuned; the logits are the torch._scaled_mm
+    model's up to fp32 summation order, padded and packed."""
+    from bertqa_bench.backends.packed_bert import pack_model
+
+    model = qa(tiny_bert(hidden=64))
+    ids, mask, types = inputs()
+    x = (ids, mask, types)
     real = mask.bool()
-    for g, w in zip(padded, want):
-        assert (g - w)[real].abs().max() < 1e-4
-    calls.clear()
-    pack_model(model.model)
+    targets = fp8.target_linears(model, fp8.GEMM_KINDS)
+    amax = fp8.calibrate_amax(model, [x], targets, fp8.ffn_up_names(targets))
+    plain = copy.deepcopy(model)
+    fp8.swap_to_fp8(plain, amax, gemms="all", ffn_hidden_fp8=True, ffn_gelu="epilogue")
     with torch.no_grad():
-        packed = model(*x)
-    # packed: the residual GEMMs add their residual (residual: gemm wins over the plain op there)
-    assert sorted(n for n, _ in calls if n.endswith("+r")) == sorted(n + "+r" for n in done["residual_in_gemm"])
+        want = plain(*x)
+    planned = copy.deepcopy(model)
+    done = fp8.swap_to_fp8(planned, amax, gemms="all", ffn_hidden_fp8=True, ffn_gelu="epilogue",
+                           cublaslt_gemms="qkv,attn_out,ffn_out", cublaslt_autotune=4)
+    assert sorted(fp8.gemm_kind(n.replace(".qkv", ".query")) for n in done["cublaslt"]) == \
+        ["attn_out"] * 2 + ["ffn_out"] * 2 + ["qkv"] * 2
+    for name in done["cublaslt"]:
+        assert planned.get_submodule(name).planned_gemm and "autotuned x4" in planned.get_submodule(name).extra_repr()
+    for inter in done["ffn_hidden_fp8"]:  # the up-projection runs in the epilogue, not on its own
+        assert "epilogue algorithm autotuned x4" in planned.get_submodule(inter).extra_repr()
+        assert "autotuned" not in planned.get_submodule(inter).dense.extra_repr()
+    calls = []
+    _recorded(planned, done, calls)
+    for packed in (False, True):
+        if packed:
+            pack_model(planned.model)
+        calls.clear()
+        with torch.no_grad():
+            got = planned(*x)
+        # the plain op for every named GEMM, the GELU epilogue per layer, all told 4
+        assert sorted(n for n, _ in calls) == sorted(done["cublaslt"] + done["ffn_hidden_fp8"]), packed
+        assert {t for _, t in calls} == {4}
+        for g, w in zip(got, want):
+            assert (g - w)[real].abs().max() < 1e-4, packed
+    # residual: gemm takes over the attention-output and FFN-down GEMMs on the packed encoder: the
+    # residual GEMMs and the QKV named here are handed the setting too
+    resid = copy.deepcopy(model)
+    done = fp8.swap_to_fp8(resid, amax, gemms="all", ffn_hidden_fp8=True, ffn_gelu="epilogue", residual="gemm",
+                           cublaslt_gemms="qkv", cublaslt_autotune=4)
+    calls.clear()
+    _recorded(resid, done, calls)
+    pack_model(resid.model)
+    with torch.no_grad():
+        got = resid(*x)
+    assert sorted(n for n, _ in calls) == sorted(done["cublaslt"] + done["ffn_hidden_fp8"]
+                                                 + [n + "+r" for n in done["residual_in_gemm"]])
     assert {t for _, t in calls} == {4}
-    for g, w in zip(packed, want):
+    for g, w in zip(got, want):
         assert (g - w)[real].abs().max() < 1e-4
+    # a GEMM not planned through nvmath does not claim an autotuned algorithm
+    other = copy.deepcopy(model)
+    done = fp8.swap_to_fp8(other, amax, gemms="all", cublaslt_gemms="qkv", cublaslt_autotune=4)
+    out = [n for n in done["swapped"] if fp8.gemm_kind(n) == "attn_out"][0]
+    assert "autotuned" not in other.get_submodule(out).extra_repr()
     # the op is the formula: one GEMM of the decoded values and the bias, rounded once
     x8, w8, bias, sw, sx = _epilogue_operands()
     y = torch.ops.bertqa.fp8_gemm_bias(x8, w8, bias, sw, sx)
     assert y.dtype == torch.float16 and torch.equal(
         y, ((x8.float() @ w8.float().t()) * (sx * sw) + bias.float()).to(torch.float16))
+
+
+class _FakeMatmul:
+    """Stands in for nvmath's Matmul in _planned: records what it is given, in order."""
+
+    def __init__(self, operands, log):
+        self.operands, self.log = dict(operands), log
+
+    def reset_operands(self, stream=None, **kw):
+        self.operands.update(kw)
+        self.log.append(("reset",))
+
+    def autotune(self, iterations, stream=None):
+        self.log.append(("autotune", iterations, {k: self.operands[k].clone() for k in ("b", "c")}))
+
+    def execute(self, release_workspace=False, stream=None):
+        self.log.append(("execute", self.operands["b"].clone()))
+        return torch.zeros(self.operands["b"].shape[1], self.operands["a"].shape[0]).t()
+
+
+def test_planned_gemm_autotunes_once_per_shape_on_random_operands_then_runs_on_the_calls_own(monkeypatch):
+    """_planned with autotune: the Matmul made for a new key is autotuned once, with the call's
+    weights but random activations and residual of the same shapes and layouts (never the call's
+    own, which can be a warm-up's dummy tokens); the call's own operands are back before it runs;
+    a later call of the key only resets the operands; autotune 0 never tunes."""
+    from bertqa_bench.backends import gemm_epilogue as ge
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # a CPU torch has no CUDA
+    x8 = torch.zeros(32, 16).to(torch.float8_e4m3fn)  # a warm-up's activations: one repeated value
+    w8, c = torch.ones(48, 16).to(torch.float8_e4m3fn), torch.zeros(32, 48, dtype=torch.float16)
+    ops = {"a": w8, "b": x8.t(), "c": c.t()}
+    for tune in (3, 0):
+        log = []
+        key = ("test", tune)
+        ge._PLANS.pop(key, None)
+        try:
+            for _ in range(2):
+                out = ge._planned(key, "test GEMM", lambda stream: _FakeMatmul(ops, log), ops, None, tune)
+                assert out.shape == (32, 48) and out.is_contiguous()
+        finally:
+            ge._PLANS.pop(key, None)
+        tuned = [e for e in log if e[0] == "autotune"]
+        if not tune:
+            assert not tuned and [e[0] for e in log] == ["execute", "reset", "execute"]
+            continue
+        assert [e[0] for e in log] == ["reset", "autotune", "reset", "execute", "reset", "execute"]
+        assert len(tuned) == 1 and tuned[0][1] == 3
+        for k, t in tuned[0][2].items():  # random, not the call's zeros, in the call's layout
+            assert t.float().abs().max() > 0 and t.shape == ops[k].shape and t.stride() == ops[k].stride(), k
+        assert all(torch.equal(e[1].float(), x8.t().float()) for e in log if e[0] == "execute")
 
 
 def test_cublaslt_options_are_checked():
@@ -1000,7 +1079,7 @@ def test_cublaslt_options_are_checked():
         torch_options.Fp8Options(cublaslt_gemms="qkv", gemms="all", attention="fp8")
     with pytest.raises(ConfigError, match="cublaslt_autotune tunes the GEMMs planned through nvmath-python, and none is"):
         torch_options.Fp8Options(cublaslt_autotune=3)
-    with pytest.raises(ConfigError, match="cublaslt_autotune must be >= 0"):
+    with pytest.raises(ConfigError, match="cublaslt_autotune must be an integer >= 0 .*not -1"):
         torch_options.Fp8Options(cublaslt_gemms="qkv", cublaslt_autotune=-1)
     torch_options.Fp8Options(ffn_hidden_fp8=True, ffn_gelu="epilogue", cublaslt_autotune=3)
     f = torch_options.Fp8Options(cublaslt_gemms="ffn_out")
@@ -1008,6 +1087,12 @@ def test_cublaslt_options_are_checked():
         torch_options.TorchOptions(weights="fp16", packed=True, fp8=f)
     torch_options.TorchOptions(weights="fp16", packed=True, token_bucket=256, fp8=f)
     torch_options.TorchOptions(weights="fp16", fp8=f)  # padded: a few shapes, each planned in warm-up
+    with pytest.raises(ConfigError, match="need weights: fp16, not bf16"):
+        torch_options.TorchOptions(weights="bf16", fp8=f)
+    with pytest.raises(ConfigError, match="cublaslt_gemms: attn_out already runs through cuBLASLt as the residual GEMM"):
+        torch_options.Fp8Options(gemms="all", residual="gemm", cublaslt_gemms="qkv,attn_out")
+    with pytest.raises(ConfigError, match="cublaslt_autotune must be an integer >= 0"):
+        torch_options.Fp8Options(cublaslt_gemms="qkv", cublaslt_autotune="5")
 
 
 @pytest.mark.gpu

@@ -18,11 +18,16 @@ column-major (K contiguous in both). So the GEMM is computed transposed, D^T [N,
 X^T, with D^T column-major: its memory is X @ W^T row-major, [M, N] contiguous, what the FFN's
 down-projection reads.
 
+The module also holds the other FP8 GEMMs planned through nvmath-python: the 16-bit-output GEMM
+with its bias (``fp8_gemm_bias``, which can replace ``torch._scaled_mm`` so that its algorithm can be
+autotuned) and the same with the residual as C (``fp8_gemm_add``); see the section below.
+
 CUDA graphs: planning a cuBLASLt matmul synchronizes the stream, which a CUDA graph capture
-forbids; one ``Matmul`` is planned per token count (M) outside capture, on the first call (the
-token buckets' warm-up runs each shape before capturing it), and reused for every layer through
-``reset_operands`` (the weights and bias differ per layer, the shapes do not). Its workspace is
-kept (``release_workspace=False``), so a captured graph replays into memory that stays allocated.
+forbids; one ``Matmul`` per kind of GEMM is planned per token count (M) outside capture, on the
+first call (the token buckets' warm-up runs each shape before capturing it), and reused for every
+layer through ``reset_operands`` (the weights and bias differ per layer, the shapes do not). Its
+workspace is kept (``release_workspace=False``), so a captured graph replays into memory that
+stays allocated.
 
 Saturation: e4m3fn has no infinity, so whether an out-of-range result becomes +-448 or NaN is the
 kernel's choice. ``epilogue_saturates`` asks the device once with a GEMM whose every output
@@ -67,8 +72,8 @@ def fp8_gemm_gelu_reference(x8, w8, bias, w_scale, x_scale, out_inv_scale):
     return fp8_gemm_gelu_scaled(x8, w8, bias, w_scale, x_scale, out_inv_scale).to(torch.float8_e4m3fn)
 
 
-# One planned Matmul per (device, M, N, K, accumulation, autotune): the layers share it (same
-# shapes, other weights).
+# One planned Matmul per (kind: gelu / bias / add, device, M, N, K, accumulation, autotune): the
+# layers share it (same shapes, other weights).
 _PLANS: dict = {}
 _LOCK = threading.Lock()
 
@@ -139,7 +144,7 @@ def _padded_to_multiple(x8, *others):
 def _random_like(t):
     """Random values in ``t``'s shape, strides and dtype (e4m3: normal x 16, inside +-448)."""
     r = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device)
-    v = torch.randn(t.size(), device=t.device)
+    v = torch.randn(t.size(), device=t.device, dtype=torch.float16)  # fp16: half the transient memory of fp32
     r.copy_((v * 16).clamp(-E4M3_MAX, E4M3_MAX).to(t.dtype) if t.dtype == torch.float8_e4m3fn else v.to(t.dtype))
     return r
 
@@ -225,7 +230,8 @@ def bias_for_epilogue(bias: Optional[torch.Tensor], n: int, device) -> torch.Ten
 
 
 # --- 16-bit output: D = x8 @ w8^T * scales + bias (+ residual), fp16 ------------------------------
-# The attention-output, FFN-down and QKV GEMMs write fp16 with their bias. torch._scaled_mm runs
+# The FP8 GEMMs with a 16-bit output (QKV, attention output, FFN down; FFN up where the hidden
+# activations stay 16-bit) write fp16 with their bias. torch._scaled_mm runs
 # them through cuBLASLt at its heuristic's first algorithm; planned here instead, the same GEMM can
 # be autotuned (``_planned``): on BERT-large's attention-output shape (32,768 x 1,024 x 1,024) an
 # autotuned algorithm took 60.8 us against 71.6 us for the heuristic's (H100, kernel_bench.py).

@@ -37,6 +37,7 @@ from ..errors import BackendUnavailableError
 from .base import INPUT_NAMES, Backend, BackendContext, batch_at_shape
 from .device_io import CudaStaging, HostOutputs, batch_shape, cuda_unavailable_reason, gpu_info
 from .torch_builder import build_model, torch_dtype
+from .torch_fp8 import parse_cublaslt_gemms
 from .torch_options import PACKED_FAMILIES, QUANT_FAMILIES, TorchOptions
 
 class _GraphReplay:
@@ -138,7 +139,8 @@ class TorchBackend(Backend):
                 return f"FP8 tensor cores need Hopper/Ada (sm_89+); {torch.cuda.get_device_name()} is sm_{cap[0]}{cap[1]}"
             if o.fp8 is not None and o.fp8.scaling != "tensor" and cap < (9, 0):
                 return "rowwise FP8 scaling needs sm_90 (Hopper)"
-        if o.fp8 is not None and (o.fp8.ffn_gelu == "epilogue" or o.fp8.residual == "gemm" or o.fp8.cublaslt_gemms.strip()):
+        if o.fp8 is not None and (o.fp8.ffn_gelu == "epilogue" or o.fp8.residual == "gemm"
+                                  or parse_cublaslt_gemms(o.fp8.cublaslt_gemms)):
             from .gemm_epilogue import nvmath_unavailable_reason
 
             why = nvmath_unavailable_reason()

@@ -276,7 +276,8 @@ def _define_modules():
                     + ("" if self.out_scale_value is None else f", out_scale={self.out_scale_value}")
                     + (", residual added in the GEMM" if self.residual_in_gemm else "")
                     + (", cuBLASLt through nvmath" if self.planned_gemm else "")
-                    + (f", algorithm autotuned x{self.cublaslt_autotune}" if self.cublaslt_autotune else ""))
+                    + (f", algorithm autotuned x{self.cublaslt_autotune}"
+                       if self.cublaslt_autotune and (self.planned_gemm or self.residual_in_gemm) else ""))
 
         def quantize_input(self, x2):
             """(fp8 [M, K], scale_a) for a [M, K] activation. An input already in e4m3 is taken as
@@ -359,7 +360,9 @@ def _define_modules():
             self._inv_down_scale = 1.0 / float(down_act_scale)
 
         def extra_repr(self) -> str:
-            return f"hidden=e4m3, gelu={self.gelu}, down_act_scale={1.0 / self._inv_down_scale}"
+            tuned = self.gelu == "epilogue" and self.dense.cublaslt_autotune
+            return (f"hidden=e4m3, gelu={self.gelu}, down_act_scale={1.0 / self._inv_down_scale}"
+                    + (f", epilogue algorithm autotuned x{self.dense.cublaslt_autotune}" if tuned else ""))
 
         def forward(self, hidden_states):
             if self._epilogue is not None:  # gemm_epilogue: GEMM, bias, GELU and e4m3 out in one cuBLASLt kernel
@@ -750,9 +753,14 @@ def check_cublaslt(scaling: str, gemms, cublaslt_gemms, autotune: int, *, ffn_hi
     if clash:
         raise ValueError(f"cublaslt_gemms: {','.join(clash)} writes e4m3 here (ffn_hidden_fp8 / attention: fp8); "
                          "only GEMMs with a 16-bit output run as a planned cuBLASLt GEMM")
-    if int(autotune) < 0:
-        raise ValueError(f"cublaslt_autotune must be >= 0 (0: the heuristic's choice), not {autotune}")
-    if int(autotune) > 0 and not (kinds or ffn_gelu == "epilogue" or residual == "gemm"):
+    if residual == "gemm":
+        taken = [k for k in kinds if k in RESIDUAL_GEMMS]
+        if taken:
+            raise ValueError(f"cublaslt_gemms: {','.join(taken)} already runs through cuBLASLt as the residual GEMM "
+                             "(residual: gemm); name only the others (qkv)")
+    if isinstance(autotune, bool) or not isinstance(autotune, int) or autotune < 0:
+        raise ValueError(f"cublaslt_autotune must be an integer >= 0 (0: the heuristic's choice), not {autotune!r}")
+    if autotune > 0 and not (kinds or ffn_gelu == "epilogue" or residual == "gemm"):
         raise ValueError("cublaslt_autotune tunes the GEMMs planned through nvmath-python, and none is: name some in "
                          "cublaslt_gemms, or use ffn_gelu: epilogue or residual: gemm")
 

@@ -55,9 +55,10 @@ class Fp8Options:
     # that pass then reads one tensor instead of two); gemm needs scaling: tensor and the packed
     # encoder, whose layer calls the GEMM with its residual
     residual: str = "layernorm"
-    # FP8 GEMMs with a 16-bit output (some of qkv, attn_out, ffn_out; "" none) run through cuBLASLt
-    # planned by nvmath-python, with their bias in its epilogue, instead of torch._scaled_mm: what
-    # lets cublaslt_autotune choose their algorithm (needs scaling: tensor; packed needs token_bucket)
+    # FP8 GEMMs with a 16-bit output (some of qkv, attn_out, ffn_in, ffn_out, or all, whose output is
+    # 16-bit here; "" none) run through cuBLASLt planned by nvmath-python, with their bias in its
+    # epilogue, instead of torch._scaled_mm: what lets cublaslt_autotune choose their algorithm
+    # (needs scaling: tensor and weights: fp16; packed needs token_bucket)
     cublaslt_gemms: str = ""
     # > 0: every GEMM planned through nvmath-python (cublaslt_gemms, ffn_gelu: epilogue, residual:
     # gemm) times cuBLASLt's candidate algorithms this many times each when its shape is first run
@@ -223,6 +224,11 @@ class TorchOptions:
         if self.fp8 is not None and self.fp8.ffn_gelu == "epilogue" and self.packed and not self.token_bucket:
             raise ConfigError("fp8.ffn_gelu: epilogue plans one cuBLASLt GEMM per token count; packed batches need "
                               "token_bucket (a few bucket sizes), not a new token count every batch")
+        planned = self.fp8 is not None and (bool(parse_cublaslt_gemms(self.fp8.cublaslt_gemms))
+                                            or self.fp8.residual == "gemm")
+        if planned and self.weights != "fp16":
+            raise ConfigError("fp8.cublaslt_gemms and fp8.residual: gemm write fp16 through cuBLASLt (its FP8 kernels "
+                              f"take the bias and C in the output's type): they need weights: fp16, not {self.weights}")
         if (self.fp8 is not None and parse_cublaslt_gemms(self.fp8.cublaslt_gemms) and self.packed
                 and not self.token_bucket):
             raise ConfigError("fp8.cublaslt_gemms plans one cuBLASLt GEMM per token count; packed batches need "
