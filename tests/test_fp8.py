@@ -915,19 +915,26 @@ def test_residual_gemm_on_gpu_is_its_formula_and_captures():
         pytest.skip(ge.nvmath_unavailable_reason())
     x8, w8, bias, sw, sx = (t.cuda() for t in _epilogue_operands(m=256, k=256, n=512))
     r = torch.randn(256, 512, device="cuda").half()
+    exact = (x8.float() @ w8.float().t()) * (sx * sw) + bias.float() + r.float()
+    magnitude = (x8.float().abs() @ w8.float().abs().t()) * (sx * sw) + bias.float().abs() + r.float().abs()
     for fast in (False, True):
-        got = ge.fp8_gemm_add(x8, w8, bias, sw, sx, r, fast)
-        assert got.shape == (256, 512) and got.is_contiguous() and got.dtype == torch.float16
-        exact = (x8.float() @ w8.float().t()) * (sx * sw) + bias.float() + r.float()
-        magnitude = (x8.float().abs() @ w8.float().abs().t()) * (sx * sw) + bias.float().abs() + r.float().abs()
-        # fp16 rounding: half a unit in the last place (2^-11 relative); accumulation: 2^-10 of the magnitude
-        assert bool(((got.float() - exact).abs() <= exact.abs() * 2.0 ** -11 + magnitude * 2.0 ** -10).all()), fast
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = ge.fp8_gemm_add(x8, w8, bias, sw, sx, r, fast)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(captured, got)
+        _fp16_gemm_is_its_formula_and_captures(lambda: ge.fp8_gemm_add(x8, w8, bias, sw, sx, r, fast), exact,
+                                               magnitude, fast)
+
+
+def _fp16_gemm_is_its_formula_and_captures(run, exact, magnitude, label):
+    """``run()``'s fp16 [M, N] row-major result within one fp16 rounding (half a unit in the last
+    place, 2^-11 relative) and fast FP8 accumulation's bound (2^-10 of the products' magnitude) of
+    ``exact``; a CUDA graph captured after the shape was planned replays the same bytes."""
+    got = run()
+    assert got.shape == exact.shape and got.is_contiguous() and got.dtype == torch.float16, label
+    assert bool(((got.float() - exact).abs() <= exact.abs() * 2.0 ** -11 + magnitude * 2.0 ** -10).all()), label
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, got), label
 
 
 # --------------------------------------------------------------------------- GEMMs planned through nvmath
@@ -1112,15 +1119,8 @@ def test_planned_fp8_gemm_on_gpu_is_its_formula_autotuned_or_not_and_captures():
         exact = (x8.float() @ w8.float().t()) * (sx * sw) + bias.float()
         magnitude = (x8.float().abs() @ w8.float().abs().t()) * (sx * sw) + bias.float().abs()
         for tune in (0, 3):
-            got = ge.fp8_gemm_bias(x8, w8, bias, sw, sx, True, tune)
-            assert got.shape == (m, 512) and got.is_contiguous() and got.dtype == torch.float16
-            assert bool(((got.float() - exact).abs() <= exact.abs() * 2.0 ** -11 + magnitude * 2.0 ** -10).all()), tune
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                captured = ge.fp8_gemm_bias(x8, w8, bias, sw, sx, True, tune)
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(captured, got)
+            _fp16_gemm_is_its_formula_and_captures(lambda: ge.fp8_gemm_bias(x8, w8, bias, sw, sx, True, tune), exact,
+                                                   magnitude, (m, tune))
     assert len(ge._PLANS) == before + 4
 
 
