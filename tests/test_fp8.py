@@ -1053,13 +1053,13 @@ def test_planned_gemm_autotunes_once_per_shape_on_random_operands_then_runs_on_t
     for tune in (3, 0):
         log = []
         key = ("test", tune)
-        ge._PLANS.pop(key, None)
+        ge._PLANS.pop((*key, 0), None)
         try:
             for _ in range(2):
                 out = ge._planned(key, "test GEMM", lambda stream: _FakeMatmul(ops, log), ops, None, tune)
                 assert out.shape == (32, 48) and out.is_contiguous()
         finally:
-            ge._PLANS.pop(key, None)
+            ge._PLANS.pop((*key, 0), None)
         tuned = [e for e in log if e[0] == "autotune"]
         if not tune:
             assert not tuned and [e[0] for e in log] == ["execute", "reset", "execute"]
@@ -1069,6 +1069,57 @@ def test_planned_gemm_autotunes_once_per_shape_on_random_operands_then_runs_on_t
         for k, t in tuned[0][2].items():  # random, not the call's zeros, in the call's layout
             assert t.float().abs().max() > 0 and t.shape == ops[k].shape and t.stride() == ops[k].stride(), k
         assert all(torch.equal(e[1].float(), x8.t().float()) for e in log if e[0] == "execute")
+
+
+def test_each_graph_copy_plans_its_own_gemms(monkeypatch):
+    """Graph copies replay at once on different streams, and a plan's workspace is written by
+    every replay of a graph captured with it: _planned makes one Matmul per copy (plan_copy), and
+    within a copy the layers of one shape share it."""
+    from bertqa_bench.backends import gemm_epilogue as ge
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    x8, w8 = torch.zeros(32, 16).to(torch.float8_e4m3fn), torch.ones(48, 16).to(torch.float8_e4m3fn)
+    ops = {"a": w8, "b": x8.t()}
+    made = []
+
+    def make(stream):
+        made.append(_FakeMatmul(ops, []))
+        return made[-1]
+
+    key = ("copy-test",)
+    try:
+        for copy in (0, 1, 0, 1, 2):
+            with ge.plan_copy(copy):
+                ge._planned(key, "test GEMM", make, ops, None)
+        ge._planned(key, "test GEMM", make, ops, None)  # outside any copy: copy 0's
+    finally:
+        for copy in range(3):
+            ge._PLANS.pop((*key, copy), None)
+    assert len(made) == 3 and len({id(m) for m in made}) == 3
+    assert [len([e for e in m.log if e[0] == "execute"]) for m in made] == [3, 2, 1]
+
+
+def test_streams_option_is_checked_and_keeps_two_batches_a_stream_in_flight():
+    from bertqa_bench.errors import ConfigError
+
+    packed = {"weights": "fp16", "packed": True, "token_bucket": 64, "host_pack": True, "pipeline": True}
+    padded = {"weights": "fp16", "compile": "default", "cuda_graph": "manual", "pipeline": True}
+    for opts in (packed, padded):
+        v = make_variant("x", "torch", "cuda", {**opts, "streams": 3})
+        assert v.options.streams == 3 and v.create().in_flight() == 6
+    with pytest.raises(ConfigError, match="streams: 2 .* needs pipeline: true"):
+        make_variant("x", "torch", "cuda", {**packed, "pipeline": False, "streams": 2})
+    with pytest.raises(ConfigError, match="token_bucket with host_pack .* or cuda_graph: manual"):
+        make_variant("x", "torch", "cuda", {"weights": "fp16", "compile": "default", "pipeline": True, "streams": 2})
+    for bad in (0, -1, "2", 1.5, True):
+        with pytest.raises(ConfigError, match=r"streams( -?\d+: the number of CUDA streams, an integer >= 1| must be int)"):
+            make_variant("x", "torch", "cuda", {**packed, "streams": bad})
+    for name in ("torch-compile-fp8all-graph-packed-cudnn-epilogue-autotune-2streams",
+                 "torch-compile-fp8-graph-gelu-epilogue-autotune-2streams"):
+        v = TABLE.get(name)
+        assert v.options.streams == 2 and v.create().in_flight() == 4, name
+        one = make_variant("x", "torch", "cuda", {**dataclasses.asdict(v.options), "streams": 1})
+        assert one.create().in_flight() == 2
 
 
 def test_cublaslt_options_are_checked():
@@ -1517,6 +1568,8 @@ def test_host_bucket_lengths_equal_the_devices():
                                                   "torch-compile-fp8all-graph-packed-cudnn-epilogue",
                                                   "torch-compile-fp8all-graph-packed-cudnn-epilogue-autotune",
                                                   "torch-compile-fp8-graph-gelu-epilogue-autotune",
+                                                  "torch-compile-fp8all-graph-packed-cudnn-epilogue-autotune-2streams",
+                                                  "torch-compile-fp8-graph-gelu-epilogue-autotune-2streams",
                                                   "torch-compile-fp8all-graph-packed-cudnn-attn",
                                                   "torch-compile-fp8all-graph-packed-cudnn-fp8attn",
                                                   "torch-compile-fp8all-graph-packed-cudnn-residual",
@@ -1553,6 +1606,52 @@ def test_fp8_attention_and_packing_variants_track_fp32_on_gpu(tmp_path, name):
         for n in OUTPUTS:
             err = np.linalg.norm((out[n] - ref[n])[valid]) / np.linalg.norm(ref[n][valid])
             assert err < 0.08, (name, n, err)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["torch-compile-fp8all-graph-packed-cudnn-epilogue-autotune-2streams",
+                                  "torch-compile-fp8-graph-gelu-epilogue-autotune-2streams"])
+def test_two_streams_replay_their_own_graph_copies_and_give_the_one_at_a_time_outputs_on_gpu(tmp_path, name,
+                                                                                            monkeypatch):
+    """Four batches in flight on two streams, through the runner's own loop, over more batches
+    than slots: bit for bit what the same prepared backend gives one batch at a time. Batches of
+    the two streams overlap there, so graph copies that shared a buffer (a static input, a pool,
+    a cuBLASLt workspace) would corrupt each other's outputs. Autotuning is off so that both
+    copies plan the same algorithms and a batch's bits do not depend on the copy it lands on."""
+    from bertqa_bench.backends import gemm_epilogue as ge
+    from bertqa_bench.measuring.runner import stream
+
+    reason = TABLE.get(name).unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    ctx, batches = _gpu_ctx(tmp_path)
+    batches = (batches * 5)[:9]
+    base = TABLE.get(name)
+    options = dataclasses.asdict(base.options)
+    options["fp8"]["cublaslt_autotune"] = 0
+    monkeypatch.setattr(ge, "_PLANS", {})  # this backend's plans only
+    backend = make_variant(name, base.implementation, base.device, options).create()
+    backend.prepare(ctx)
+    try:
+        assert backend.prepare_info["streams"] == 2 and backend.in_flight() == 4
+        if base.options.packed:
+            from bertqa_bench.backends.packed_bert import encoder_of
+
+            copies = encoder_of(backend.module.model).buckets.copies
+            assert len(copies) == 2 and copies[0].keys() == copies[1].keys()
+            assert copies[0][max(copies[0])][1].data_ptr() != copies[1][max(copies[1])][1].data_ptr()
+        # each copy planned its own GELU epilogue GEMMs, for every shape (not the 16 x 16 x 16 saturation probe)
+        planned = [k for k in ge._PLANS if k[0] == "gelu" and k[3:5] != (16, 16)]
+        by_copy = [{k[:-1] for k in planned if k[-1] == c} for c in (0, 1)]
+        assert by_copy[0] and by_copy[0] == by_copy[1] and len(planned) == 2 * len(by_copy[0])
+        sync = [backend.predict(b) for b in batches]
+        got = list(stream(backend, batches))
+    finally:
+        backend.close()
+    assert [i for i, _, _ in got] == list(range(len(batches)))
+    for (_, out, _), ref in zip(got, sync):
+        for n in OUTPUTS:
+            np.testing.assert_array_equal(out[n], ref[n], err_msg=f"{name} {n}")
 
 
 PIPELINED = ("torch-compile-fp8-packed-pipelined", "torch-compile-fp8-cudnn-pipelined",

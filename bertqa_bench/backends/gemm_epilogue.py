@@ -34,6 +34,8 @@ kernel's choice. ``epilogue_saturates`` asks the device once with a GEMM whose e
 overflows; the FP8 builder refuses the epilogue where it does not saturate.
 """
 # No ``from __future__ import annotations``: custom_op reads the op's annotations as types.
+import contextlib
+import contextvars
 import threading
 from typing import Optional
 
@@ -72,10 +74,26 @@ def fp8_gemm_gelu_reference(x8, w8, bias, w_scale, x_scale, out_inv_scale):
     return fp8_gemm_gelu_scaled(x8, w8, bias, w_scale, x_scale, out_inv_scale).to(torch.float8_e4m3fn)
 
 
-# One planned Matmul per (kind: gelu / bias / add, device, M, N, K, accumulation, autotune): the
-# layers share it (same shapes, other weights).
+# One planned Matmul per (kind: gelu / bias / add, device, M, N, K, accumulation, autotune, graph
+# copy): the layers share it (same shapes, other weights).
 _PLANS: dict = {}
 _LOCK = threading.Lock()
+
+# Which copy of the captured CUDA graphs is being captured (``plan_copy``). A plan keeps one
+# workspace, which every graph captured with it writes into on replay: copies of the graphs that
+# replay at once on different streams (torch option ``streams``) would race on it, so each copy
+# gets its own plans.
+_COPY = contextvars.ContextVar("bertqa_gemm_plan_copy", default=0)
+
+
+@contextlib.contextmanager
+def plan_copy(copy: int):
+    """The GEMMs called inside plan (or reuse) the Matmuls of graph copy ``copy``."""
+    token = _COPY.set(int(copy))
+    try:
+        yield
+    finally:
+        _COPY.reset(token)
 
 
 def _e4m3_type():
@@ -95,6 +113,7 @@ def _planned(key, what: str, make, operands: dict, stream, autotune: int = 0):
     call's shapes and layouts, not on the call's own: the first call of a shape can be a CUDA graph
     warm-up on dummy tokens (the packed encoder's buckets), whose activations repeat one row, and a
     tensor core's speed depends on the bits it multiplies."""
+    key = (*key, _COPY.get())
     mm = _PLANS.get(key)
     if mm is None:
         if torch.cuda.is_current_stream_capturing():

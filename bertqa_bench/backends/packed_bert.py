@@ -44,6 +44,7 @@ profile of the packed FP8 graph row showed the GPU idle 14% of the time.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import numpy as np
@@ -255,8 +256,8 @@ class PackedEncoder(nn.Module):
 
         b, s = input_ids.shape
         if self.prepacked is not None:  # packed on the host, already in the bucket's graph inputs
-            (size, t, flat), self.prepacked = self.prepacked, None
-            x = self.buckets.replay(size, t)
+            (size, t, flat, copy), self.prepacked = self.prepacked, None
+            x = self.buckets.replay(size, t, copy)
         else:
             ids, positions, types, cu, flat, max_len = self.pack(input_ids, attention_mask, token_type_ids)
             if self.buckets is not None:
@@ -293,7 +294,9 @@ class TokenBuckets:
         self.min_dummies = -(-(bucket - 1) // (max_len - 1)) + 1
         self.cu_len = max_rows + self.min_dummies + 1
         self.sizes = list(range(bucket, _round_up(max_tokens + self.cu_len, bucket) + 1, bucket))
-        self.graphs: dict[int, tuple] = {}
+        # one dict of graphs per copy (``capture(copies=...)``); ``graphs`` is the first
+        self.copies: list[dict[int, tuple]] = [{}]
+        self.graphs: dict[int, tuple] = self.copies[0]
 
     def size_for(self, t: int, rows: int) -> int:
         if rows > self.max_rows:
@@ -316,9 +319,22 @@ class TokenBuckets:
         cu = torch.zeros(self.cu_len, dtype=torch.int32, device=device)
         return z, z.clone(), z.clone(), cu
 
-    def capture(self, device) -> int:
+    def capture(self, device, copies: int = 1, around=None) -> int:
         """One CUDA graph per bucket, largest first, in one memory pool (they never run at once;
-        each replay's output is copied out before the next). Returns how many were captured."""
+        each replay's output is copied out before the next). Returns how many were captured.
+
+        ``copies`` > 1: that many independent sets of graphs, each with its own static inputs and
+        memory pool, so that copies can replay at once on different streams; ``around(k)`` is a
+        context the warm-up and capture of copy k run in (its own cuBLASLt plans, whose
+        workspaces the graphs write into)."""
+        self.copies = [{} for _ in range(copies)]
+        self.graphs = self.copies[0]
+        for k in range(copies):
+            with around(k) if around is not None else contextlib.nullcontext():
+                self._capture_copy(device, self.copies[k])
+        return sum(len(c) for c in self.copies)
+
+    def _capture_copy(self, device, graphs: dict) -> None:
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):
             ids, pos, types, cu = self._static_inputs(size, device)
@@ -334,8 +350,7 @@ class TokenBuckets:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 out = self.encode(ids, pos, types, cu, self.max_len)
-            self.graphs[size] = (graph, ids, pos, types, cu, out)
-        return len(self.graphs)
+            graphs[size] = (graph, ids, pos, types, cu, out)
 
     def __call__(self, ids, positions, types, cu):
         t = ids.numel()
@@ -360,9 +375,10 @@ class TokenBuckets:
         steps = np.arange(1, k + 1, dtype=np.int64)
         return np.concatenate([cu, t + (size - t) * steps // k]).astype(np.int32)
 
-    def replay(self, size: int, t: int):
-        """Replay the bucket's graph on inputs already in its static buffers (HostPacker)."""
-        graph, *_, out = self.graphs[size]
+    def replay(self, size: int, t: int, copy: int = 0):
+        """Replay copy ``copy`` of the bucket's graph on inputs already in its static buffers
+        (HostPacker), on the current stream."""
+        graph, *_, out = self.copies[copy][size]
         graph.replay()
         return out[:t]
 
@@ -396,7 +412,9 @@ class HostPacker:
     flight packs batch i+1 into the other slot while batch i's copies may still be queued, and
     collects batch i (``HostOutputs``: a wait after these copies) before its slot comes round
     again. The graph's static inputs themselves need no second copy: the copies into them are
-    queued on the stream after the previous replay."""
+    queued on the stream after the previous replay. With several copies of the graphs (one per
+    stream, ``TokenBuckets.capture(copies=...)``) a batch names the copy it goes to, and its
+    copies are queued on that copy's stream."""
 
     def __init__(self, encoder: PackedEncoder, device, slots: int = 1):
         if encoder.buckets is None or not encoder.buckets.graphs:
@@ -407,7 +425,7 @@ class HostPacker:
                        for _ in range(slots)]
         self.pinned_cu = [torch.zeros(encoder.buckets.cu_len, dtype=torch.int32).pin_memory() for _ in range(slots)]
 
-    def __call__(self, batch, slot: int = 0) -> None:
+    def __call__(self, batch, slot: int = 0, copy: int = 0) -> None:
         ids, pos, types, cu, flat, _ = host_pack(batch["input_ids"], batch["attention_mask"],
                                                  batch.get("token_type_ids"), self.enc.position_offset)
         bk = self.enc.buckets
@@ -420,12 +438,12 @@ class HostPacker:
             buf[t:size] = 0  # dummy tokens: id, position and type 0, in sequences of their own
         pinned["flat"].numpy()[:t] = flat
         pinned_cu.numpy()[:] = bk.host_cu(cu, t, size)
-        _, s_ids, s_pos, s_types, s_cu, _ = bk.graphs[size]
+        _, s_ids, s_pos, s_types, s_cu, _ = bk.copies[copy][size]
         s_ids.copy_(pinned["ids"][:size], non_blocking=True)
         s_pos.copy_(pinned["pos"][:size], non_blocking=True)
         s_types.copy_(pinned["types"][:size], non_blocking=True)
         s_cu.copy_(pinned_cu, non_blocking=True)
-        self.enc.prepacked = (size, t, pinned["flat"][:t].to(self.device, non_blocking=True))
+        self.enc.prepacked = (size, t, pinned["flat"][:t].to(self.device, non_blocking=True), copy)
 
 
 def encoder_of(model: nn.Module) -> nn.Module:

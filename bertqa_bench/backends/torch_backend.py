@@ -41,16 +41,18 @@ from .torch_fp8 import parse_cublaslt_gemms
 from .torch_options import PACKED_FAMILIES, QUANT_FAMILIES, TorchOptions
 
 class _GraphReplay:
-    """One captured torch.cuda.CUDAGraph per shape around ``fn``, with static input buffers."""
+    """One captured torch.cuda.CUDAGraph per shape (and copy) around ``fn``, with static input
+    buffers. The copies of a shape are independent (own static inputs; every graph has a memory
+    pool of its own), so they can replay at once on different streams."""
 
     def __init__(self, fn, device):
         self.fn, self.device = fn, device
-        self.graphs: dict[tuple[int, int], tuple] = {}
+        self.graphs: dict[tuple, tuple] = {}  # (b, s, copy) -> (graph, static inputs, outputs)
 
-    def capture(self, batch: Mapping[str, np.ndarray]) -> None:
+    def capture(self, batch: Mapping[str, np.ndarray], copy: int = 0) -> None:
         import torch
 
-        shape = batch_shape(batch)
+        shape = (*batch_shape(batch), copy)
         static = tuple(torch.from_numpy(np.ascontiguousarray(batch[n])).to(self.device) for n in INPUT_NAMES)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -65,8 +67,8 @@ class _GraphReplay:
                 outs = tuple(self.fn(*static))
         self.graphs[shape] = (graph, static, outs)
 
-    def __call__(self, batch: Mapping[str, np.ndarray], staging: CudaStaging):
-        graph, static, outs = self.graphs[batch_shape(batch)]
+    def __call__(self, batch: Mapping[str, np.ndarray], staging: CudaStaging, copy: int = 0):
+        graph, static, outs = self.graphs[(*batch_shape(batch), copy)]
         dev = staging.to_device(batch)  # pinned host -> staging device buffers
         for dst, n in zip(static, INPUT_NAMES):
             dst.copy_(dev[n], non_blocking=True)
@@ -169,6 +171,7 @@ class TorchBackend(Backend):
         self._slot = 0
         self._host = HostOutputs()
         self._packer = None  # packed_bert.HostPacker (host_pack)
+        self._streams: list = []  # option streams > 1: batch slot k runs on _streams[k % n]
         self._tf32_before: Optional[tuple[bool, bool]] = None
 
     # --- prepare -------------------------------------------------------------------------
@@ -212,8 +215,12 @@ class TorchBackend(Backend):
                 self.prepare_info.update(self._token_buckets(ctx, shapes))
             if o.cuda_graph == "manual":
                 self._graphs = _GraphReplay(self._fn, "cuda")
-                for b, s in shapes:
-                    self._graphs.capture(batch_at_shape(ctx.sample_batch, b, s))
+                for copy in range(o.streams):
+                    with self._plan_copy(copy):
+                        for b, s in shapes:
+                            self._graphs.capture(batch_at_shape(ctx.sample_batch, b, s), copy)
+            if cuda and o.streams > 1:
+                self._streams = [torch.cuda.Stream() for _ in range(o.streams)]
             # Every shape of the run once (graph trees: warm-up, record, replay), so compilation
             # and capture finish here and the runner's warm-up sees steady state.
             calls = 3 if o.cuda_graph == "trees" else 1
@@ -221,6 +228,7 @@ class TorchBackend(Backend):
                 for _ in range(calls):
                     self.predict(batch_at_shape(ctx.sample_batch, b, s))
             warm_s = time.perf_counter() - t0
+        self.prepare_info["streams"] = len(self._streams) or 1
         self.prepare_info.update(compile=o.compile, compile_mode=o.inductor_mode(), cuda_graph=o.cuda_graph,
                                  prepared_shapes=len(set(ctx.shapes)), compile_and_capture_s=round(warm_s, 3),
                                  sdpa_backend=o.sdpa_backend or "auto",
@@ -247,13 +255,21 @@ class TorchBackend(Backend):
         captured = 0
         if self.device == "cuda":
             with torch.inference_mode(), self._autocast():
-                captured = buckets.capture(torch.device("cuda"))
+                captured = buckets.capture(torch.device("cuda"), copies=o.streams, around=self._plan_copy)
             if o.host_pack:
                 from .packed_bert import HostPacker
 
                 self._packer = HostPacker(enc, torch.device("cuda"), slots=self.in_flight())
         return {"token_bucket": o.token_bucket, "token_buckets": len(buckets.sizes),
                 "token_bucket_graphs": captured, "packing": "host" if self._packer is not None else "device"}
+
+    @staticmethod
+    def _plan_copy(copy: int):
+        """The context a graph copy is captured in: its own cuBLASLt plans (their workspaces are
+        written by every replay, so copies that replay at once must not share them)."""
+        from .gemm_epilogue import plan_copy
+
+        return plan_copy(copy)
 
     def _compile_guard(self):
         """SDPA kernel choice and inductor settings are read while tracing/compiling, which
@@ -281,7 +297,9 @@ class TorchBackend(Backend):
         return torch.autocast(device_type=self.device, dtype=torch_dtype(self.options.autocast))
 
     def in_flight(self) -> int:
-        return 2 if self.options.pipeline and self.device == "cuda" else 1
+        """Batches submitted before the oldest is collected: two a stream with pipeline on CUDA (the
+        host prepares one while the GPU computes the other), else one."""
+        return 2 * self.options.streams if self.options.pipeline and self.device == "cuda" else 1
 
     def predict(self, batch: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         return self.submit(batch)()
@@ -291,7 +309,9 @@ class TorchBackend(Backend):
         out (device -> pinned); the waiter blocks until they are on the host. Everything after the
         host's writes into pinned memory is ordered by the stream, so batch i+1's copies into a
         graph's static inputs run after batch i's replay, and its replay after batch i's outputs
-        were copied out. On CPU the batch runs here and now."""
+        were copied out. With ``streams`` > 1 a batch's slot picks its stream and graph copy
+        (slot k: stream k mod n), so the ordering above holds per copy, and the copies' batches
+        overlap. On CPU the batch runs here and now."""
         import torch
 
         b, _ = batch_shape(batch)
@@ -304,12 +324,22 @@ class TorchBackend(Backend):
         slot = (self._slot + 1) % len(self._staging)
         self._host.check_free(slot)  # before its pinned buffers are written
         self._slot = slot
+        if self._streams:  # slot k always on stream k mod n: its buffers are only ever used there
+            copy = slot % len(self._streams)
+            with torch.cuda.stream(self._streams[copy]):
+                return self._queue(batch, b, slot, copy)
+        return self._queue(batch, b, slot, 0)
+
+    def _queue(self, batch, b: int, slot: int, copy: int):
+        """``submit``'s CUDA work on the current stream, with graph copy ``copy``."""
+        import torch
+
         staging = self._staging[slot]
         if self._graphs is not None:
-            return self._host.stage(self.output_names, self._graphs(batch, staging), b, slot)
+            return self._host.stage(self.output_names, self._graphs(batch, staging, copy), b, slot)
         with torch.inference_mode(), self._autocast():
             if self._packer is not None:
-                self._packer(batch, slot)  # before the staging copy: both go out on the same stream
+                self._packer(batch, slot, copy)  # before the staging copy: both go out on the same stream
             dev = staging.to_device(batch)
             if self.options.cuda_graph == "trees":
                 # Tells cudagraph trees the previous outputs are dead, so replay may reuse them
@@ -323,7 +353,7 @@ class TorchBackend(Backend):
         import torch
 
         self.module = self._fn = self._graphs = self._packer = None
-        self._staging = []
+        self._staging, self._streams = [], []
         if self.options.compile != "none":
             torch._dynamo.reset()
         if self._tf32_before is not None:

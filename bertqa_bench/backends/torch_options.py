@@ -190,6 +190,13 @@ class TorchOptions:
     # scatters batch i's outputs while the GPU computes; every buffer the host writes or reads
     # (pinned inputs, packing, outputs) has one copy per batch in flight
     pipeline: bool = False
+    # CUDA, with pipeline and captured graphs (token_bucket + host_pack, or cuda_graph: manual):
+    # run the batches in flight on this many CUDA streams, batch i on stream i mod n, each stream
+    # replaying its own copy of every CUDA graph (own static inputs, memory pool and cuBLASLt
+    # plans: two copies run at once, so nothing they write may be shared). One batch's kernels
+    # then fill the other's launch gaps and the last, partly idle wave of each kernel; the
+    # batches in flight grow to two a stream
+    streams: int = 1
 
     def __post_init__(self):
         for name, value, valid in (("weights", self.weights, DTYPES), ("autocast", self.autocast, ("none",) + DTYPES[1:]),
@@ -242,6 +249,13 @@ class TorchOptions:
                               "packed: true and packed_attention: cudnn")
         if self.host_pack and not self.token_bucket:
             raise ConfigError("host_pack feeds the token buckets' CUDA graphs: it needs packed: true and token_bucket")
+        if not isinstance(self.streams, int) or isinstance(self.streams, bool) or self.streams < 1:
+            raise ConfigError(f"torch option streams {self.streams!r}: the number of CUDA streams, an integer >= 1")
+        if self.streams > 1 and not (self.pipeline and ((self.token_bucket and self.host_pack)
+                                                       or self.cuda_graph == "manual")):
+            raise ConfigError(f"streams: {self.streams} runs the batches in flight on several CUDA streams, each "
+                              "replaying its own copy of the captured graphs: it needs pipeline: true and either "
+                              "token_bucket with host_pack (packed) or cuda_graph: manual (padded)")
 
     def inductor_mode(self) -> str:
         """torch.compile's mode: graph trees come with reduce-overhead / max-autotune."""
