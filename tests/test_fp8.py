@@ -3,6 +3,7 @@ module surgery on a tiny BERT (all on CPU: float8 dtypes and torch._scaled_mm ex
 torch), and GPU end-to-end checks marked ``gpu`` (skipped without CUDA)."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import os
@@ -1099,6 +1100,59 @@ def test_each_graph_copy_plans_its_own_gemms(monkeypatch):
     assert [len([e for e in m.log if e[0] == "execute"]) for m in made] == [3, 2, 1]
 
 
+def test_each_copy_of_the_token_bucket_graphs_is_captured_on_a_stream_of_its_own(monkeypatch):
+    """Torch keys cuBLAS's workspace by stream and a captured GEMM writes into its capture stream's
+    workspace on every replay: copies of the graphs that replay at once must be captured on
+    different streams (one copy keeps torch's default capture stream), each in a pool of its own
+    and inside its own ``around`` context; every bucket of every copy is captured."""
+    from bertqa_bench.backends.packed_bert import TokenBuckets
+
+    made, captured = [], []
+
+    class FakeStream:
+        def __init__(self, device=None):
+            made.append(self)
+
+        def wait_stream(self, other):
+            pass
+
+    @contextlib.contextmanager
+    def graph(g, pool=None, stream=None):
+        captured.append((current_copy[0], pool, stream))
+        yield
+
+    pools = iter(range(100))
+    current_copy = [None]
+
+    @contextlib.contextmanager
+    def around(k):
+        current_copy[0] = k
+        yield
+        current_copy[0] = None
+
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: FakeStream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda st: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: next(pools))
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: object())
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    encode = lambda ids, pos, types, cu, max_len: ids.float()  # noqa: E731
+    for copies in (1, 2, 3):
+        made.clear(), captured.clear()
+        tb = TokenBuckets(encode, bucket=16, max_len=6, max_rows=4, max_tokens=40)
+        assert tb.capture("cpu", copies=copies, around=around) == copies * len(tb.sizes)
+        assert [len(c) for c in tb.copies] == [len(tb.sizes)] * copies and tb.graphs is tb.copies[0]
+        streams = {k: {id(st) for c, _, st in captured if c == k} for k in range(copies)}
+        pools_of = {k: {p for c, p, _ in captured if c == k} for k in range(copies)}
+        assert all(len(v) == 1 for v in streams.values()) and all(len(v) == 1 for v in pools_of.values())
+        if copies == 1:
+            assert captured[0][2] is None  # torch's default capture stream, as before copies existed
+        else:
+            assert len(set.union(*streams.values())) == copies and None not in {st for *_, st in captured}
+        assert len(set.union(*pools_of.values())) == copies
+        assert tb.copies[0][tb.sizes[0]][1] is not tb.copies[-1][tb.sizes[0]][1] or copies == 1
+
+
 def test_streams_option_is_checked_and_keeps_two_batches_a_stream_in_flight():
     from bertqa_bench.errors import ConfigError
 
@@ -1637,8 +1691,13 @@ def test_two_streams_replay_their_own_graph_copies_and_give_the_one_at_a_time_ou
         if base.options.packed:
             from bertqa_bench.backends.packed_bert import encoder_of
 
-            copies = encoder_of(backend.module.model).buckets.copies
+            buckets = encoder_of(backend.module.model).buckets
+            copies = buckets.copies
             assert len(copies) == 2 and copies[0].keys() == copies[1].keys()
+            assert None not in buckets.capture_streams and len(set(map(id, buckets.capture_streams))) == 2
+        else:
+            streams = backend._graphs.capture_streams
+            assert None not in streams and len(set(map(id, streams))) == 2
             assert copies[0][max(copies[0])][1].data_ptr() != copies[1][max(copies[1])][1].data_ptr()
         # each copy planned its own GELU epilogue GEMMs, for every shape (not the 16 x 16 x 16 saturation probe)
         planned = [k for k in ge._PLANS if k[0] == "gelu" and k[3:5] != (16, 16)]

@@ -155,6 +155,19 @@ class HostOutputs:
         return self.stage(names, tensors, b)()
 
 
+def capture_streams(device, copies: int) -> list:
+    """The stream each copy of a set of CUDA graphs is captured on: torch's default capture stream
+    (None) for a single copy; one stream of its own per copy when there are several. Torch gives
+    cuBLAS one workspace per stream, and a captured GEMM writes into its capture stream's
+    workspace on every replay: copies captured on one stream would share it, and corrupt each
+    other's results when they replay at once (seen: answer agreement 44% on a padded FP8 row)."""
+    if copies < 1:
+        raise ValueError(f"{copies} copies of the graphs: at least one")
+    import torch
+
+    return [None] if copies == 1 else [torch.cuda.Stream(device) for _ in range(copies)]
+
+
 def gpu_info() -> dict[str, Any]:
     import torch
 

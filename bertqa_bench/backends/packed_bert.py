@@ -52,6 +52,7 @@ import torch
 from torch import nn
 
 from ..model.checkpoint import OFFSET_POSITION_FAMILIES, PACKED_FAMILIES
+from .device_io import capture_streams
 from .torch_options import PACKED_ATTENTION
 
 
@@ -323,18 +324,21 @@ class TokenBuckets:
         """One CUDA graph per bucket, largest first, in one memory pool (they never run at once;
         each replay's output is copied out before the next). Returns how many were captured.
 
-        ``copies`` > 1: that many independent sets of graphs, each with its own static inputs and
-        memory pool, so that copies can replay at once on different streams; ``around(k)`` is a
-        context the warm-up and capture of copy k run in (its own cuBLASLt plans, whose
-        workspaces the graphs write into)."""
+        ``copies`` > 1: that many independent sets of graphs, each with its own static inputs,
+        memory pool and capture stream, so that copies can replay at once on different streams;
+        ``around(k)`` is a context the warm-up and capture of copy k run in (its own cuBLASLt plans
+        through nvmath, whose workspaces the graphs write into). The capture stream matters as
+        much: torch keys cuBLAS's workspace by stream, and every graph captured on a stream
+        writes into that stream's one workspace on replay (``capture_streams``)."""
         self.copies = [{} for _ in range(copies)]
         self.graphs = self.copies[0]
+        self.capture_streams = capture_streams(device, copies)
         for k in range(copies):
             with around(k) if around is not None else contextlib.nullcontext():
-                self._capture_copy(device, self.copies[k])
+                self._capture_copy(device, self.copies[k], self.capture_streams[k])
         return sum(len(c) for c in self.copies)
 
-    def _capture_copy(self, device, graphs: dict) -> None:
+    def _capture_copy(self, device, graphs: dict, stream) -> None:
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):
             ids, pos, types, cu = self._static_inputs(size, device)
@@ -348,7 +352,7 @@ class TokenBuckets:
                     self.encode(ids, pos, types, cu, self.max_len)
             torch.cuda.current_stream(device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
                 out = self.encode(ids, pos, types, cu, self.max_len)
             graphs[size] = (graph, ids, pos, types, cu, out)
 

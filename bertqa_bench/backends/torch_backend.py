@@ -35,19 +35,21 @@ import numpy as np
 
 from ..errors import BackendUnavailableError
 from .base import INPUT_NAMES, Backend, BackendContext, batch_at_shape
-from .device_io import CudaStaging, HostOutputs, batch_shape, cuda_unavailable_reason, gpu_info
+from .device_io import CudaStaging, HostOutputs, batch_shape, capture_streams, cuda_unavailable_reason, gpu_info
 from .torch_builder import build_model, torch_dtype
 from .torch_fp8 import parse_cublaslt_gemms
 from .torch_options import PACKED_FAMILIES, QUANT_FAMILIES, TorchOptions
 
 class _GraphReplay:
     """One captured torch.cuda.CUDAGraph per shape (and copy) around ``fn``, with static input
-    buffers. The copies of a shape are independent (own static inputs; every graph has a memory
-    pool of its own), so they can replay at once on different streams."""
+    buffers. The copies of a shape are independent (own static inputs and capture stream; every
+    graph has a memory pool of its own), so they can replay at once on different streams."""
 
-    def __init__(self, fn, device):
+    def __init__(self, fn, device, copies: int = 1):
         self.fn, self.device = fn, device
         self.graphs: dict[tuple, tuple] = {}  # (b, s, copy) -> (graph, static inputs, outputs)
+        # one capture stream per copy: torch keys cuBLAS's workspace by stream (capture_streams)
+        self.capture_streams = capture_streams(device, copies)
 
     def capture(self, batch: Mapping[str, np.ndarray], copy: int = 0) -> None:
         import torch
@@ -63,7 +65,7 @@ class _GraphReplay:
             torch.cuda.current_stream().wait_stream(side)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(graph, stream=self.capture_streams[copy]):
                 outs = tuple(self.fn(*static))
         self.graphs[shape] = (graph, static, outs)
 
@@ -214,7 +216,7 @@ class TorchBackend(Backend):
             if o.token_bucket:
                 self.prepare_info.update(self._token_buckets(ctx, shapes))
             if o.cuda_graph == "manual":
-                self._graphs = _GraphReplay(self._fn, "cuda")
+                self._graphs = _GraphReplay(self._fn, "cuda", copies=o.streams)
                 for copy in range(o.streams):
                     with self._plan_copy(copy):
                         for b, s in shapes:
