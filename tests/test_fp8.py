@@ -1695,10 +1695,12 @@ def test_two_streams_replay_their_own_graph_copies_and_give_the_one_at_a_time_ou
             copies = buckets.copies
             assert len(copies) == 2 and copies[0].keys() == copies[1].keys()
             assert None not in buckets.capture_streams and len(set(map(id, buckets.capture_streams))) == 2
+            assert copies[0][max(copies[0])][1].data_ptr() != copies[1][max(copies[1])][1].data_ptr()
         else:
             streams = backend._graphs.capture_streams
             assert None not in streams and len(set(map(id, streams))) == 2
-            assert copies[0][max(copies[0])][1].data_ptr() != copies[1][max(copies[1])][1].data_ptr()
+            shapes = {k[:2] for k in backend._graphs.graphs}
+            assert {k for k in backend._graphs.graphs} == {(*sh, c) for sh in shapes for c in (0, 1)}
         # each copy planned its own GELU epilogue GEMMs, for every shape (not the 16 x 16 x 16 saturation probe)
         planned = [k for k in ge._PLANS if k[0] == "gelu" and k[3:5] != (16, 16)]
         by_copy = [{k[:-1] for k in planned if k[-1] == c} for c in (0, 1)]
