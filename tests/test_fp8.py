@@ -1025,15 +1025,18 @@ def test_cublaslt_gemms_run_the_planned_op_with_the_autotune_setting_and_keep_th
 class _FakeMatmul:
     """Stands in for nvmath's Matmul in _planned: records what it is given, in order."""
 
-    def __init__(self, operands, log):
+    def __init__(self, operands, log, algorithms=None):
         self.operands, self.log = dict(operands), log
+        self.given = algorithms  # what plan() was handed (None: the heuristic's)
+        self.algorithms = tuple(algorithms) if algorithms is not None else (object(), object())
 
     def reset_operands(self, stream=None, **kw):
         self.operands.update(kw)
         self.log.append(("reset",))
 
     def autotune(self, iterations, stream=None):
-        self.log.append(("autotune", iterations, {k: self.operands[k].clone() for k in ("b", "c")}))
+        self.log.append(("autotune", iterations, {k: self.operands[k].clone() for k in ("b", "c") if k in self.operands}))
+        self.algorithms = self.algorithms[::-1]  # the timing's order
 
     def execute(self, release_workspace=False, stream=None):
         self.log.append(("execute", self.operands["b"].clone()))
@@ -1057,7 +1060,8 @@ def test_planned_gemm_autotunes_once_per_shape_on_random_operands_then_runs_on_t
         ge._PLANS.pop((*key, 0), None)
         try:
             for _ in range(2):
-                out = ge._planned(key, "test GEMM", lambda stream: _FakeMatmul(ops, log), ops, None, tune)
+                out = ge._planned(key, "test GEMM", lambda stream, algorithms: _FakeMatmul(ops, log, algorithms), ops,
+                                  None, tune)
                 assert out.shape == (32, 48) and out.is_contiguous()
         finally:
             ge._PLANS.pop((*key, 0), None)
@@ -1072,10 +1076,13 @@ def test_planned_gemm_autotunes_once_per_shape_on_random_operands_then_runs_on_t
         assert all(torch.equal(e[1].float(), x8.t().float()) for e in log if e[0] == "execute")
 
 
-def test_each_graph_copy_plans_its_own_gemms(monkeypatch):
+@pytest.mark.parametrize("autotune", [0, 3])
+def test_each_graph_copy_plans_its_own_gemms_with_the_first_copys_algorithms(monkeypatch, autotune):
     """Graph copies replay at once on different streams, and a plan's workspace is written by
     every replay of a graph captured with it: _planned makes one Matmul per copy (plan_copy), and
-    within a copy the layers of one shape share it."""
+    within a copy the layers of one shape share it. Later copies are planned with the algorithms
+    the first copy's plan chose (autotuned or the heuristic's) and are not autotuned again, so a
+    batch's bits do not depend on the copy it lands on."""
     from bertqa_bench.backends import gemm_epilogue as ge
 
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
@@ -1083,21 +1090,26 @@ def test_each_graph_copy_plans_its_own_gemms(monkeypatch):
     ops = {"a": w8, "b": x8.t()}
     made = []
 
-    def make(stream):
-        made.append(_FakeMatmul(ops, []))
+    def make(stream, algorithms):
+        made.append(_FakeMatmul(ops, [], algorithms))
         return made[-1]
 
-    key = ("copy-test",)
+    key = ("copy-test", autotune)
     try:
         for copy in (0, 1, 0, 1, 2):
             with ge.plan_copy(copy):
-                ge._planned(key, "test GEMM", make, ops, None)
-        ge._planned(key, "test GEMM", make, ops, None)  # outside any copy: copy 0's
+                ge._planned(key, "test GEMM", make, ops, None, autotune)
+        ge._planned(key, "test GEMM", make, ops, None, autotune)  # outside any copy: copy 0's
     finally:
         for copy in range(3):
             ge._PLANS.pop((*key, copy), None)
     assert len(made) == 3 and len({id(m) for m in made}) == 3
     assert [len([e for e in m.log if e[0] == "execute"]) for m in made] == [3, 2, 1]
+    first, *later = made
+    assert first.given is None and [e[0] for e in first.log].count("autotune") == (1 if autotune else 0)
+    for m in later:
+        assert m.given == first.algorithms and m.algorithms == first.algorithms
+        assert not any(e[0] == "autotune" for e in m.log)
 
 
 def test_each_copy_of_the_token_bucket_graphs_is_captured_on_a_stream_of_its_own(monkeypatch):
@@ -1109,12 +1121,10 @@ def test_each_copy_of_the_token_bucket_graphs_is_captured_on_a_stream_of_its_own
 
     made, captured = [], []
 
-    class FakeStream:
+    class FakeStream(_FakeStream):
         def __init__(self, device=None):
+            super().__init__(device)
             made.append(self)
-
-        def wait_stream(self, other):
-            pass
 
     @contextlib.contextmanager
     def graph(g, pool=None, stream=None):
@@ -1153,6 +1163,103 @@ def test_each_copy_of_the_token_bucket_graphs_is_captured_on_a_stream_of_its_own
         assert tb.copies[0][tb.sizes[0]][1] is not tb.copies[-1][tb.sizes[0]][1] or copies == 1
 
 
+def test_submit_sends_slot_k_to_stream_and_graph_copy_k_mod_n(monkeypatch):
+    """With streams > 1, consecutive batches take consecutive slots, and slot k's work is queued on
+    stream k mod n with graph copy k mod n, inside that stream's context: a slot's buffers (pinned
+    inputs, packing, outputs) are then only ever used on one stream, and its copies into a graph's
+    static inputs are ordered after that copy's previous replay. One stream: no stream context."""
+    from bertqa_bench.backends.device_io import HostOutputs
+
+    v = TABLE.get("torch-compile-fp8all-graph-packed-cudnn-epilogue-autotune-2streams")
+    current, seen = [None], []
+
+    @contextlib.contextmanager
+    def stream(st):
+        before, current[0] = current[0], st
+        yield
+        current[0] = before
+
+    monkeypatch.setattr(torch.cuda, "stream", stream)
+    batch = {"input_ids": np.zeros((2, 8), np.int64), "attention_mask": np.ones((2, 8), np.int64)}
+    for streams in (2, 3, 1):
+        be = make_variant("x", "torch", "cuda", {**dataclasses.asdict(v.options), "streams": streams}).create()
+        be._staging, be._host = [None] * be.in_flight(), HostOutputs()
+        be._streams = [f"stream-{k}" for k in range(streams)] if streams > 1 else []
+        seen.clear()
+        monkeypatch.setattr(be, "_queue", lambda batch, b, slot, copy: seen.append((slot, copy, current[0])) or (lambda: {}))
+        for _ in range(2 * be.in_flight() + 1):
+            be.submit(batch)
+        assert len(seen) == 2 * be.in_flight() + 1
+        for slot, k, st in seen:
+            assert k == slot % streams
+            assert st == (f"stream-{k}" if streams > 1 else None)
+        assert {slot for slot, _, _ in seen} == set(range(be.in_flight()))
+
+
+class _FakeStream:
+    """torch.cuda.Stream on a CPU torch: a distinct handle per stream."""
+
+    def __init__(self, device=None):
+        self.cuda_stream = object()
+
+    def wait_stream(self, other):
+        pass
+
+
+def test_padded_graph_copies_are_captured_each_on_its_own_stream(monkeypatch):
+    """cuda_graph: manual with streams > 1: every shape is captured once per copy, each copy on
+    its own capture stream (the stream its batches then replay on); one copy keeps torch's default
+    capture stream."""
+    from bertqa_bench.backends.torch_backend import _GraphReplay
+
+    captured = []
+
+    @contextlib.contextmanager
+    def graph(g, pool=None, stream=None):
+        captured.append(stream)
+        yield
+
+    monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _FakeStream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda st: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: object())
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    batches = [{n: np.zeros((b, s), np.int64) for n in ("input_ids", "attention_mask", "token_type_ids")}
+               for b, s in ((2, 8), (4, 16))]
+    for copies in (1, 2, 3):
+        captured.clear()
+        gr = _GraphReplay(lambda *a: (a[0].float(),), "cpu", copies=copies)
+        for k in range(copies):
+            for b in batches:
+                gr.capture(b, k)
+        assert sorted(gr.graphs) == sorted((b["input_ids"].shape + (c,)) for b in batches for c in range(copies))
+        if copies == 1:
+            assert captured == [None, None] and gr.capture_streams == [None]
+        else:
+            assert captured == [gr.capture_streams[c] for c in range(copies) for _ in batches]
+            assert len({id(st) for st in gr.capture_streams}) == copies and None not in gr.capture_streams
+
+
+def test_capture_streams_refuse_a_pool_that_repeats_a_stream(monkeypatch):
+    """torch.cuda.Stream() hands out pooled streams in turn: copies that got the same CUDA stream
+    would share its cuBLAS workspace, so that is an error, not a silent race."""
+    from bertqa_bench.backends.device_io import capture_streams
+
+    handles = iter([1, 2, 1])
+
+    class Pooled(_FakeStream):
+        def __init__(self, device=None):
+            self.cuda_stream = next(handles)
+
+    monkeypatch.setattr(torch.cuda, "Stream", Pooled)
+    with pytest.raises(RuntimeError, match="fewer than 3 distinct CUDA streams"):
+        capture_streams("cuda", 3)
+    assert capture_streams("cuda", 1) == [None]
+    with pytest.raises(ValueError):
+        capture_streams("cuda", 0)
+
+
 def test_streams_option_is_checked_and_keeps_two_batches_a_stream_in_flight():
     from bertqa_bench.errors import ConfigError
 
@@ -1166,8 +1273,13 @@ def test_streams_option_is_checked_and_keeps_two_batches_a_stream_in_flight():
     with pytest.raises(ConfigError, match="token_bucket with host_pack .* or cuda_graph: manual"):
         make_variant("x", "torch", "cuda", {"weights": "fp16", "compile": "default", "pipeline": True, "streams": 2})
     for bad in (0, -1, "2", 1.5, True):
-        with pytest.raises(ConfigError, match=r"streams( -?\d+: the number of CUDA streams, an integer >= 1| must be int)"):
+        with pytest.raises(ConfigError, match=r"streams( -?\d+: the number of CUDA streams, 1 to 8| must be int)"):
             make_variant("x", "torch", "cuda", {**packed, "streams": bad})
+    with pytest.raises(ConfigError, match="streams 9: the number of CUDA streams, 1 to 8"):
+        make_variant("x", "torch", "cuda", {**packed, "streams": 9})
+    # packed on the device (no host_pack) replays copy 0 from every stream: refused
+    with pytest.raises(ConfigError, match="token_bucket with host_pack"):
+        make_variant("x", "torch", "cuda", {**packed, "host_pack": False, "streams": 2})
     for name in ("torch-compile-fp8all-graph-packed-cudnn-epilogue-autotune-2streams",
                  "torch-compile-fp8-graph-gelu-epilogue-autotune-2streams"):
         v = TABLE.get(name)
@@ -1670,8 +1782,9 @@ def test_two_streams_replay_their_own_graph_copies_and_give_the_one_at_a_time_ou
     """Four batches in flight on two streams, through the runner's own loop, over more batches
     than slots: bit for bit what the same prepared backend gives one batch at a time. Batches of
     the two streams overlap there, so graph copies that shared a buffer (a static input, a pool,
-    a cuBLASLt workspace) would corrupt each other's outputs. Autotuning is off so that both
-    copies plan the same algorithms and a batch's bits do not depend on the copy it lands on."""
+    a cuBLAS or cuBLASLt workspace) would corrupt each other's outputs. Autotuning stays on: the
+    second copy takes the first copy's algorithms, so a batch's bits do not depend on its copy.
+    Both copies replay, each on its own capture stream."""
     from bertqa_bench.backends import gemm_epilogue as ge
     from bertqa_bench.measuring.runner import stream
 
@@ -1682,7 +1795,6 @@ def test_two_streams_replay_their_own_graph_copies_and_give_the_one_at_a_time_ou
     batches = (batches * 5)[:9]
     base = TABLE.get(name)
     options = dataclasses.asdict(base.options)
-    options["fp8"]["cublaslt_autotune"] = 0
     monkeypatch.setattr(ge, "_PLANS", {})  # this backend's plans only
     backend = make_variant(name, base.implementation, base.device, options).create()
     backend.prepare(ctx)
@@ -1705,8 +1817,19 @@ def test_two_streams_replay_their_own_graph_copies_and_give_the_one_at_a_time_ou
         planned = [k for k in ge._PLANS if k[0] == "gelu" and k[3:5] != (16, 16)]
         by_copy = [{k[:-1] for k in planned if k[-1] == c} for c in (0, 1)]
         assert by_copy[0] and by_copy[0] == by_copy[1] and len(planned) == 2 * len(by_copy[0])
+        replays = []  # (copy, the CUDA stream it replayed on)
+        if base.options.packed:
+            capture, replay = buckets.capture_streams, buckets.replay
+            monkeypatch.setattr(buckets, "replay", lambda size, t, copy=0: replays.append(
+                (copy, torch.cuda.current_stream().cuda_stream)) or replay(size, t, copy))
+        else:
+            capture, call = streams, backend._graphs.__call__
+            monkeypatch.setattr(backend, "_graphs", lambda batch, staging, copy=0: replays.append(
+                (copy, torch.cuda.current_stream().cuda_stream)) or call(batch, staging, copy))
         sync = [backend.predict(b) for b in batches]
         got = list(stream(backend, batches))
+        assert {c for c, _ in replays} == {0, 1}
+        assert all(st == capture[c].cuda_stream for c, st in replays)
     finally:
         backend.close()
     assert [i for i, _, _ in got] == list(range(len(batches)))

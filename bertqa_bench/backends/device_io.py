@@ -156,16 +156,23 @@ class HostOutputs:
 
 
 def capture_streams(device, copies: int) -> list:
-    """The stream each copy of a set of CUDA graphs is captured on: torch's default capture stream
-    (None) for a single copy; one stream of its own per copy when there are several. Torch gives
-    cuBLAS one workspace per stream, and a captured GEMM writes into its capture stream's
-    workspace on every replay: copies captured on one stream would share it, and corrupt each
-    other's results when they replay at once (seen: answer agreement 44% on a padded FP8 row)."""
+    """The stream each copy of a set of CUDA graphs is captured (and then replayed) on: torch's
+    default capture stream (None) for a single copy; one stream of its own per copy when there
+    are several. Torch gives cuBLAS one workspace per stream, and a captured GEMM writes into its
+    capture stream's workspace on every replay: copies captured on one stream would share it, and
+    corrupt each other's results when they replay at once (seen: answer agreement 44% on a padded
+    FP8 row). ``torch.cuda.Stream()`` hands out streams from a fixed pool in turn, so distinctness
+    is checked, not assumed."""
     if copies < 1:
         raise ValueError(f"{copies} copies of the graphs: at least one")
+    if copies == 1:
+        return [None]
     import torch
 
-    return [None] if copies == 1 else [torch.cuda.Stream(device) for _ in range(copies)]
+    streams = [torch.cuda.Stream(device) for _ in range(copies)]
+    if len({s.cuda_stream for s in streams}) != copies:
+        raise RuntimeError(f"torch's stream pool gave {copies} graph copies fewer than {copies} distinct CUDA streams")
+    return streams
 
 
 def gpu_info() -> dict[str, Any]:

@@ -103,9 +103,15 @@ def _e4m3_type():
 
 
 def _planned(key, what: str, make, operands: dict, stream, autotune: int = 0):
-    """Execute the Matmul planned for ``key`` on this call's operands: planned by ``make(stream)``
-    on the shape's first call (outside graph capture), reset to ``operands`` on later ones (the
-    layers share a shape, not weights). Returns D [M, N], row-major (cuBLASLt's column-major D^T).
+    """Execute the Matmul planned for ``key`` on this call's operands: planned by
+    ``make(stream, algorithms)`` on the shape's first call (outside graph capture), reset to
+    ``operands`` on later ones (the layers share a shape, not weights). Returns D [M, N], row-major
+    (cuBLASLt's column-major D^T).
+
+    Graph copies after the first (``plan_copy``) plan their own Matmul (its own workspace) with the
+    algorithms the first copy's plan chose, autotuned or not: a batch's bits then do not depend on
+    the copy (the stream) it runs on. Copies are captured in order, so the first copy's plan of a
+    shape exists by then; if it does not, the copy plans (and autotunes) on its own.
 
     ``autotune`` > 0: when the shape is planned, time cuBLASLt's candidate algorithms that many
     times each (nvmath's ``Matmul.autotune``) and keep the fastest, instead of the heuristic's first
@@ -120,8 +126,9 @@ def _planned(key, what: str, make, operands: dict, stream, autotune: int = 0):
             raise RuntimeError(f"{what} was not planned before CUDA graph capture (planning synchronizes the "
                                "stream): run the shape once first")
         with _LOCK:
-            mm = make(stream)
-            if autotune > 0:
+            first = _PLANS.get((*key[:-1], 0)) if key[-1] else None
+            mm = make(stream, None if first is None else first.algorithms)
+            if autotune > 0 and first is None:
                 mm.reset_operands(**{k: _random_like(operands[k]) for k in ("b", "c") if k in operands}, stream=stream)
                 mm.autotune(iterations=int(autotune), stream=stream)
                 mm.reset_operands(**operands, stream=stream)
@@ -175,13 +182,13 @@ def _matmul(x8, w8, bias, w_scale, x_scale, out_inv_scale, fast_accum: bool, aut
     scales = {"a": w_scale, "b": x_scale, "d": out_inv_scale}
     b = x8.t()  # [K, M], column-major: K contiguous
 
-    def make(stream):
+    def make(stream, algorithms=None):
         # fast_accumulation: the same accumulation as the torch._scaled_mm GEMM this replaces
         # (Hopper's FP8 tensor cores without the periodic promotion to fp32), else the two
         # paths would differ in more than the epilogue
         mm = Matmul(w8, b, quantization_scales=scales, stream=stream,
                     options={"result_type": _e4m3_type(), "fast_accumulation": bool(fast_accum)})
-        mm.plan(epilog=MatmulEpilog.GELU_BIAS, epilog_inputs={"bias": bias}, stream=stream)
+        mm.plan(algorithms=algorithms, epilog=MatmulEpilog.GELU_BIAS, epilog_inputs={"bias": bias}, stream=stream)
         return mm
 
     return _planned(("gelu", x8.device.index, x8.shape[0], w8.shape[0], w8.shape[1], fast_accum, autotune),
@@ -288,12 +295,12 @@ def _matmul_16(x8, w8, bias, w_scale, x_scale, residual, fast_accum: bool, autot
     b = x8.t()
     c = None if residual is None else residual.t()
 
-    def make(stream):
+    def make(stream, algorithms=None):
         kw = {} if c is None else {"c": c, "beta": 1.0}
         mm = Matmul(w8, b, quantization_scales=scales, stream=stream,
                     options={"result_type": nvmath.CudaDataType.CUDA_R_16F, "fast_accumulation": bool(fast_accum)},
                     **kw)
-        mm.plan(epilog=MatmulEpilog.BIAS, epilog_inputs={"bias": bias}, stream=stream)
+        mm.plan(algorithms=algorithms, epilog=MatmulEpilog.BIAS, epilog_inputs={"bias": bias}, stream=stream)
         return mm
 
     operands = {"a": w8, "b": b, "quantization_scales": scales, "epilog_inputs": {"bias": bias}}

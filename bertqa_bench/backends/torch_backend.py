@@ -173,7 +173,8 @@ class TorchBackend(Backend):
         self._slot = 0
         self._host = HostOutputs()
         self._packer = None  # packed_bert.HostPacker (host_pack)
-        self._streams: list = []  # option streams > 1: batch slot k runs on _streams[k % n]
+        self._streams: list = []  # option streams > 1: batch slot k runs on _streams[k % n], copy k % n's
+        self._buckets = None  # packed_bert.TokenBuckets (token_bucket)
         self._tf32_before: Optional[tuple[bool, bool]] = None
 
     # --- prepare -------------------------------------------------------------------------
@@ -222,10 +223,16 @@ class TorchBackend(Backend):
                         for b, s in shapes:
                             self._graphs.capture(batch_at_shape(ctx.sample_batch, b, s), copy)
             if cuda and o.streams > 1:
-                self._streams = [torch.cuda.Stream() for _ in range(o.streams)]
+                # each copy replays on the stream it was captured on: an eager op around the replay
+                # (the scatter, a head left outside the graphs) then uses that stream's cuBLAS
+                # workspace, which no other copy's graphs write into
+                copies = self._graphs if self._graphs is not None else self._buckets
+                self._streams = list(copies.capture_streams)
             # Every shape of the run once (graph trees: warm-up, record, replay), so compilation
-            # and capture finish here and the runner's warm-up sees steady state.
-            calls = 3 if o.cuda_graph == "trees" else 1
+            # and capture finish here and the runner's warm-up sees steady state; once per stream
+            # with several (consecutive batches take consecutive copies), so that no copy's graph
+            # replays for the first time inside the timed passes.
+            calls = 3 if o.cuda_graph == "trees" else o.streams if cuda else 1
             for b, s in shapes if (o.compile != "none" or o.cuda_graph != "none" or o.token_bucket) else shapes[:1]:
                 for _ in range(calls):
                     self.predict(batch_at_shape(ctx.sample_batch, b, s))
@@ -255,6 +262,7 @@ class TorchBackend(Backend):
         buckets = TokenBuckets(encode, bucket=o.token_bucket, max_len=ctx.max_seq_len,
                                max_rows=max(b for b, _ in shapes), max_tokens=max(b * s for b, s in shapes)).attach(enc)
         captured = 0
+        self._buckets = buckets
         if self.device == "cuda":
             with torch.inference_mode(), self._autocast():
                 captured = buckets.capture(torch.device("cuda"), copies=o.streams, around=self._plan_copy)
@@ -307,8 +315,9 @@ class TorchBackend(Backend):
         return self.submit(batch)()
 
     def submit(self, batch: Mapping[str, np.ndarray]):
-        """Queue one batch on the current stream: inputs in (pinned -> device), compute, outputs
-        out (device -> pinned); the waiter blocks until they are on the host. Everything after the
+        """Queue one batch on its stream (the current one; with ``streams`` > 1 its slot's): inputs
+        in (pinned -> device), compute, outputs out (device -> pinned); the waiter blocks until
+        they are on the host. Everything after the
         host's writes into pinned memory is ordered by the stream, so batch i+1's copies into a
         graph's static inputs run after batch i's replay, and its replay after batch i's outputs
         were copied out. With ``streams`` > 1 a batch's slot picks its stream and graph copy
@@ -354,7 +363,9 @@ class TorchBackend(Backend):
     def close(self) -> None:
         import torch
 
-        self.module = self._fn = self._graphs = self._packer = None
+        if self._streams:  # work abandoned in flight on those streams may still write the buffers freed here
+            torch.cuda.synchronize()
+        self.module = self._fn = self._graphs = self._packer = self._buckets = None
         self._staging, self._streams = [], []
         if self.options.compile != "none":
             torch._dynamo.reset()

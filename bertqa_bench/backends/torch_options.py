@@ -20,6 +20,9 @@ CUDA_GRAPHS = ("none", "trees", "manual")
 SDPA_BACKENDS = ("cudnn", "efficient", "flash", "math")
 # the padding-free encoder's variable-length attention on CUDA (packed_bert.py)
 PACKED_ATTENTION = ("flash", "cudnn")
+# streams: every stream holds a copy of every captured graph (memory), and torch hands out its
+# streams from a pool of 32, which must give each copy a distinct one
+MAX_STREAMS = 8
 FP8_ATTENTION = ("fp16", "fp8")
 
 
@@ -191,11 +194,11 @@ class TorchOptions:
     # (pinned inputs, packing, outputs) has one copy per batch in flight
     pipeline: bool = False
     # CUDA, with pipeline and captured graphs (token_bucket + host_pack, or cuda_graph: manual):
-    # run the batches in flight on this many CUDA streams, batch i on stream i mod n, each stream
-    # replaying its own copy of every CUDA graph (own static inputs, memory pool and cuBLASLt
-    # plans: two copies run at once, so nothing they write may be shared). One batch's kernels
-    # then fill the other's launch gaps and the last, partly idle wave of each kernel; the
-    # batches in flight grow to two a stream
+    # run the batches in flight on this many CUDA streams (at most MAX_STREAMS), batch i on stream
+    # i mod n, each stream replaying its own copy of every CUDA graph, captured on that stream (own
+    # static inputs, memory pool, cuBLAS workspace and cuBLASLt plans: copies run at once, so
+    # nothing they write may be shared). One batch's kernels then fill the other's launch gaps and
+    # the last, partly idle wave of each kernel; the batches in flight grow to two a stream
     streams: int = 1
 
     def __post_init__(self):
@@ -249,8 +252,8 @@ class TorchOptions:
                               "packed: true and packed_attention: cudnn")
         if self.host_pack and not self.token_bucket:
             raise ConfigError("host_pack feeds the token buckets' CUDA graphs: it needs packed: true and token_bucket")
-        if not isinstance(self.streams, int) or isinstance(self.streams, bool) or self.streams < 1:
-            raise ConfigError(f"torch option streams {self.streams!r}: the number of CUDA streams, an integer >= 1")
+        if not isinstance(self.streams, int) or isinstance(self.streams, bool) or not 1 <= self.streams <= MAX_STREAMS:
+            raise ConfigError(f"torch option streams {self.streams!r}: the number of CUDA streams, 1 to {MAX_STREAMS}")
         if self.streams > 1 and not (self.pipeline and ((self.token_bucket and self.host_pack)
                                                        or self.cuda_graph == "manual")):
             raise ConfigError(f"streams: {self.streams} runs the batches in flight on several CUDA streams, each "

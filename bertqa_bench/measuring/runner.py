@@ -14,8 +14,8 @@
   work for one batch overlaps the device's compute of the other. A batch's latency then runs
   from its submission to its collection: it includes the next batch's submission and the
   previous batch's scatter, which the host does meanwhile, and the wait behind the batch before
-  it on the device, so a pipelined row's per-batch latencies run about twice its per-batch time
-  and are not comparable with a synchronous row's (its throughput is; LoadGen measures latency
+  it on the device, so a pipelined row's per-batch latencies run about its batches in flight
+  times its per-batch time and are not comparable with a synchronous row's (its throughput is; LoadGen measures latency
   under load). Such a row records ``batches_in_flight`` among its prepare facts.
 
 Batch inputs are cut from the evaluation set before timing (the sample library's job, done
