@@ -1794,9 +1794,8 @@ def test_two_streams_replay_their_own_graph_copies_and_give_the_one_at_a_time_ou
     ctx, batches = _gpu_ctx(tmp_path)
     batches = (batches * 5)[:9]
     base = TABLE.get(name)
-    options = dataclasses.asdict(base.options)
     monkeypatch.setattr(ge, "_PLANS", {})  # this backend's plans only
-    backend = make_variant(name, base.implementation, base.device, options).create()
+    backend = make_variant(name, base.implementation, base.device, dataclasses.asdict(base.options)).create()
     backend.prepare(ctx)
     try:
         assert backend.prepare_info["streams"] == 2 and backend.in_flight() == 4
