@@ -397,6 +397,10 @@ class LoadGenConfig:
     # size), a batch leaves when full or when its oldest sample has waited max_wait_us
     server_max_batch: Optional[int] = None
     server_max_wait_us: int = 2000
+    # Server batches outstanding at once: 0 takes the backend's own window (Backend.in_flight():
+    # two a CUDA stream for torch's pipeline), n caps it at n, 1 collects each batch before the
+    # next is formed. Above one, a backend on several CUDA streams runs a batch on each.
+    server_in_flight: int = 0
     # Batch sizes a Server batch is padded up to (each x every sequence bucket is a shape to
     # compile / capture in prepare); empty: powers of two up to server_max_batch
     server_batch_sizes: list = field(default_factory=list)
@@ -412,7 +416,8 @@ class LoadGenConfig:
     seed: int = 0  # LoadGen's qsl / sample-index / schedule seeds
 
     def __post_init__(self):
-        for k in ("min_duration_ms", "max_duration_ms", "min_query_count", "max_query_count", "server_max_wait_us"):
+        for k in ("min_duration_ms", "max_duration_ms", "min_query_count", "max_query_count", "server_max_wait_us",
+                  "server_in_flight"):
             if getattr(self, k) < 0:
                 raise ConfigError(f"loadgen.{k} must be >= 0")
         if self.min_query_count < 1:

@@ -13,6 +13,12 @@ vocabulary), the plan (schedule.make_plan), the SUT and its batcher (loadgen_sut
 Server peak search and Offline run.
 
     python scripts/loadgen_sut_model.py --bench-fps 9281 --set loadgen.server_max_wait_us=2000
+    python scripts/loadgen_sut_model.py --bench-fps 6646 --batching packed --host-us 2000 --in-flight 4
+
+``--in-flight N`` makes the stand-in keep N batches in flight (as torch's ``pipeline`` does: two
+a CUDA stream): its device still runs one batch at a time, in order, on a thread of its own, so
+what a window gains here is host work (batch formation, inputs, the backend's own host part)
+overlapped with the device, not a second stream's overlap of kernels.
 
 prints the simulated bench features/s, LoadGen Offline samples/s and the Server peak (the highest
 VALID target QPS), each as a share of the simulated bench, and the SUT's mean batch. A share well
@@ -23,8 +29,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import queue
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -34,7 +42,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bertqa_bench.measuring.loadgen_job import run_test  # noqa: E402
-from bertqa_bench.measuring.loadgen_sut import SUT, Codec, Shapes  # noqa: E402
+from bertqa_bench.measuring.loadgen_sut import SUT, Codec, Shapes, server_window  # noqa: E402
+from bertqa_bench.measuring.runner import stream  # noqa: E402
 from bertqa_bench.record.schedule import batch_inputs, make_plan  # noqa: E402
 from bertqa_bench.measuring.loadgen_log import find_peak, test_settings  # noqa: E402
 
@@ -45,25 +54,52 @@ class SimulatedDevice:
     name = "simulated-device"
 
     def __init__(self, max_rows: int, max_seq: int, packed: bool, launch_us: float, seed: int = 0,
-                 host_us: float = 0.0):
+                 host_us: float = 0.0, in_flight: int = 1):
         rng = np.random.default_rng(seed)
         self.logits = rng.standard_normal((max_rows, max_seq)).astype(np.float32)  # rows >= any batch's
         self.packed, self.launch_s, self.tokens_per_s = packed, launch_us / 1e6, 1e9
         self.host_s = host_us / 1e6
+        self.window = int(in_flight)
+        self._work: queue.SimpleQueue = queue.SimpleQueue()
+        if self.window > 1:  # the device: one batch at a time, in submission order
+            threading.Thread(target=self._device, daemon=True).start()
+
+    def in_flight(self) -> int:
+        return self.window
+
+    def _device(self) -> None:
+        while True:
+            seconds, done = self._work.get()
+            time.sleep(seconds)
+            done.set()
 
     def tokens(self, batch: dict) -> int:
         mask = batch["attention_mask"]
         return int(mask.sum()) if self.packed else int(mask.shape[0] * mask.shape[1])
 
     def predict(self, batch: dict) -> dict:
+        return self.submit(batch)()
+
+    def submit(self, batch: dict):
         b, s = batch["input_ids"].shape
         # a real backend's host side of predict (packing, launches, output copies) holds the GIL:
         # Python work, so the SUT's other threads (the responder) compete with it for the GIL
         end = time.perf_counter() + self.host_s
         while time.perf_counter() < end:
             pass
-        time.sleep(self.launch_s + self.tokens(batch) / self.tokens_per_s)
-        return {"start_logits": self.logits[:b, :s], "end_logits": self.logits[:b, :s]}
+        out = {"start_logits": self.logits[:b, :s], "end_logits": self.logits[:b, :s]}
+        seconds = self.launch_s + self.tokens(batch) / self.tokens_per_s
+        if self.window == 1:
+            time.sleep(seconds)
+            return lambda: out
+        done = threading.Event()
+        self._work.put((seconds, done))
+
+        def wait() -> dict:
+            done.wait()
+            return out
+
+        return wait
 
 
 def bench(device: SimulatedDevice, inputs: dict, plan) -> float:
@@ -71,8 +107,8 @@ def bench(device: SimulatedDevice, inputs: dict, plan) -> float:
     batches are built before the clock starts (runner.materialize), as the bench builds them."""
     batches = [batch_inputs(inputs, b) for b in plan.batches]
     t0 = time.perf_counter()
-    for x in batches:
-        device.predict(x)
+    for _ in stream(device, batches):  # the bench runner's loop: in_flight() batches outstanding
+        pass
     return len(next(iter(inputs.values()))) / (time.perf_counter() - t0)
 
 
@@ -84,6 +120,8 @@ def main() -> int:
     ap.add_argument("--launch-us", type=float, default=100.0, help="device time per batch beside its tokens")
     ap.add_argument("--host-us", type=float, default=0.0,
                     help="host time per batch inside predict that holds the GIL (Python work; part of the bench rate)")
+    ap.add_argument("--in-flight", type=int, default=1,
+                    help="batches the stand-in keeps in flight (torch's pipeline: two a CUDA stream)")
     ap.add_argument("--set", dest="overrides", action="append", default=[],
                     help="suite overrides, e.g. loadgen.server_max_wait_us=10000")
     ap.add_argument("--scenarios", default="Offline,Server")
@@ -110,7 +148,7 @@ def main() -> int:
     max_batch = int(lg_cfg.server_max_batch or b.batch_size)
     tokens = b.tokens_per_batch or max_batch * cfg.data.max_seq_len
     device = SimulatedDevice(max(max_batch, b.max_batch_rows or 0, 256), cfg.data.max_seq_len,
-                             a.batching == "packed", a.launch_us, host_us=a.host_us)
+                             a.batching == "packed", a.launch_us, host_us=a.host_us, in_flight=a.in_flight)
     # calibrate: device time over the plan = n / bench_fps, less the host time of the loop itself
     # (with --host-us, predict's own host part included)
     total_tokens = sum(device.tokens(batch_inputs(inputs, x)) for x in plan.batches)
@@ -125,7 +163,8 @@ def main() -> int:
     out = {"features": len(lengths), "batching": a.batching, "bench_fps": fps, "target_bench_fps": a.bench_fps,
            "bench_token_efficiency": plan.token_efficiency(lengths),
            "host_s_per_pass": host_s, "launch_us": a.launch_us, "host_us": a.host_us,
-           "max_wait_us": lg_cfg.server_max_wait_us,
+           "max_wait_us": lg_cfg.server_max_wait_us, "in_flight": a.in_flight,
+           "server_window": server_window(lg_cfg.server_in_flight, device.in_flight()),
            "max_batch": max_batch, "token_budget": tokens}
     print(f"{len(lengths)} features ({a.batching}); simulated bench {fps:,.0f} features/s "
           f"(asked {a.bench_fps:,.0f}; host loop alone {len(lengths) / host_s:,.0f}/s)", flush=True)
@@ -141,7 +180,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for scenario in a.scenarios.split(","):
             sut = SUT(lg, device, inputs, lengths, codec, shapes, scenario=scenario, max_batch=max_batch,
-                      max_wait_us=lg_cfg.server_max_wait_us,
+                      max_wait_us=lg_cfg.server_max_wait_us, server_window=out["server_window"],
                       offline_plan=lambda lens: make_plan(lens, batching=a.batching, batch_size=b.batch_size,
                                                           max_seq_len=cfg.data.max_seq_len,
                                                           seq_multiple=b.seq_multiple,

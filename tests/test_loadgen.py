@@ -3,6 +3,7 @@ the accuracy log back to the same answers as bench, an overloaded Server reporte
 SUT that fails under load costing only its own row. LoadGen runs are CI-sized (hundreds of
 queries, a fraction of a second each)."""
 import json
+import time
 
 import numpy as np
 import pytest
@@ -516,3 +517,199 @@ def test_offline_keeps_a_pipelined_backends_batches_in_flight_and_answers_every_
         assert sut.error == (None if fail_at is None else "RuntimeError: batch 3 fell over")
         if fail_at is None:
             assert sut.batches == len(plan.batches) and sut.batch_rows == n
+
+
+class _DecodingLoadGen(_RecordingLoadGen):
+    """Keeps each response's floats (read while LoadGen would copy them: the buffer lives until then)."""
+
+    def __init__(self):
+        super().__init__()
+        self.values: dict = {}
+
+    def QuerySamplesComplete(self, responses):
+        import ctypes
+
+        for rid, ptr, n in responses:
+            self.values[rid] = (np.ctypeslib.as_array((ctypes.c_float * (n // 4)).from_address(ptr)).copy()
+                                if n else None)
+        super().QuerySamplesComplete(responses)
+
+
+class _ServerPipelined:
+    """A backend keeping ``keeps`` batches in flight whose batch k is collected only once batch
+    k+1 has been submitted (when ``overlap``; the last batch at once): the order a device that
+    runs batches side by side allows. Its answers are each row's own token ids."""
+
+    name = "server-pipelined"
+
+    def __init__(self, total: int, keeps: int = 4, overlap: bool = True, fail_at=None):
+        import threading
+
+        self.total, self.keeps, self.overlap, self.fail_at = total, keeps, overlap, fail_at
+        self.events, self.outstanding, self.most, self.k, self.stalled = [], 0, 0, 0, False
+        self.submit_threads, self.collect_threads = set(), set()
+        self.cond = threading.Condition()
+
+    def in_flight(self):
+        return self.keeps
+
+    def submit(self, x):
+        import threading
+
+        with self.cond:
+            assert self.outstanding < self.keeps, "more batches in flight than the backend keeps"
+            self.k += 1
+            k, self.outstanding = self.k, self.outstanding + 1
+            self.most = max(self.most, self.outstanding)
+            self.events.append(f"submit {k}")
+            self.submit_threads.add(threading.get_ident())
+            self.cond.notify_all()
+        ids = x["input_ids"].astype(np.float32)
+
+        def wait():
+            with self.cond:
+                if self.overlap and not self.cond.wait_for(lambda: self.k >= min(k + 1, self.total), timeout=10):
+                    self.stalled = True  # the batcher never submitted the next batch while this one was out
+                self.outstanding -= 1
+                self.events.append(f"collect {k}")
+                self.collect_threads.add(threading.get_ident())
+            if k == self.fail_at:
+                raise RuntimeError(f"batch {k} fell over")
+            return {"start_logits": ids, "end_logits": -ids}
+
+        return wait
+
+
+@pytest.mark.parametrize("window", [1, 2])
+@pytest.mark.parametrize("fail_at", [None, 3])
+def test_server_keeps_a_pipelined_backends_batches_in_flight_and_answers_every_sample_when_one_fails(window, fail_at):
+    """Server with a window of two: batch k+1 is formed and submitted before batch k is collected,
+    never more than the window outstanding, each sample answered with its own outputs, collected
+    on the responder thread (submits stay on the batcher's). With a window of one, each batch is
+    collected before the next is submitted. A failed batch is answered empty, as is every batch
+    submitted after the failure; the one already in flight keeps its answers."""
+    from bertqa_bench.measuring.loadgen_sut import SUT
+
+    seq, n, per = 32, 20, 4
+    rng = np.random.default_rng(11)
+    lengths = rng.integers(4, seq + 1, n)
+    inputs = {"input_ids": rng.integers(5, 100, (n, seq)), "attention_mask": (np.arange(seq) < lengths[:, None]) * 1,
+              "token_type_ids": np.zeros((n, seq), np.int64)}
+    example = {k: np.zeros((1, seq), np.float32) for k in ("start_logits", "end_logits")}
+    codec = Codec(["start_logits", "end_logits"], ("start_logits", "end_logits"), example)
+    lg = _DecodingLoadGen()
+    # batches submitted: all, or up to the one in flight beside the failed one (later ones are answered empty)
+    submitted = n // per if fail_at is None else fail_at + 1
+    backend = _ServerPipelined(total=submitted, overlap=window > 1, fail_at=fail_at)
+    sut = SUT(lg, backend, inputs, lengths, codec, Shapes("padded", seq, 8, per), scenario="Server",
+              max_batch=per, max_wait_us=2000, offline_plan=None, server_window=window)
+    order = rng.permutation(n)
+    sut._pending = [(0.0, 1000 + int(i), int(i)) for i in order]
+    sut.finish()  # every sample is already queued: the batcher empties the queue and returns
+    sut.serve()
+    sut.close()  # joins the responder: every batch handed to it is answered by now
+
+    batches = [order[k * per:(k + 1) * per] for k in range(n // per)]  # padded: first come, first served
+    assert not backend.stalled and backend.most == window
+    if window == 1:
+        assert backend.events[:4] == ["submit 1", "collect 1", "submit 2", "collect 2"]
+        assert backend.collect_threads == backend.submit_threads
+    else:
+        assert backend.events[:4] == ["submit 1", "submit 2", "collect 1", "submit 3"]
+        assert not backend.collect_threads & backend.submit_threads
+    assert sorted(lg.values) == sorted(1000 + i for i in range(n))  # each sample answered once
+    if fail_at is None:
+        failed = []
+    else:  # window 2: the batch in flight beside the failed one (fail_at + 1) ran, and keeps its answers
+        failed = [fail_at] + list(range(fail_at + window, n // per + 1))
+    empty = {1000 + int(i) for k in failed for i in batches[k - 1]}
+    assert {rid for rid, v in lg.values.items() if v is None} == empty
+    for rid, v in lg.values.items():
+        if rid not in empty:
+            i, length = rid - 1000, int(lengths[rid - 1000])
+            own = inputs["input_ids"][i, :length].astype(np.float32)
+            assert np.array_equal(v, np.concatenate([own, -own]))
+    assert sut.error == (None if fail_at is None else "RuntimeError: batch 3 fell over")
+    if fail_at is None:
+        assert sut.batches == n // per and sut.batch_rows == n
+
+
+def test_server_window_is_the_backends_own_unless_capped():
+    from bertqa_bench.config import ConfigError, LoadGenConfig
+    from bertqa_bench.measuring.loadgen_sut import SUT, server_window
+
+    assert [server_window(0, k) for k in (1, 2, 4)] == [1, 2, 4]  # default: as many as the backend keeps
+    assert [server_window(2, k) for k in (1, 2, 4)] == [1, 2, 2]  # a cap never exceeds the backend's window
+    assert server_window(1, 4) == 1
+    with pytest.raises(ConfigError, match="server_in_flight"):
+        LoadGenConfig(server_in_flight=-1)
+    with pytest.raises(ValueError, match="at least one"):
+        SUT(_FakeLoadGen(), None, {}, np.array([3]), None, Shapes("padded", 8, 8, 1), scenario="Server",
+            max_batch=1, max_wait_us=0, offline_plan=None, server_window=0)
+
+
+def test_server_in_flight_under_real_loadgen(tmp_path):
+    """The window's path under LoadGen itself: a Server run at a modest rate against a backend
+    whose device runs each batch on a thread of its own, every query answered (LoadGen would
+    otherwise wait forever) and the run read back."""
+    lg = pytest.importorskip("mlperf_loadgen")
+    import threading
+
+    from bertqa_bench.config import LoadGenConfig
+    from bertqa_bench.measuring.loadgen_job import run_test
+    from bertqa_bench.measuring.loadgen_log import test_settings
+    from bertqa_bench.measuring.loadgen_sut import SUT
+
+    seq, n = 16, 64
+    rng = np.random.default_rng(2)
+    lengths = rng.integers(2, seq + 1, n)
+    inputs = {"input_ids": rng.integers(5, 100, (n, seq)), "attention_mask": (np.arange(seq) < lengths[:, None]) * 1,
+              "token_type_ids": np.zeros((n, seq), np.int64)}
+
+    class Device:
+        name = "threaded-device"
+        outstanding = most = 0
+        lock = threading.Lock()
+
+        def in_flight(self):
+            return 2
+
+        def submit(self, x):
+            with self.lock:
+                self.outstanding += 1
+                self.most = max(self.most, self.outstanding)
+            done, box = threading.Event(), {}
+
+            def run():
+                time.sleep(0.002)  # the device's time, without the GIL
+                box["out"] = {"start_logits": x["input_ids"].astype(np.float32),
+                              "end_logits": x["input_ids"].astype(np.float32)}
+                done.set()
+
+            threading.Thread(target=run, daemon=True).start()
+
+            def wait():
+                done.wait()
+                with self.lock:
+                    self.outstanding -= 1
+                return box["out"]
+
+            return wait
+
+    device = Device()
+    example = {k: np.zeros((1, seq), np.float32) for k in ("start_logits", "end_logits")}
+    codec = Codec(["start_logits", "end_logits"], ("start_logits", "end_logits"), example)
+    cfg = LoadGenConfig(min_duration_ms=1000, min_query_count=300)
+    sut = SUT(lg, device, inputs, lengths, codec, Shapes("padded", seq, 8, 8), scenario="Server", max_batch=8,
+              max_wait_us=1000, offline_plan=None, server_window=2)
+    qsl = lg.ConstructQSL(n, n, lambda s: None, lambda s: None)
+    try:
+        res = run_test(lg, sut, qsl, test_settings(lg, cfg, "Server", "performance", 400.0,
+                                                   offline_expected_qps=400.0, single_stream_expected_latency_ns=1e6),
+                       tmp_path / "server")
+    finally:
+        sut.close()
+        lg.DestroyQSL(qsl)
+    assert sut.error is None and res["scenario"] == "Server"
+    assert res["query_count"] >= 300 and sut.batch_rows == res["query_count"]  # every query answered, once
+    assert 1 <= device.most <= 2 and device.outstanding == 0

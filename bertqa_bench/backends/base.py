@@ -138,7 +138,10 @@ class Backend(abc.ABC):
     def submit(self, batch: Mapping[str, np.ndarray]) -> Callable[[], dict[str, np.ndarray]]:
         """Start one batch; returns a waiter that blocks until its outputs are on the host and
         returns them (as ``predict`` would). At most ``in_flight()`` waiters may be outstanding,
-        and they are called in submission order."""
+        and they are called in submission order. A waiter may be called on another thread than
+        its submit (LoadGen's Server collects on its responder thread while the next batch is
+        formed): it waits and copies out, and touches no per-thread state such as the current
+        CUDA stream."""
         out = self.predict(batch)
         return lambda: out
 

@@ -96,7 +96,9 @@ def _fill_scenario(r, rec: dict, scenario: str) -> None:
                          if sizes and sizes[-1] < sut["max_batch"])
         r.sut_batcher = (f"{sut['grouping']}, max batch {sut['max_batch']}"
                          + (f" (token budget: {caps})" if caps else "")
-                         + f", max wait {sut['max_wait_us']} µs, mean batch {sut['mean_batch_rows']:.1f}"
+                         + f", max wait {sut['max_wait_us']} µs"
+                         + (f", {sut['in_flight']} batches in flight" if (sut.get("in_flight") or 1) > 1 else "")
+                         + f", mean batch {sut['mean_batch_rows']:.1f}"
                          + (f", real tokens {sut['token_efficiency']:.0%} of those computed (bench plan "
                             f"{sut['bench_token_efficiency']:.0%})" if "token_efficiency" in sut else "")
                          if scenario == "Server" else

@@ -13,7 +13,7 @@ from typing import Optional
 import numpy as np
 
 from ..record.schedule import Batch, batch_inputs, make_plan
-from .loadgen_sut import SUT, Codec, Shapes
+from .loadgen_sut import SUT, Codec, Shapes, server_window
 
 
 def run_test(lg, sut: SUT, qsl, settings, out_dir: Path) -> dict:
@@ -175,8 +175,9 @@ def _execute(job) -> tuple[dict, Optional[dict]]:
         n = len(lengths)
         perf_count = min(n, cfg.performance_sample_count or n)
         qsl = lg.ConstructQSL(n, perf_count, lambda s: None, lambda s: None)  # already in RAM
+        window = server_window(cfg.server_in_flight, backend.in_flight())
         sut = SUT(lg, backend, inputs, lengths, codec, shapes, scenario=scenario, max_batch=max_batch,
-                  max_wait_us=cfg.server_max_wait_us,
+                  max_wait_us=cfg.server_max_wait_us, server_window=window,
                   offline_plan=lambda lens: make_plan(lens, batching=plan.batching, batch_size=spec["batch_size"],
                                                       max_seq_len=job.max_seq_len, seq_multiple=spec["seq_multiple"],
                                                       tokens_per_batch=spec.get("tokens_per_batch"),
@@ -223,6 +224,7 @@ def _execute(job) -> tuple[dict, Optional[dict]]:
                              "token_efficiency": sut.tokens_real / max(1, sut.tokens_computed),
                              "bench_token_efficiency": plan.token_efficiency(lengths),
                              "max_batch": max_batch, "max_wait_us": cfg.server_max_wait_us,
+                             "in_flight": sut.server_window,
                              "grouping": ("length-aware" if shapes.length_aware else "first come, first served"),
                              "length_aware": shapes.length_aware, "shapes": len(sut_shapes),
                              "ladder": ({str(q): shapes.ladder(q) for q in sorted({shapes.seq(int(v)) for v in lengths})}

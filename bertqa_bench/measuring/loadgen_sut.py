@@ -19,7 +19,7 @@ length (the rest is padding, blanked before postprocessing anyway), then every p
 output; ``layout`` records the order so the parent decodes LoadGen's accuracy log (loadgen.py).
 
 How each scenario reaches the backend (``predict``, synchronous, one batch at a time, except in
-Offline for a backend that keeps batches in flight):
+Offline and Server for a backend that keeps batches in flight):
 
 * SingleStream — in LoadGen's own issue thread (as MLPerf's reference harness): a batch of one
   at the feature's own length, padded up to the variant's shape set (``seq_multiple`` buckets when
@@ -33,7 +33,13 @@ Offline for a backend that keeps batches in flight):
   budget (rounded down to 8: 80 rows at 384 tokens, 256 at 128 for 32,768 tokens), as the bench's
   plan fills it: a fixed ladder capped long batches at the last power of two under the budget
   (32 rows at 384 for [8, 32, 128]) and padded the rest up to 128 rows (H100, 2026-11-26: a
-  mean batch of 73 rows and 72% of bench throughput);
+  mean batch of 73 rows and 72% of bench throughput).
+  With a window above one (``loadgen.server_in_flight``, capped by ``Backend.in_flight()``) the
+  batcher does not wait for a batch's outputs: it forms and submits the next batch as soon as
+  fewer than ``window`` are outstanding, and the responder thread collects each batch (its
+  waiter only waits for the device and copies host memory) before answering it. A backend on
+  several CUDA streams then holds a batch on each under Server too; with a window of one a
+  batch is collected before the next one is formed;
 * Offline — the one query is planned exactly like ``bench`` plans the evaluation set
   (schedule.make_plan with the variant's batching), batches answered as they finish; each
   batch's host arrays are gathered one batch ahead on a helper thread (the bench builds them
@@ -81,6 +87,13 @@ def batch_buckets(max_batch: int, sizes=()) -> list[int]:
         out.append(b)
         b *= 2
     return out + [max_batch]
+
+
+def server_window(setting: int, backend_in_flight: int) -> int:
+    """Server batches outstanding at once: the backend's own window (``setting`` 0) or
+    ``setting`` capped by it (a backend refuses more batches than it keeps in flight)."""
+    most = max(1, int(backend_in_flight))
+    return most if int(setting) == 0 else max(1, min(int(setting), most))
 
 
 class Shapes:
@@ -166,14 +179,29 @@ class Codec:
         return buf, starts.tolist(), sizes.tolist()
 
 
+class _InFlight:
+    """A submitted Server batch on its way to the responder: what ``SUT._submit`` returned."""
+
+    __slots__ = ("submitted",)
+
+    def __init__(self, submitted: tuple):
+        self.submitted = submitted
+
+
 class SUT:
     """The backend behind LoadGen's SystemUnderTest callbacks (see the module docstring)."""
 
     def __init__(self, lg, backend, inputs: dict, lengths: np.ndarray, codec: Codec, shapes: Shapes, *,
-                 scenario: str, max_batch: int, max_wait_us: int, offline_plan: Callable):
+                 scenario: str, max_batch: int, max_wait_us: int, offline_plan: Callable, server_window: int = 1):
         self.lg, self.backend, self.inputs, self.lengths = lg, backend, inputs, lengths
         self.codec, self.shapes, self.scenario = codec, shapes, scenario
         self.max_batch, self.max_wait_s = int(max_batch), max_wait_us / 1e6
+        # Server batches outstanding at once (see the module docstring); a permit is taken before a
+        # batch is formed and given back once its outputs are on the host
+        self.server_window = int(server_window) if scenario == "Server" else 1
+        if self.server_window < 1:
+            raise ValueError(f"server_window {server_window}: at least one batch")
+        self._permits = threading.BoundedSemaphore(self.server_window)
         self.offline_plan = offline_plan
         self.error: Optional[str] = None
         self.reset_counts()
@@ -221,11 +249,16 @@ class SUT:
             self._cond.notify()
 
     def _loop(self) -> None:
+        in_flight = self.server_window > 1
         while True:
+            if in_flight:  # the window's room first: samples keep arriving meanwhile
+                self._permits.acquire()
             with self._cond:
                 while not self._pending and not self._stop:
                     self._cond.wait()
                 if not self._pending:
+                    if in_flight:
+                        self._permits.release()
                     return
                 if self.scenario == "Offline":
                     group, self._pending = self._pending, []
@@ -240,6 +273,8 @@ class SUT:
             try:
                 if self.scenario == "Offline":
                     self._offline(group)
+                elif in_flight:
+                    self._run_in_flight(group)
                 else:
                     self._run(group)
             except BaseException as e:  # noqa: BLE001
@@ -319,12 +354,15 @@ class SUT:
     def _respond_loop(self) -> None:
         """Server and Offline: LoadGen's completion calls run here, beside the next batch on the
         device (the backend thread waits on the device without the GIL). On the backend thread
-        they took 7% of its time at ~7,700 QPS, with the device idle meanwhile."""
+        they took 7% of its time at ~7,700 QPS, with the device idle meanwhile. A Server batch in
+        flight (``_run_in_flight``) arrives here unanswered and is collected first."""
         while True:
             item = self._answers.get()
             if item is None:
                 return
             try:
+                if isinstance(item, _InFlight):
+                    item = self._collect_in_flight(item)
                 self._complete(*item)
             except BaseException as e:  # noqa: BLE001 - LoadGen's own call failed: nothing more to send
                 traceback.print_exception(e)
@@ -333,6 +371,36 @@ class SUT:
     def _run(self, items: list) -> None:
         rows = np.array([i for _, _, i in items], dtype=np.int64)
         self._predict(items, rows, lambda: self._batch(rows))
+
+    def _run_in_flight(self, items: list) -> None:
+        """One Server batch submitted, its permit held, its collection left to the responder."""
+        handed = False
+        try:
+            rows = np.array([i for _, _, i in items], dtype=np.int64)
+            submitted = self._submit(items, rows, lambda: self._batch(rows))
+            if submitted is not None:  # else answered empty already: nothing is outstanding
+                self._answers.put(_InFlight(submitted))
+                handed = True
+        finally:
+            if not handed:  # a permit kept here would shrink the window for the rest of the run
+                self._permits.release()
+
+    def _collect_in_flight(self, batch: "_InFlight") -> tuple:
+        """On the responder: wait for a Server batch's outputs, give its permit back, and return
+        what ``_complete`` answers. A failure is kept before the permit returns, so every batch
+        submitted after it is answered empty (those already in flight still run)."""
+        items, rows, shape, wait, submit_s = batch.submitted
+        try:
+            t0 = time.perf_counter()
+            out = wait()
+            self._count(rows, shape, submit_s + time.perf_counter() - t0)
+        except BaseException as e:  # noqa: BLE001
+            traceback.print_exception(e)
+            self.error = self.error or f"{type(e).__name__}: {e}"
+            out = None
+        finally:
+            self._permits.release()
+        return items, out
 
     def _predict(self, items: list, rows: np.ndarray, inputs: Callable[[], dict]) -> None:
         """One batch (Server, SingleStream), submitted and collected at once."""
