@@ -641,6 +641,7 @@ def test_server_window_is_the_backends_own_unless_capped():
     assert [server_window(0, k) for k in (1, 2, 4)] == [1, 2, 4]  # default: as many as the backend keeps
     assert [server_window(2, k) for k in (1, 2, 4)] == [1, 2, 2]  # a cap never exceeds the backend's window
     assert server_window(1, 4) == 1
+    assert server_window(LoadGenConfig().server_in_flight, 1) == 1  # a synchronous backend stays one at a time
     with pytest.raises(ConfigError, match="server_in_flight"):
         LoadGenConfig(server_in_flight=-1)
     with pytest.raises(ValueError, match="at least one"):
@@ -713,3 +714,23 @@ def test_server_in_flight_under_real_loadgen(tmp_path):
     assert sut.error is None and res["scenario"] == "Server"
     assert res["query_count"] >= 300 and sut.batch_rows == res["query_count"]  # every query answered, once
     assert 1 <= device.most <= 2 and device.outstanding == 0
+
+
+def test_server_predict_time_of_batches_in_flight_counts_their_overlap_once(monkeypatch):
+    """Two batches in flight overlap: predict time is the union of their spans (submit called to
+    outputs collected), not the sum, or the SUT line's "predict itself" rate would read low."""
+    from bertqa_bench.measuring import loadgen_sut
+    from bertqa_bench.measuring.loadgen_sut import SUT, _InFlight
+
+    now = [0.0]
+    monkeypatch.setattr(loadgen_sut.time, "perf_counter", lambda: now[0])
+    sut = SUT(_RecordingLoadGen(), None, {}, np.array([4, 4, 4]), None, Shapes("packed", 8, 8, 4),
+              scenario="Server", max_batch=4, max_wait_us=0, offline_plan=None, server_window=2)
+    out = {"start_logits": np.zeros((1, 8), np.float32)}
+    spans = [(0.0, 10.0), (2.0, 15.0), (20.0, 21.0)]  # overlapping, then one after a gap
+    for k, (start, end) in enumerate(spans):
+        sut._permits.acquire()
+        now[0] = end
+        sut._collect_in_flight(_InFlight(([(0.0, k, k)], np.array([k]), (1, 8), lambda: out, 0.5), start))
+    assert sut.predict_s == pytest.approx(15.0 + 1.0) and sut.batches == 3 and sut.batch_rows == 3
+    sut.close()

@@ -182,10 +182,10 @@ class Codec:
 class _InFlight:
     """A submitted Server batch on its way to the responder: what ``SUT._submit`` returned."""
 
-    __slots__ = ("submitted",)
+    __slots__ = ("submitted", "started")
 
-    def __init__(self, submitted: tuple):
-        self.submitted = submitted
+    def __init__(self, submitted: tuple, started: float):
+        self.submitted, self.started = submitted, started  # started: when backend.submit was called
 
 
 class SUT:
@@ -379,7 +379,7 @@ class SUT:
             rows = np.array([i for _, _, i in items], dtype=np.int64)
             submitted = self._submit(items, rows, lambda: self._batch(rows))
             if submitted is not None:  # else answered empty already: nothing is outstanding
-                self._answers.put(_InFlight(submitted))
+                self._answers.put(_InFlight(submitted, time.perf_counter() - submitted[4]))
                 handed = True
         finally:
             if not handed:  # a permit kept here would shrink the window for the rest of the run
@@ -389,11 +389,15 @@ class SUT:
         """On the responder: wait for a Server batch's outputs, give its permit back, and return
         what ``_complete`` answers. A failure is kept before the permit returns, so every batch
         submitted after it is answered empty (those already in flight still run)."""
-        items, rows, shape, wait, submit_s = batch.submitted
+        items, rows, shape, wait, _ = batch.submitted
         try:
-            t0 = time.perf_counter()
             out = wait()
-            self._count(rows, shape, submit_s + time.perf_counter() - t0)
+            # predict time is the union of the batches' spans (backend.submit called to outputs
+            # collected): they overlap, and a sum would count the overlap twice. Batches are
+            # submitted and collected in order, so each adds what lies past the one before.
+            done = time.perf_counter()
+            self._count(rows, shape, max(0.0, done - max(batch.started, self._spans_end)))
+            self._spans_end = done
         except BaseException as e:  # noqa: BLE001
             traceback.print_exception(e)
             self.error = self.error or f"{type(e).__name__}: {e}"
@@ -413,6 +417,7 @@ class SUT:
         the backend's predict since the last reset."""
         self.batches = self.batch_rows = self.tokens_real = self.tokens_computed = 0
         self.predict_s = 0.0
+        self._spans_end = 0.0  # where the in-flight batches' span union has reached
 
     def _count(self, rows: np.ndarray, shape, predict_s: float) -> None:
         real = int(self.lengths[rows].sum())
