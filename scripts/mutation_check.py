@@ -385,9 +385,30 @@ MUTANTS = [
       ("tests/test_loadgen.py", "-k", "server_keeps"),
       "LoadGen Server collects every batch before forming the next: a second CUDA stream stays idle under load"),
     M("server-window-gives-its-permit-back-before-the-error", "bertqa_bench/measuring/loadgen_sut.py",
-      "        try:\n            out = wait()\n", "        self._permits.release()\n        try:\n            out = wait()\n",
+      "        except BaseException as e:  # noqa: BLE001\n            traceback.print_exception(e)\n"
+      "            self.error = self.error or f\"{type(e).__name__}: {e}\"\n            out = None\n"
+      "        self._permits.release()\n",
+      "        except BaseException as e:  # noqa: BLE001\n            self._permits.release()\n"
+      "            traceback.print_exception(e)\n"
+      "            self.error = self.error or f\"{type(e).__name__}: {e}\"\n            out = None\n"
+      "        else:\n            self._permits.release()\n",
       ("tests/test_loadgen.py", "-k", "server_keeps"),
-      "a batch formed while a failed one is still being collected runs on, and the window grows past the backend's"),
+      "a batch formed while a failed one is still being recorded runs on instead of being answered empty"),
+    M("server-batcher-keeps-a-permit-when-a-run-ends", "bertqa_bench/measuring/loadgen_sut.py",
+      "                    if in_flight:\n                        self._permits.release()\n                    return\n",
+      "                    return\n",
+      ("tests/test_loadgen.py", "-k", "several_runs"),
+      "each LoadGen run on one SUT leaves the window a batch smaller, until a peak-search run stalls"),
+    M("server-keeps-the-permit-of-a-batch-answered-empty", "bertqa_bench/measuring/loadgen_sut.py",
+      "            if not handed:  # a permit kept here would shrink the window for the rest of the run\n"
+      "                self._permits.release()\n",
+      "            pass\n",
+      ("tests/test_loadgen.py", "-k", "server_keeps"),
+      "after a failure the batches answered empty keep their permits: the batcher stalls and LoadGen waits"),
+    M("server-span-starts-after-submit", "bertqa_bench/measuring/loadgen_sut.py",
+      "_InFlight(submitted, time.perf_counter() - submitted[4])", "_InFlight(submitted, time.perf_counter())",
+      ("tests/test_loadgen.py", "-k", "overlap_once"),
+      "a Server batch's predict time leaves out the backend's own host part (submit)"),
     M("server-predict-time-sums-overlapping-batches", "bertqa_bench/measuring/loadgen_sut.py",
       "max(0.0, done - max(batch.started, self._spans_end))", "max(0.0, done - batch.started)",
       ("tests/test_loadgen.py", "-k", "overlap_once"),

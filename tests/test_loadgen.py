@@ -535,6 +535,17 @@ class _DecodingLoadGen(_RecordingLoadGen):
         super().QuerySamplesComplete(responses)
 
 
+def _serve_or_fail(sut, timeout_s: float = 30.0) -> None:
+    """The batcher on a thread of its own: a window that loses a permit blocks it for good, and
+    the test then fails here instead of hanging until pytest's time limit."""
+    import threading
+
+    t = threading.Thread(target=sut.serve, daemon=True)
+    t.start()
+    t.join(timeout_s)
+    assert not t.is_alive(), "the Server batcher is stuck: a permit of its window was never given back"
+
+
 class _ServerPipelined:
     """A backend keeping ``keeps`` batches in flight whose batch k is collected only once batch
     k+1 has been submitted (when ``overlap``; the last batch at once): the order a device that
@@ -585,12 +596,12 @@ class _ServerPipelined:
 def test_server_keeps_a_pipelined_backends_batches_in_flight_and_answers_every_sample_when_one_fails(window, fail_at):
     """Server with a window of two: batch k+1 is formed and submitted before batch k is collected,
     never more than the window outstanding, each sample answered with its own outputs, collected
-    on the responder thread (submits stay on the batcher's). With a window of one, each batch is
+    on the collector thread (submits stay on the batcher's). With a window of one, each batch is
     collected before the next is submitted. A failed batch is answered empty, as is every batch
     submitted after the failure; the one already in flight keeps its answers."""
     from bertqa_bench.measuring.loadgen_sut import SUT
 
-    seq, n, per = 32, 20, 4
+    seq, n, per = 32, 32, 4  # 8 batches: after a failure at 3, more batches answered empty than the window
     rng = np.random.default_rng(11)
     lengths = rng.integers(4, seq + 1, n)
     inputs = {"input_ids": rng.integers(5, 100, (n, seq)), "attention_mask": (np.arange(seq) < lengths[:, None]) * 1,
@@ -606,8 +617,8 @@ def test_server_keeps_a_pipelined_backends_batches_in_flight_and_answers_every_s
     order = rng.permutation(n)
     sut._pending = [(0.0, 1000 + int(i), int(i)) for i in order]
     sut.finish()  # every sample is already queued: the batcher empties the queue and returns
-    sut.serve()
-    sut.close()  # joins the responder: every batch handed to it is answered by now
+    _serve_or_fail(sut)
+    sut.close()  # joins the collector and the responder: every batch handed to them is answered by now
 
     batches = [order[k * per:(k + 1) * per] for k in range(n // per)]  # padded: first come, first served
     assert not backend.stalled and backend.most == window
@@ -616,7 +627,7 @@ def test_server_keeps_a_pipelined_backends_batches_in_flight_and_answers_every_s
         assert backend.collect_threads == backend.submit_threads
     else:
         assert backend.events[:4] == ["submit 1", "submit 2", "collect 1", "submit 3"]
-        assert not backend.collect_threads & backend.submit_threads
+        assert not backend.collect_threads & backend.submit_threads  # collected beside the batcher
     assert sorted(lg.values) == sorted(1000 + i for i in range(n))  # each sample answered once
     if fail_at is None:
         failed = []
@@ -632,6 +643,31 @@ def test_server_keeps_a_pipelined_backends_batches_in_flight_and_answers_every_s
     assert sut.error == (None if fail_at is None else "RuntimeError: batch 3 fell over")
     if fail_at is None:
         assert sut.batches == n // per and sut.batch_rows == n
+
+
+def test_server_window_keeps_its_permits_over_several_runs_on_one_sut():
+    """LoadGen's accuracy run, performance run and each peak-search run serve on one SUT: every
+    permit of the window comes back at the end of each, or a later run would stall."""
+    from bertqa_bench.measuring.loadgen_sut import SUT
+
+    seq, n = 16, 12
+    rng = np.random.default_rng(4)
+    lengths = rng.integers(2, seq + 1, n)
+    inputs = {"input_ids": rng.integers(5, 100, (n, seq)), "attention_mask": (np.arange(seq) < lengths[:, None]) * 1,
+              "token_type_ids": np.zeros((n, seq), np.int64)}
+    example = {k: np.zeros((1, seq), np.float32) for k in ("start_logits", "end_logits")}
+    codec = Codec(["start_logits", "end_logits"], ("start_logits", "end_logits"), example)
+    lg = _DecodingLoadGen()
+    sut = SUT(lg, _ServerPipelined(total=0, overlap=False), inputs, lengths, codec, Shapes("padded", seq, 8, 4),
+              scenario="Server", max_batch=4, max_wait_us=0, offline_plan=None, server_window=2)
+    for run in range(4):
+        sut._stop = sut._flush = False  # as run_test starts each run
+        sut._pending = [(0.0, 100 * run + i, i) for i in range(n)]
+        sut.finish()
+        _serve_or_fail(sut)
+    sut.close()
+    assert sorted(lg.values) == sorted(100 * run + i for run in range(4) for i in range(n))
+    assert all(v is not None for v in lg.values.values()) and sut.error is None
 
 
 def test_server_window_is_the_backends_own_unless_capped():
@@ -671,6 +707,8 @@ def test_server_in_flight_under_real_loadgen(tmp_path):
         name = "threaded-device"
         outstanding = most = 0
         lock = threading.Lock()
+        submit_threads: set = set()
+        wait_threads: set = set()
 
         def in_flight(self):
             return 2
@@ -679,6 +717,7 @@ def test_server_in_flight_under_real_loadgen(tmp_path):
             with self.lock:
                 self.outstanding += 1
                 self.most = max(self.most, self.outstanding)
+                self.submit_threads.add(threading.get_ident())
             done, box = threading.Event(), {}
 
             def run():
@@ -693,6 +732,7 @@ def test_server_in_flight_under_real_loadgen(tmp_path):
                 done.wait()
                 with self.lock:
                     self.outstanding -= 1
+                    self.wait_threads.add(threading.get_ident())
                 return box["out"]
 
             return wait
@@ -714,23 +754,64 @@ def test_server_in_flight_under_real_loadgen(tmp_path):
     assert sut.error is None and res["scenario"] == "Server"
     assert res["query_count"] >= 300 and sut.batch_rows == res["query_count"]  # every query answered, once
     assert 1 <= device.most <= 2 and device.outstanding == 0
+    # the window's path: batches collected beside the batcher, not by it
+    assert device.submit_threads and device.wait_threads and not device.submit_threads & device.wait_threads
 
 
 def test_server_predict_time_of_batches_in_flight_counts_their_overlap_once(monkeypatch):
-    """Two batches in flight overlap: predict time is the union of their spans (submit called to
-    outputs collected), not the sum, or the SUT line's "predict itself" rate would read low."""
+    """Two batches in flight overlap: predict time is the union of their spans (backend.submit
+    called to outputs collected), not the sum, or the SUT line's "predict itself" rate would read
+    low. A clock the test sets; each submit takes 0.5 s of it (the backend's host part)."""
+    import threading
+
     from bertqa_bench.measuring import loadgen_sut
-    from bertqa_bench.measuring.loadgen_sut import SUT, _InFlight
+    from bertqa_bench.measuring.loadgen_sut import SUT
 
     now = [0.0]
     monkeypatch.setattr(loadgen_sut.time, "perf_counter", lambda: now[0])
-    sut = SUT(_RecordingLoadGen(), None, {}, np.array([4, 4, 4]), None, Shapes("packed", 8, 8, 4),
-              scenario="Server", max_batch=4, max_wait_us=0, offline_plan=None, server_window=2)
-    out = {"start_logits": np.zeros((1, 8), np.float32)}
-    spans = [(0.0, 10.0), (2.0, 15.0), (20.0, 21.0)]  # overlapping, then one after a gap
-    for k, (start, end) in enumerate(spans):
-        sut._permits.acquire()
-        now[0] = end
-        sut._collect_in_flight(_InFlight(([(0.0, k, k)], np.array([k]), (1, 8), lambda: out, 0.5), start))
-    assert sut.predict_s == pytest.approx(15.0 + 1.0) and sut.batches == 3 and sut.batch_rows == 3
+    seq = 8
+    inputs = {"input_ids": np.ones((3, seq), np.int64), "attention_mask": np.ones((3, seq), np.int64),
+              "token_type_ids": np.zeros((3, seq), np.int64)}
+    released = [threading.Event() for _ in range(3)]
+
+    class Backend:
+        k = 0
+
+        def in_flight(self):
+            return 2
+
+        def submit(self, x):
+            now[0] += 0.5
+            ev, self.k = released[self.k], self.k + 1
+            out = {"start_logits": np.zeros((1, seq), np.float32), "end_logits": np.zeros((1, seq), np.float32)}
+            return lambda: (ev.wait(10), out)[1]
+
+    codec = Codec(["start_logits", "end_logits"], ("start_logits", "end_logits"),
+                  {k: np.zeros((1, seq), np.float32) for k in ("start_logits", "end_logits")})
+    sut = SUT(_RecordingLoadGen(), Backend(), inputs, np.array([seq] * 3), codec, Shapes("padded", seq, 8, 1),
+              scenario="Server", max_batch=1, max_wait_us=0, offline_plan=None, server_window=2)
+
+    def submit_at(t, k):
+        assert sut._permits.acquire(timeout=10)  # as the batcher does; the collector gives it back
+        now[0] = t
+        sut._run_in_flight([(0.0, k, k)])
+
+    def collect_at(t, k, free):
+        """Batch k's outputs arrive at t; returns once the collector has read its end and given
+        its permit back (``free`` permits then), before the clock moves on."""
+        now[0] = t
+        released[k].set()
+        for _ in range(free):
+            assert sut._permits.acquire(timeout=10)
+        for _ in range(free):
+            sut._permits.release()
+
+    # spans [0, 10] and [2, 15] overlap; [20, 21] comes after a gap: union 16, sum 24
+    submit_at(0.0, 0)
+    submit_at(2.0, 1)
+    collect_at(10.0, 0, free=1)
+    collect_at(15.0, 1, free=2)
+    submit_at(20.0, 2)
+    collect_at(21.0, 2, free=2)
     sut.close()
+    assert sut.predict_s == pytest.approx(16.0) and sut.batches == 3 and sut.batch_rows == 3

@@ -20,7 +20,9 @@ def run_test(lg, sut: SUT, qsl, settings, out_dir: Path) -> dict:
     """One LoadGen test (its logs in ``out_dir``), then its parsed result. Called on the backend
     thread: SingleStream's IssueQuery runs right here inside StartTest (no hand-off in the
     latency); for Server and Offline, StartTest runs on a helper thread while this thread
-    batches and predicts, so every backend call of the process stays on one thread."""
+    batches and submits, so every batch of the process is submitted from one thread (a Server
+    batch in flight is collected on the SUT's collector thread: its waiter only waits for the
+    device and copies the outputs out)."""
     from .loadgen_log import read_result
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -68,7 +70,7 @@ def _allow_recompiles(n_shapes: int) -> None:
 
 def on_backend_thread(fn, *args):
     """Run ``fn`` on one dedicated thread and return (or raise) what it did. Prepare, warm-up,
-    the bench passes and every LoadGen batch then run on the same thread: a thread's CUDA
+    the bench passes and every LoadGen batch's submission then run on the same thread: a thread's CUDA
     stream and its CPU thread pool are its own, and timings compare like with like (on a
     contended 2-core CPU, torch ran 2.5x slower on the main thread than on a fresh one)."""
     box: dict = {}

@@ -36,10 +36,10 @@ Offline and Server for a backend that keeps batches in flight):
   mean batch of 73 rows and 72% of bench throughput).
   With a window above one (``loadgen.server_in_flight``, capped by ``Backend.in_flight()``) the
   batcher does not wait for a batch's outputs: it forms and submits the next batch as soon as
-  fewer than ``window`` are outstanding, and the responder thread collects each batch (its
-  waiter only waits for the device and copies host memory) before answering it. A backend on
-  several CUDA streams then holds a batch on each under Server too; with a window of one a
-  batch is collected before the next one is formed;
+  fewer than ``window`` are outstanding, and a collector thread collects each batch in turn (its
+  waiter only waits for the device and copies host memory) and hands it to the responder. A
+  backend on several CUDA streams then holds a batch on each under Server too; with a window of
+  one a batch is collected before the next one is formed;
 * Offline — the one query is planned exactly like ``bench`` plans the evaluation set
   (schedule.make_plan with the variant's batching), batches answered as they finish; each
   batch's host arrays are gathered one batch ahead on a helper thread (the bench builds them
@@ -180,7 +180,7 @@ class Codec:
 
 
 class _InFlight:
-    """A submitted Server batch on its way to the responder: what ``SUT._submit`` returned."""
+    """A submitted Server batch on its way to the collector thread: what ``SUT._submit`` returned."""
 
     __slots__ = ("submitted", "started")
 
@@ -213,6 +213,13 @@ class SUT:
         if scenario != "SingleStream":
             self._responder = threading.Thread(target=self._respond_loop, name="loadgen-responder", daemon=True)
             self._responder.start()
+        # Server batches in flight are collected on a thread of their own, so a batch's end (and
+        # its permit) is not held back by the answering of the batch before it
+        self._collecting: queue.SimpleQueue = queue.SimpleQueue()
+        self._collector: Optional[threading.Thread] = None
+        if self.server_window > 1:
+            self._collector = threading.Thread(target=self._collect_loop, name="loadgen-collector", daemon=True)
+            self._collector.start()
         self._pending: list = []  # (arrival, response id, feature index)
         self._cond = threading.Condition()
         self._flush = False
@@ -354,15 +361,12 @@ class SUT:
     def _respond_loop(self) -> None:
         """Server and Offline: LoadGen's completion calls run here, beside the next batch on the
         device (the backend thread waits on the device without the GIL). On the backend thread
-        they took 7% of its time at ~7,700 QPS, with the device idle meanwhile. A Server batch in
-        flight (``_run_in_flight``) arrives here unanswered and is collected first."""
+        they took 7% of its time at ~7,700 QPS, with the device idle meanwhile."""
         while True:
             item = self._answers.get()
             if item is None:
                 return
             try:
-                if isinstance(item, _InFlight):
-                    item = self._collect_in_flight(item)
                 self._complete(*item)
             except BaseException as e:  # noqa: BLE001 - LoadGen's own call failed: nothing more to send
                 traceback.print_exception(e)
@@ -373,23 +377,32 @@ class SUT:
         self._predict(items, rows, lambda: self._batch(rows))
 
     def _run_in_flight(self, items: list) -> None:
-        """One Server batch submitted, its permit held, its collection left to the responder."""
+        """One Server batch submitted, its permit held, its collection left to the collector."""
         handed = False
         try:
             rows = np.array([i for _, _, i in items], dtype=np.int64)
             submitted = self._submit(items, rows, lambda: self._batch(rows))
             if submitted is not None:  # else answered empty already: nothing is outstanding
-                self._answers.put(_InFlight(submitted, time.perf_counter() - submitted[4]))
+                self._collecting.put(_InFlight(submitted, time.perf_counter() - submitted[4]))
                 handed = True
         finally:
             if not handed:  # a permit kept here would shrink the window for the rest of the run
                 self._permits.release()
 
+    def _collect_loop(self) -> None:
+        """Server batches in flight, collected in submission order and handed to the responder."""
+        while True:
+            batch = self._collecting.get()
+            if batch is None:
+                return
+            self._answers.put(self._collect_in_flight(batch))
+
     def _collect_in_flight(self, batch: "_InFlight") -> tuple:
-        """On the responder: wait for a Server batch's outputs, give its permit back, and return
-        what ``_complete`` answers. A failure is kept before the permit returns, so every batch
-        submitted after it is answered empty (those already in flight still run)."""
+        """Wait for a Server batch's outputs, give its permit back, and return what ``_complete``
+        answers. A failure is kept before the permit returns, so every batch formed after it is
+        answered empty (those already in flight still run)."""
         items, rows, shape, wait, _ = batch.submitted
+        out = None
         try:
             out = wait()
             # predict time is the union of the batches' spans (backend.submit called to outputs
@@ -402,8 +415,7 @@ class SUT:
             traceback.print_exception(e)
             self.error = self.error or f"{type(e).__name__}: {e}"
             out = None
-        finally:
-            self._permits.release()
+        self._permits.release()
         return items, out
 
     def _predict(self, items: list, rows: np.ndarray, inputs: Callable[[], dict]) -> None:
@@ -414,7 +426,8 @@ class SUT:
 
     def reset_counts(self) -> None:
         """Batches, rows, real and computed tokens (padding included) and the seconds spent in
-        the backend's predict since the last reset."""
+        the backend's predict since the last reset (with Server batches in flight: the union of
+        their spans, submission to collection)."""
         self.batches = self.batch_rows = self.tokens_real = self.tokens_computed = 0
         self.predict_s = 0.0
         self._spans_end = 0.0  # where the in-flight batches' span union has reached
@@ -494,6 +507,10 @@ class SUT:
             traceback.print_exc()
 
     def close(self) -> None:
+        if self._collector is not None:  # first: what it collects still goes to the responder
+            self._collecting.put(None)
+            self._collector.join()
+            self._collector = None
         if self._responder is not None:
             self._answers.put(None)
             self._responder.join()
