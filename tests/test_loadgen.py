@@ -390,6 +390,21 @@ def test_an_answer_that_cannot_be_encoded_is_still_sent_and_the_error_kept():
 OFFLINE_SEQ = 32
 
 
+def _features(rng, n: int, seq: int, shortest: int):
+    """n features of ``shortest``-``seq`` real tokens (random ids, padded to ``seq``): their
+    lengths and the model inputs."""
+    lengths = rng.integers(shortest, seq + 1, n)
+    inputs = {"input_ids": rng.integers(5, 100, (n, seq)), "attention_mask": (np.arange(seq) < lengths[:, None]) * 1,
+              "token_type_ids": np.zeros((n, seq), np.int64)}
+    return lengths, inputs
+
+
+def _logits_codec(seq: int) -> Codec:
+    """The codec of a QA model's two token outputs, at ``seq`` tokens."""
+    example = {k: np.zeros((1, seq), np.float32) for k in ("start_logits", "end_logits")}
+    return Codec(["start_logits", "end_logits"], ("start_logits", "end_logits"), example)
+
+
 def _offline_case(seed: int):
     """40 features of 4-32 tokens, the sorted plan Offline makes of them (8 rows, 64 tokens a
     batch) and LoadGen's one query over them, shuffled."""
@@ -397,9 +412,7 @@ def _offline_case(seed: int):
 
     rng = np.random.default_rng(seed)
     n, seq = 40, OFFLINE_SEQ
-    lengths = rng.integers(4, seq + 1, n)
-    inputs = {"input_ids": rng.integers(5, 100, (n, seq)), "attention_mask": (np.arange(seq) < lengths[:, None]) * 1,
-              "token_type_ids": np.zeros((n, seq), np.int64)}
+    lengths, inputs = _features(rng, n, seq, shortest=4)
 
     def plan_of(lens):
         return make_plan(lens, batching="sorted", batch_size=8, max_seq_len=seq, seq_multiple=8,
@@ -412,9 +425,7 @@ def _offline_case(seed: int):
 def _offline_sut(lg, backend, lengths, inputs, plan_of):
     from bertqa_bench.measuring.loadgen_sut import SUT
 
-    example = {n: np.zeros((1, OFFLINE_SEQ), np.float32) for n in ("start_logits", "end_logits")}
-    codec = Codec(["start_logits", "end_logits"], ("start_logits", "end_logits"), example)
-    return SUT(lg, backend, inputs, lengths, codec, Shapes("sorted", OFFLINE_SEQ, 8, 8, token_budget=64),
+    return SUT(lg, backend, inputs, lengths, _logits_codec(OFFLINE_SEQ), Shapes("sorted", OFFLINE_SEQ, 8, 8, token_budget=64),
                scenario="Offline", max_batch=8, max_wait_us=2000, offline_plan=plan_of)
 
 
@@ -603,11 +614,8 @@ def test_server_keeps_a_pipelined_backends_batches_in_flight_and_answers_every_s
 
     seq, n, per = 32, 32, 4  # 8 batches: after a failure at 3, more batches answered empty than the window
     rng = np.random.default_rng(11)
-    lengths = rng.integers(4, seq + 1, n)
-    inputs = {"input_ids": rng.integers(5, 100, (n, seq)), "attention_mask": (np.arange(seq) < lengths[:, None]) * 1,
-              "token_type_ids": np.zeros((n, seq), np.int64)}
-    example = {k: np.zeros((1, seq), np.float32) for k in ("start_logits", "end_logits")}
-    codec = Codec(["start_logits", "end_logits"], ("start_logits", "end_logits"), example)
+    lengths, inputs = _features(rng, n, seq, shortest=4)
+    codec = _logits_codec(seq)
     lg = _DecodingLoadGen()
     # batches submitted: all, or up to the one in flight beside the failed one (later ones are answered empty)
     submitted = n // per if fail_at is None else fail_at + 1
@@ -651,12 +659,8 @@ def test_server_window_keeps_its_permits_over_several_runs_on_one_sut():
     from bertqa_bench.measuring.loadgen_sut import SUT
 
     seq, n = 16, 12
-    rng = np.random.default_rng(4)
-    lengths = rng.integers(2, seq + 1, n)
-    inputs = {"input_ids": rng.integers(5, 100, (n, seq)), "attention_mask": (np.arange(seq) < lengths[:, None]) * 1,
-              "token_type_ids": np.zeros((n, seq), np.int64)}
-    example = {k: np.zeros((1, seq), np.float32) for k in ("start_logits", "end_logits")}
-    codec = Codec(["start_logits", "end_logits"], ("start_logits", "end_logits"), example)
+    lengths, inputs = _features(np.random.default_rng(4), n, seq, shortest=2)
+    codec = _logits_codec(seq)
     lg = _DecodingLoadGen()
     sut = SUT(lg, _ServerPipelined(total=0, overlap=False), inputs, lengths, codec, Shapes("padded", seq, 8, 4),
               scenario="Server", max_batch=4, max_wait_us=0, offline_plan=None, server_window=2)
@@ -698,10 +702,7 @@ def test_server_in_flight_under_real_loadgen(tmp_path):
     from bertqa_bench.measuring.loadgen_sut import SUT
 
     seq, n = 16, 64
-    rng = np.random.default_rng(2)
-    lengths = rng.integers(2, seq + 1, n)
-    inputs = {"input_ids": rng.integers(5, 100, (n, seq)), "attention_mask": (np.arange(seq) < lengths[:, None]) * 1,
-              "token_type_ids": np.zeros((n, seq), np.int64)}
+    lengths, inputs = _features(np.random.default_rng(2), n, seq, shortest=2)
 
     class Device:
         name = "threaded-device"
@@ -738,8 +739,7 @@ def test_server_in_flight_under_real_loadgen(tmp_path):
             return wait
 
     device = Device()
-    example = {k: np.zeros((1, seq), np.float32) for k in ("start_logits", "end_logits")}
-    codec = Codec(["start_logits", "end_logits"], ("start_logits", "end_logits"), example)
+    codec = _logits_codec(seq)
     cfg = LoadGenConfig(min_duration_ms=1000, min_query_count=300)
     sut = SUT(lg, device, inputs, lengths, codec, Shapes("padded", seq, 8, 8), scenario="Server", max_batch=8,
               max_wait_us=1000, offline_plan=None, server_window=2)
@@ -786,9 +786,7 @@ def test_server_predict_time_of_batches_in_flight_counts_their_overlap_once(monk
             out = {"start_logits": np.zeros((1, seq), np.float32), "end_logits": np.zeros((1, seq), np.float32)}
             return lambda: (ev.wait(10), out)[1]
 
-    codec = Codec(["start_logits", "end_logits"], ("start_logits", "end_logits"),
-                  {k: np.zeros((1, seq), np.float32) for k in ("start_logits", "end_logits")})
-    sut = SUT(_RecordingLoadGen(), Backend(), inputs, np.array([seq] * 3), codec, Shapes("padded", seq, 8, 1),
+    sut = SUT(_RecordingLoadGen(), Backend(), inputs, np.array([seq] * 3), _logits_codec(seq), Shapes("padded", seq, 8, 1),
               scenario="Server", max_batch=1, max_wait_us=0, offline_plan=None, server_window=2)
 
     def submit_at(t, k):
