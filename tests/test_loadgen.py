@@ -471,49 +471,68 @@ def test_offline_gathers_each_batch_ahead_and_answers_every_sample_when_one_fail
     assert sut.error == "RuntimeError: batch 4 fell over"
 
 
+class _PipelinedBackend:
+    """A backend keeping ``keeps`` batches in flight whose batch k is collected only once batch
+    k+1 has been submitted (when ``overlap``; the last batch at once): the order a device that
+    runs batches side by side allows. Its answers are each row's own token ids. Batches go
+    through ``submit`` only (the SUT never calls ``predict`` on a backend that keeps batches in
+    flight)."""
+
+    name = "pipelined"
+
+    def __init__(self, total: int, keeps: int = 4, overlap: bool = True, fail_at=None):
+        import threading
+
+        self.total, self.keeps, self.overlap, self.fail_at = total, keeps, overlap, fail_at
+        self.events, self.outstanding, self.most, self.k, self.stalled = [], 0, 0, 0, False
+        self.submit_threads, self.collect_threads = set(), set()
+        self.cond = threading.Condition()
+
+    def in_flight(self):
+        return self.keeps
+
+    def predict(self, x):
+        raise AssertionError("a batch of a backend that keeps batches in flight went through predict")
+
+    def submit(self, x):
+        import threading
+
+        with self.cond:
+            assert self.outstanding < self.keeps, "more batches in flight than the backend keeps"
+            self.k += 1
+            k, self.outstanding = self.k, self.outstanding + 1
+            self.most = max(self.most, self.outstanding)
+            self.events.append(f"submit {k}")
+            self.submit_threads.add(threading.get_ident())
+            self.cond.notify_all()
+        ids = x["input_ids"].astype(np.float32)
+
+        def wait():
+            with self.cond:
+                if self.overlap and not self.cond.wait_for(lambda: self.k >= min(k + 1, self.total), timeout=10):
+                    self.stalled = True  # the batcher never submitted the next batch while this one was out
+                self.outstanding -= 1
+                self.events.append(f"collect {k}")
+                self.collect_threads.add(threading.get_ident())
+            if k == self.fail_at:
+                raise RuntimeError(f"batch {k} fell over")
+            return {"start_logits": ids, "end_logits": -ids}
+
+        return wait
+
+
 def test_offline_keeps_a_pipelined_backends_batches_in_flight_and_answers_every_sample_when_one_fails():
     """A backend that keeps two batches in flight gets Offline's batches as the bench's runner
     hands them over (batch k+1 submitted before batch k is collected, collected in order), each
     answered with its own outputs; when a batch's outputs fail, the batches before it and the one
     already in flight keep their answers, it and every later one are answered empty, and the error
     is kept."""
-    from bertqa_bench.backends.base import Backend
-
     n, lengths, inputs, plan_of, order, items = _offline_case(5)
-
-    class Pipelined(Backend):
-        def __init__(self, fail_at=None):
-            self.events, self.outstanding, self.fail_at, self.k = [], 0, fail_at, 0
-
-        def prepare(self, ctx):
-            pass
-
-        def in_flight(self):
-            return 2
-
-        def predict(self, x):
-            raise AssertionError("a pipelined backend's Offline batches go through submit")
-
-        def submit(self, x):
-            assert self.outstanding < 2, "more batches in flight than the backend keeps"
-            self.k += 1
-            k, self.outstanding = self.k, self.outstanding + 1
-            self.events.append(f"submit {k}")
-            ids = x["input_ids"].astype(np.float32)  # each row's own tokens: answers say whose they are
-
-            def wait():
-                self.outstanding -= 1
-                self.events.append(f"collect {k}")
-                if k == self.fail_at:
-                    raise RuntimeError(f"batch {k} fell over")
-                return {"start_logits": ids, "end_logits": -ids}
-
-            return wait
 
     plan = plan_of(lengths[order])
     assert len(plan.batches) >= 5
     for fail_at in (None, 3):
-        lg, backend = _RecordingLoadGen(), Pipelined(fail_at)
+        lg, backend = _RecordingLoadGen(), _PipelinedBackend(total=0, keeps=2, overlap=False, fail_at=fail_at)
         sut = _offline_sut(lg, backend, lengths, inputs, plan_of)
         sut._offline(items)
         sut.close()
@@ -557,51 +576,6 @@ def _serve_or_fail(sut, timeout_s: float = 30.0) -> None:
     assert not t.is_alive(), "the Server batcher is stuck: a permit of its window was never given back"
 
 
-class _ServerPipelined:
-    """A backend keeping ``keeps`` batches in flight whose batch k is collected only once batch
-    k+1 has been submitted (when ``overlap``; the last batch at once): the order a device that
-    runs batches side by side allows. Its answers are each row's own token ids."""
-
-    name = "server-pipelined"
-
-    def __init__(self, total: int, keeps: int = 4, overlap: bool = True, fail_at=None):
-        import threading
-
-        self.total, self.keeps, self.overlap, self.fail_at = total, keeps, overlap, fail_at
-        self.events, self.outstanding, self.most, self.k, self.stalled = [], 0, 0, 0, False
-        self.submit_threads, self.collect_threads = set(), set()
-        self.cond = threading.Condition()
-
-    def in_flight(self):
-        return self.keeps
-
-    def submit(self, x):
-        import threading
-
-        with self.cond:
-            assert self.outstanding < self.keeps, "more batches in flight than the backend keeps"
-            self.k += 1
-            k, self.outstanding = self.k, self.outstanding + 1
-            self.most = max(self.most, self.outstanding)
-            self.events.append(f"submit {k}")
-            self.submit_threads.add(threading.get_ident())
-            self.cond.notify_all()
-        ids = x["input_ids"].astype(np.float32)
-
-        def wait():
-            with self.cond:
-                if self.overlap and not self.cond.wait_for(lambda: self.k >= min(k + 1, self.total), timeout=10):
-                    self.stalled = True  # the batcher never submitted the next batch while this one was out
-                self.outstanding -= 1
-                self.events.append(f"collect {k}")
-                self.collect_threads.add(threading.get_ident())
-            if k == self.fail_at:
-                raise RuntimeError(f"batch {k} fell over")
-            return {"start_logits": ids, "end_logits": -ids}
-
-        return wait
-
-
 @pytest.mark.parametrize("window", [1, 2])
 @pytest.mark.parametrize("fail_at", [None, 3])
 def test_server_keeps_a_pipelined_backends_batches_in_flight_and_answers_every_sample_when_one_fails(window, fail_at):
@@ -619,7 +593,7 @@ def test_server_keeps_a_pipelined_backends_batches_in_flight_and_answers_every_s
     lg = _DecodingLoadGen()
     # batches submitted: all, or up to the one in flight beside the failed one (later ones are answered empty)
     submitted = n // per if fail_at is None else fail_at + 1
-    backend = _ServerPipelined(total=submitted, overlap=window > 1, fail_at=fail_at)
+    backend = _PipelinedBackend(total=submitted, overlap=window > 1, fail_at=fail_at)
     sut = SUT(lg, backend, inputs, lengths, codec, Shapes("padded", seq, 8, per), scenario="Server",
               max_batch=per, max_wait_us=2000, offline_plan=None, server_window=window)
     order = rng.permutation(n)
@@ -662,7 +636,7 @@ def test_server_window_keeps_its_permits_over_several_runs_on_one_sut():
     lengths, inputs = _features(np.random.default_rng(4), n, seq, shortest=2)
     codec = _logits_codec(seq)
     lg = _DecodingLoadGen()
-    sut = SUT(lg, _ServerPipelined(total=0, overlap=False), inputs, lengths, codec, Shapes("padded", seq, 8, 4),
+    sut = SUT(lg, _PipelinedBackend(total=0, overlap=False), inputs, lengths, codec, Shapes("padded", seq, 8, 4),
               scenario="Server", max_batch=4, max_wait_us=0, offline_plan=None, server_window=2)
     for run in range(4):
         sut._stop = sut._flush = False  # as run_test starts each run
