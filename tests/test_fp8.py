@@ -1774,6 +1774,25 @@ def test_fp8_attention_and_packing_variants_track_fp32_on_gpu(tmp_path, name):
             assert err < 0.08, (name, n, err)
 
 
+def _in_flight_gives_one_at_a_time_outputs(backend, batches, name, after_passes=None) -> None:
+    """The prepared ``backend``'s batches through the runner's own loop (several in flight) are
+    bit for bit what it gives one batch at a time; ``after_passes()``, if given, runs after both passes,
+    before ``close()`` (checks of what the passes recorded)."""
+    from bertqa_bench.measuring.runner import stream
+
+    try:
+        sync = [backend.predict(b) for b in batches]
+        got = list(stream(backend, batches))
+        if after_passes is not None:
+            after_passes()
+    finally:
+        backend.close()
+    assert [i for i, _, _ in got] == list(range(len(batches)))
+    for (_, out, _), ref in zip(got, sync):
+        for n in OUTPUTS:
+            np.testing.assert_array_equal(out[n], ref[n], err_msg=f"{name} {n}")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["torch-compile-fp8all-graph-packed-cudnn-epilogue-autotune-2streams",
                                   "torch-compile-fp8-graph-gelu-epilogue-autotune-2streams"])
@@ -1786,7 +1805,6 @@ def test_two_streams_replay_their_own_graph_copies_and_give_the_one_at_a_time_ou
     second copy takes the first copy's algorithms, so a batch's bits do not depend on its copy.
     Both copies replay, each on its own capture stream."""
     from bertqa_bench.backends import gemm_epilogue as ge
-    from bertqa_bench.measuring.runner import stream
 
     reason = TABLE.get(name).unavailable_reason()
     if reason:
@@ -1797,6 +1815,11 @@ def test_two_streams_replay_their_own_graph_copies_and_give_the_one_at_a_time_ou
     monkeypatch.setattr(ge, "_PLANS", {})  # this backend's plans only
     backend = make_variant(name, base.implementation, base.device, dataclasses.asdict(base.options)).create()
     backend.prepare(ctx)
+
+    def streams_used():
+        assert {c for c, _ in replays} == {0, 1}
+        assert all(st == capture[c].cuda_stream for c, st in replays)
+
     try:
         assert backend.prepare_info["streams"] == 2 and backend.in_flight() == 4
         if base.options.packed:
@@ -1825,16 +1848,10 @@ def test_two_streams_replay_their_own_graph_copies_and_give_the_one_at_a_time_ou
             capture, call = streams, backend._graphs.__call__
             monkeypatch.setattr(backend, "_graphs", lambda batch, staging, copy=0: replays.append(
                 (copy, torch.cuda.current_stream().cuda_stream)) or call(batch, staging, copy))
-        sync = [backend.predict(b) for b in batches]
-        got = list(stream(backend, batches))
-        assert {c for c, _ in replays} == {0, 1}
-        assert all(st == capture[c].cuda_stream for c, st in replays)
-    finally:
+    except BaseException:
         backend.close()
-    assert [i for i, _, _ in got] == list(range(len(batches)))
-    for (_, out, _), ref in zip(got, sync):
-        for n in OUTPUTS:
-            np.testing.assert_array_equal(out[n], ref[n], err_msg=f"{name} {n}")
+        raise
+    _in_flight_gives_one_at_a_time_outputs(backend, batches, name, after_passes=streams_used)
 
 
 PIPELINED = ("torch-compile-fp8-packed-pipelined", "torch-compile-fp8-cudnn-pipelined",
@@ -1861,8 +1878,6 @@ def test_pipelined_variants_give_the_synchronous_outputs_on_gpu(tmp_path, name):
     slot's pinned inputs, packing and outputs reused): bit for bit what the same prepared backend
     gives one batch at a time (the same backend: two autotuned compiles may pick different
     kernels). A third batch submitted before the first is collected is refused."""
-    from bertqa_bench.measuring.runner import stream
-
     reason = TABLE.get(name).unavailable_reason()
     if reason:
         pytest.skip(reason)
@@ -1871,16 +1886,11 @@ def test_pipelined_variants_give_the_synchronous_outputs_on_gpu(tmp_path, name):
     base = TABLE.get(name)
     backend = make_variant(name, base.implementation, base.device, dataclasses.asdict(base.options)).create()
     backend.prepare(ctx)
-    try:
-        sync = [backend.predict(b) for b in batches]
-        got = list(stream(backend, batches))
+
+    def third_is_refused():
         backend.submit(batches[0])
         backend.submit(batches[1])
         with pytest.raises(RuntimeError, match="in flight"):
             backend.submit(batches[0])
-    finally:
-        backend.close()
-    assert [i for i, _, _ in got] == list(range(len(batches)))
-    for (_, out, _), ref in zip(got, sync):
-        for n in OUTPUTS:
-            np.testing.assert_array_equal(out[n], ref[n], err_msg=f"{name} {n}")
+
+    _in_flight_gives_one_at_a_time_outputs(backend, batches, name, after_passes=third_is_refused)
