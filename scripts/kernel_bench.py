@@ -3,7 +3,8 @@
 would replace, with its numerics checked against a reference on the same inputs:
 
 * attention: FlashAttention-2 varlen (``packed_attention: flash``) against cuDNN's fused attention
-  through nvidia-cudnn-frontend (``cudnn``), on packed [T, 3, heads, head_dim] QKV views of random
+  through nvidia-cudnn-frontend (``cudnn``) and the Triton varlen kernel (``triton``, autotuned on
+  its first call; the chosen configuration is recorded), on packed [T, 3, heads, head_dim] QKV views of random
   sequence lengths; reference: per-sequence SDPA in fp32;
 * the FFN's first half: the FP8 up-projection writing e4m3 then the Triton tanh-GELU kernel
   (``ffn_gelu: tanh``) against cuBLASLt's GELU_BIAS epilogue through nvmath-python
@@ -138,6 +139,11 @@ def attention(args, hidden, heads, emit) -> None:
     q8, k8, v8 = qkv.to(torch.float8_e4m3fn).unbind(1)
     one, o_inv = torch.ones((), device="cuda"), torch.tensor(16.0, device="cuda")
     kernels["cudnn-fp8"] = lambda: fp8_varlen_attention(q8, k8, v8, cu, args.seq_max, scale, one, o_inv)
+    # the hand-written Triton varlen kernel; its first (eager) call below autotunes, before any
+    # timing or graph capture
+    from bertqa_bench.backends import triton_attention
+
+    kernels["triton"] = lambda: triton_attention.varlen_attention(q, k, v, cu, args.seq_max, scale)
     ref = torch.empty(t, heads, d, device="cuda")
     bounds = cu.tolist()
     for s, e in zip(bounds[:-1], bounds[1:]):
@@ -150,6 +156,9 @@ def attention(args, hidden, heads, emit) -> None:
                "head_dim": d, "seq_range": [args.seq_min, args.seq_max], "dtype": "fp16", "floor_MB": floor_bytes / 1e6}
         try:
             out = fn()
+            if name == "triton":
+                rec["triton_config"] = triton_attention.best_config()
+                rec["triton_autotune_us"] = triton_attention.autotune_timings()
             decoded = out.float() / 16.0 if out.dtype == torch.float8_e4m3fn else out.float()
             rec["max_abs_err_vs_fp32_sdpa"] = float((decoded - ref).abs().max())
             rec["dtype"] = str(out.dtype)

@@ -1,0 +1,75 @@
+"""The Triton kernels of ``triton_attention`` (see its docstring for the design and numerics).
+
+Imported only through ``triton_attention._kernel()``: this module needs triton at import, and
+TRITON_INTERPRET is read when the kernels are decorated, i.e. when this module is first imported.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _attend_block(q, k_base, v_base, start_n, seqlen, stride_kt, stride_vt, m_i, l_i, acc, qk_scale,
+                  offs_n, offs_d, MASKED: tl.constexpr):
+    # One K/V block of the online softmax. MASKED only for the sequence's last, partial block:
+    # the full blocks before it load without predicates and skip the -inf select.
+    rows = start_n + offs_n
+    if MASKED:
+        n_valid = rows < seqlen
+        k = tl.load(k_base + rows[:, None] * stride_kt + offs_d[None, :], mask=n_valid[:, None], other=0.0)
+        v = tl.load(v_base + rows[:, None] * stride_vt + offs_d[None, :], mask=n_valid[:, None], other=0.0)
+    else:
+        k = tl.load(k_base + rows[:, None] * stride_kt + offs_d[None, :])
+        v = tl.load(v_base + rows[:, None] * stride_vt + offs_d[None, :])
+    s = tl.dot(q, tl.trans(k))  # fp32 accumulation of exact 16-bit products
+    if MASKED:
+        s = tl.where(n_valid[None, :], s, float("-inf"))
+    # The scale (times log2 e, for exp2) is applied to the fp32 scores, fused with the max
+    # subtraction into one FMA per score: folding it into Q instead would cost the same
+    # per-score subtraction and add a rounding of Q*scale to 16 bits.
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    p = tl.math.exp2(s * qk_scale - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)  # 0 on the first block (m_i = -inf, m_new finite)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc)
+    return m_new, l_i, acc
+
+@triton.jit
+def varlen_attention_fwd(Q, K, V, O, cu_seqlens, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                         stride_ot, stride_oh, qk_scale, seq_bucket, HEAD_DIM: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Grid (q tiles, heads, sequences), the q tile fastest: the programs of one (sequence,
+    # head) are launched next to each other and read the same K/V, which then comes from L2.
+    # seq_bucket only keys the autotuner.
+    pid_m = tl.program_id(0)
+    head = tl.program_id(1)
+    seq = tl.program_id(2)
+    start = tl.load(cu_seqlens + seq)
+    seqlen = tl.load(cu_seqlens + seq + 1) - start
+    start_m = pid_m * BLOCK_M
+    if start_m >= seqlen:  # beyond this sequence (the grid is sized for max_seqlen) or empty
+        return
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row0 = start.to(tl.int64)  # token offsets times the fused QKV stride pass 2^31 at ~700k tokens
+    m_valid = offs_m < seqlen
+    # Q loaded once per program; rows past the sequence read as 0 (finite scores, never stored)
+    q = tl.load(Q + (row0 + offs_m[:, None]) * stride_qt + head * stride_qh + offs_d[None, :],
+                mask=m_valid[:, None], other=0.0)
+    k_base = K + row0 * stride_kt + head * stride_kh
+    v_base = V + row0 * stride_vt + head * stride_vh
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    n_full = (seqlen // BLOCK_N) * BLOCK_N
+    for start_n in range(0, n_full, BLOCK_N):
+        m_i, l_i, acc = _attend_block(q, k_base, v_base, start_n, seqlen, stride_kt, stride_vt, m_i, l_i, acc,
+                                      qk_scale, offs_n, offs_d, MASKED=False)
+    if n_full < seqlen:
+        m_i, l_i, acc = _attend_block(q, k_base, v_base, n_full, seqlen, stride_kt, stride_vt, m_i, l_i, acc,
+                                      qk_scale, offs_n, offs_d, MASKED=True)
+    # every stored row has >= 1 valid key, so l_i >= 1 (its maximum term is exp2(0))
+    out = acc / l_i[:, None]
+    tl.store(O + (row0 + offs_m[:, None]) * stride_ot + head * stride_oh + offs_d[None, :],
+             out.to(O.dtype.element_ty), mask=m_valid[:, None])

@@ -1,0 +1,215 @@
+"""Variable-length ("packed", padding-free) attention forward in Triton, non-causal, for BERT.
+
+What: ``varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale)`` takes the packed encoder's
+[T, heads, head_dim] Q, K, V (fp16 or bf16; strided views of one fused [T, 3, heads, head_dim]
+QKV tensor are read in place through their strides, no copies) and the int32 sequence offsets
+``cu_seqlens`` [B + 1] on the device, and returns softmax(Q K^T * scale) V per sequence and head
+as a new contiguous [T, heads, head_dim] tensor of q's dtype.
+
+Why: on the kernel bench's BERT-large case (32,754 tokens in 133 sequences of 100-384 tokens,
+16 heads, head_dim 64, fp16) cuDNN's fused attention takes ~225 us per layer and
+FlashAttention-2 varlen ~285 us, against a memory floor (Q, K, V read and O written once) of
+~56 us: ~4x the floor. ~35.6 GFLOP at ~158 TFLOP/s is far from Hopper's dense fp16 peak too, so
+on sequences this short the per-program fixed costs (launching a tile, loading Q, the epilogue)
+weigh as much as the loop over K/V. This kernel is written for that regime: one program per
+(q tile, head, sequence), a loop of only 1-6 K/V blocks, masks only in the last block.
+
+Numerics: Q K^T is accumulated in fp32 from the fp16/bf16 inputs (exact products), scaled in
+fp32, and the softmax runs online in fp32 with exp2 (the row maximum subtracted first, so no
+overflow); the row sum is accumulated in fp32 from the unrounded probabilities. P is rounded to
+q's dtype for the second matmul (the tensor cores take 16-bit operands), whose accumulation is
+fp32 again; the output is divided by the fp32 row sum and rounded to q's dtype. The error against
+an exact (fp64) attention is therefore the rounding of P (relative <= 2^-11 per element in fp16)
+plus the output's rounding (relative <= 2^-11): |error| <= 2 * 2^-11 * max|V| per element in
+fp16 (2^-8 in bf16), the bound the tests check.
+
+Contract (as FlashAttention's varlen API): ``max_seqlen`` must be at least every sequence's
+length (it sizes the grid; it is not checked against the device values, which would need a host
+sync); trailing repeated entries of ``cu_seqlens`` are empty sequences; output rows outside
+[0, cu_seqlens[-1]) are not written. The launch grid depends only on host values (shapes,
+``max_seqlen``), never on device values, so a call can be captured in a CUDA graph, once the
+autotuner has picked its configuration for that key in an eager call.
+
+Triton is imported lazily (``_kernel()``), so importing this module needs neither Triton nor a
+GPU; ``launch`` runs the kernel on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1),
+which is how the tests check it without a GPU.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+LOG2E = 1.4426950408889634
+HEAD_DIMS = (16, 32, 64, 128)  # powers of two tl.dot takes (K >= 16); above 128 the fp32 accumulator spills
+# Under Triton's interpreter (numpy, one program at a time) a single small configuration: tuning
+# there measures nothing, and small tiles let the tests cross tile boundaries with short sequences.
+# BLOCK_N differs from BLOCK_M so that a q tile spans several K/V blocks.
+INTERPRETER_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 16}
+
+
+def _has_triton() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+HAS_TRITON = _has_triton()
+
+
+def triton_unavailable_reason() -> str:
+    """Why the Triton kernel cannot run on a GPU here ('' when it can: CUDA and Triton present)."""
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    if not HAS_TRITON:
+        return "triton is not installed (it comes with CUDA builds of torch)"
+    return ""
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def seq_bucket(max_seqlen: int) -> int:
+    """The autotuner's key for the sequence length: the next power of two (at least 16), so that
+    nearby maximum lengths share one tuning run instead of tuning again for each value."""
+    return max(16, 1 << (int(max_seqlen) - 1).bit_length())
+
+
+def keep_config(block_m: int, block_n: int, num_warps: int, head_dim: int, bucket: int) -> bool:
+    """Whether a configuration is worth timing for this head_dim and sequence-length bucket.
+
+    * a tile longer than the longest sequence only computes masked rows/columns: dropped, unless
+      it is the smallest tile (64), which must stay;
+    * the fp32 score tile S [BLOCK_M, BLOCK_N] and accumulator [BLOCK_M, head_dim] live in
+      registers, spread over num_warps * 32 threads; beyond 128 such fp32 values per thread (of
+      the 255 registers, with P, the Q fragments and the softmax state besides) ptxas spills to
+      local memory, and a spilling configuration only costs compile time to rule out. The limit
+      is ptxas's (sm_90a, Triton 3.5's) verdict on each of the 48 configurations for head_dim
+      32/64/128: those over it spill, the others do not (checked by the ahead-of-time test).
+    """
+    if block_m > max(64, bucket) or block_n > max(64, bucket):
+        return False
+    return block_m * (block_n + head_dim) <= 128 * 32 * num_warps
+
+
+def _prune(configs, named_args, **kwargs):
+    args = {**named_args, **kwargs}
+    kept = [c for c in configs if keep_config(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps,
+                                              args["HEAD_DIM"], args["seq_bucket"])]
+    return kept or configs[:1]
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel():
+    """The bare @triton.jit kernel (no autotuning): what the ahead-of-time compile test builds.
+    It lives in a module of its own, imported here on first use: the kernel and its helper must be
+    module globals (Triton's interpreter re-executes a kernel's source against its module's
+    globals, so a helper in a closure is not found), and importing it needs triton."""
+    from bertqa_bench.backends import _triton_attention_kernels
+
+    return _triton_attention_kernels.varlen_attention_fwd
+
+
+def autotune_configs():
+    """The configurations the GPU autotuner chooses among (before ``keep_config``'s pruning)."""
+    import triton
+
+    if _interpreting():
+        return [triton.Config(dict(INTERPRETER_CONFIG), num_warps=4, num_stages=1)]
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+            for bm in (64, 128) for bn in (64, 128) for w in (4, 8) for s in (2, 3)]
+
+
+@functools.lru_cache(maxsize=None)
+def _tuned():
+    """The kernel wrapped in triton.autotune, keyed on head_dim and the sequence-length bucket
+    (the autotuner adds the tensors' dtypes to the key itself). Built on first use, after the
+    interpreter setting is final (TRITON_INTERPRET is read when the kernel is decorated)."""
+    import triton
+
+    return triton.autotune(configs=autotune_configs(), key=["HEAD_DIM", "seq_bucket"],
+                           prune_configs_by={"early_config_prune": _prune})(_kernel())
+
+
+def best_config() -> str | None:
+    """The configuration the autotuner chose in the latest call (None before any call)."""
+    if not HAS_TRITON or _tuned.cache_info().currsize == 0:
+        return None
+    cfg = getattr(_tuned(), "best_config", None)
+    return None if cfg is None else str(cfg)
+
+
+def autotune_timings() -> dict[str, float] | None:
+    """The autotuner's latest tuning run: each configuration it timed -> its median time in us
+    (None: it did not compile or launch, e.g. too much shared memory). None before any tuning."""
+    if not HAS_TRITON or _tuned.cache_info().currsize == 0:
+        return None
+    timings = getattr(_tuned(), "configs_timings", None)
+    if not timings:
+        return None
+    out = {}
+    for c, t in timings.items():
+        ms = t[0] if isinstance(t, (list, tuple)) else t
+        out[str(c)] = round(1000.0 * ms, 1) if ms != float("inf") else None  # None: strict JSON has no inf
+    return out
+
+
+def _check(q, k, v, cu_seqlens, max_seqlen, scale) -> None:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.dim() != 3:
+            raise ValueError(f"varlen_attention: {name} must be [tokens, heads, head_dim], got shape {tuple(x.shape)}")
+        if x.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"varlen_attention: {name} must be float16 or bfloat16, got {x.dtype}")
+        if x.stride(-1) != 1:
+            raise ValueError(f"varlen_attention: {name}'s head_dim must be contiguous (stride 1), "
+                             f"got strides {x.stride()}")
+        if x.shape != q.shape or x.dtype != q.dtype or x.device != q.device:
+            raise ValueError(f"varlen_attention: {name} is {tuple(x.shape)} {x.dtype} on {x.device}, "
+                             f"q is {tuple(q.shape)} {q.dtype} on {q.device}: they must match")
+    if q.shape[2] not in HEAD_DIMS:
+        raise ValueError(f"varlen_attention: head_dim {q.shape[2]} is not supported; valid: {list(HEAD_DIMS)}")
+    if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"varlen_attention: cu_seqlens must be int32 [batch + 1] (>= 2 entries), "
+                         f"got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
+    if cu_seqlens.device != q.device:
+        raise ValueError(f"varlen_attention: cu_seqlens is on {cu_seqlens.device}, q on {q.device}")
+    if int(max_seqlen) < 1:
+        raise ValueError(f"varlen_attention: max_seqlen must be >= 1, got {max_seqlen}")
+    if not scale > 0:  # the kernel takes the row maximum of the unscaled scores
+        raise ValueError(f"varlen_attention: scale must be > 0, got {scale}")
+
+
+def launch(q, k, v, cu_seqlens, max_seqlen: int, scale: float, out=None) -> torch.Tensor:
+    """Run the (autotuned) kernel; on CPU tensors under TRITON_INTERPRET=1 as well as on CUDA.
+    ``out``: a [T, heads, head_dim] tensor of q's dtype to write (a new one when None)."""
+    import triton
+
+    _check(q, k, v, cu_seqlens, max_seqlen, scale)
+    t, heads, d = q.shape
+    if out is None:
+        out = torch.empty((t, heads, d), dtype=q.dtype, device=q.device)
+    batch = cu_seqlens.numel() - 1
+
+    def grid(meta):
+        return (triton.cdiv(int(max_seqlen), meta["BLOCK_M"]), heads, batch)
+
+    _tuned()[grid](q, k, v, out, cu_seqlens, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
+                   v.stride(1), out.stride(0), out.stride(1), float(scale) * LOG2E, seq_bucket(max_seqlen),
+                   HEAD_DIM=d)
+    return out
+
+
+def varlen_attention(q, k, v, cu_seqlens, max_seqlen: int, scale: float | None = None) -> torch.Tensor:
+    """softmax(Q K^T * scale) V per sequence of the packed batch, per head (non-causal): a new
+    contiguous [T, heads, head_dim] tensor of q's dtype. ``scale`` defaults to head_dim ** -0.5."""
+    if not HAS_TRITON:
+        raise RuntimeError("varlen_attention needs triton (it comes with CUDA builds of torch: pip install triton)")
+    if not q.is_cuda and not _interpreting():
+        raise ValueError(f"varlen_attention: q is on {q.device}; the Triton kernel runs on CUDA "
+                         "(or on the CPU under TRITON_INTERPRET=1)")
+    return launch(q, k, v, cu_seqlens, max_seqlen, q.shape[-1] ** -0.5 if scale is None else scale)
+

@@ -1,0 +1,290 @@
+"""The Triton variable-length attention kernel (bertqa_bench/backends/triton_attention.py).
+
+Without a GPU: its arithmetic and indexing under Triton's interpreter (in a subprocess), and its
+ahead-of-time compilation for sm_90 (Triton's own ptxas). On a GPU: the BERT-large-like case
+against SDPA, eagerly and replayed from a CUDA graph.
+
+Tolerances (fp16; the kernel's numerics are in the module docstring). Against attention in fp64
+on the same fp16 inputs, the kernel's only non-negligible roundings are P to fp16 before the
+second matmul and the output to fp16, each relative <= u = 2^-11 per element (the fp32 scores,
+exp2 and sums are ~2^-23 relative). Per element, |error| <= u * max|V| (P's rounding: a
+p-weighted mean of |V| over the row sum of the unrounded P) + u * |O| <= 2 u max|V|: the max-abs
+bound. Relative to ||O|| over many elements, the errors are independent roundings of rms ~u/sqrt(3)
+each, ~0.8 u = 4e-4 for the two: the 1e-3 limit (~2u) has 2.5x margin, while a 1% error in the
+scale (checked) already exceeds it. bf16: u = 2^-8, the same formulas.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from bertqa_bench.backends import triton_attention as ta
+
+# Triton 3.5's interpreter converts a loaded scalar (a 1-element numpy array) to a Python int with
+# int(array), which numpy >= 2.4 refuses for arrays of ndim > 0: a loop bounded by a loaded value
+# then fails under the interpreter only. Triton's later interpreter squeezes the array first; the
+# subprocess does the same when this numpy refuses (the compiled kernel is not concerned).
+_INTERPRETER_NUMPY_SHIM = """
+import numpy as np
+from triton.runtime import interpreter as _interp
+try:
+    int(np.array([1]))
+except TypeError:
+    _orig_patch = _interp._patch_lang_tensor
+
+    def _patch_lang_tensor(tensor):
+        _orig_patch(tensor)
+        tensor.__index__ = lambda self: int(self.handle.data.squeeze())
+
+    _interp._patch_lang_tensor = _patch_lang_tensor
+"""
+
+_INTERPRETED = _INTERPRETER_NUMPY_SHIM + """
+import sys
+import torch
+from bertqa_bench.backends import triton_attention as ta
+
+seed = int(sys.argv[1])
+g = torch.Generator().manual_seed(seed)
+bm, bn = ta.INTERPRETER_CONFIG["BLOCK_M"], ta.INTERPRETER_CONFIG["BLOCK_N"]
+
+
+def reference(q, k, v, cu, scale):
+    ref = torch.zeros(q.shape, dtype=torch.float64)
+    b = cu.tolist()
+    for s, e in zip(b[:-1], b[1:]):
+        if e > s:
+            qi, ki, vi = (x[s:e].double().transpose(0, 1) for x in (q, k, v))
+            ref[s:e] = torch.nn.functional.scaled_dot_product_attention(qi, ki, vi, scale=scale).transpose(0, 1)
+    return ref
+
+
+def check(lens, heads, d, dtype, u):
+    # lens: one, exactly BLOCK_M, BLOCK_M + 1, exactly BLOCK_N, an empty one in the middle, a long
+    # one (several q tiles and K/V blocks, a partial last block); a trailing empty sequence is the
+    # repeated last entry of cu_seqlens
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist() + [sum(lens)], dtype=torch.int32)
+    t = sum(lens)
+    qkv = torch.randn(t, 3, heads, d, generator=g).to(dtype)
+    q, k, v = qkv.unbind(1)  # strided views of one fused tensor, as the packed encoder's
+    assert q.stride(0) == 3 * heads * d and not q.is_contiguous()
+    scale = d ** -0.5
+    out = torch.full((t, heads, d), float("nan"), dtype=dtype)
+    ret = ta.launch(q, k, v, cu, max(lens), scale, out=out)
+    assert ret is out
+    assert not out.isnan().any(), f"unwritten elements: {int(out.isnan().sum())}"
+    ref = reference(q, k, v, cu, scale)
+    err = out.double() - ref
+    rel = float(err.norm() / ref.norm())
+    max_abs = float(err.abs().max())
+    bound = 2 * u * float(v.abs().max())
+    print(f"{lens} H={heads} D={d} {dtype}: rel {rel:.2e} (limit {2 * u:.1e}), max abs {max_abs:.2e} (bound {bound:.2e})")
+    assert rel <= 2 * u and max_abs <= bound, (rel, max_abs, bound)
+    return q, k, v, cu, ref, out
+
+
+long = 3 * bm + 5  # 4 q tiles, 7 K/V blocks the last partial
+q, k, v, cu, ref, out = check([1, bm, bm + 1, 0, long, bn, bn + 1], 2, 64, torch.float16, 2.0 ** -11)
+# the comparison detects a 1% error in the scale
+wrong = ta.launch(q, k, v, cu, long, 1.01 * 64 ** -0.5).double()
+assert float((wrong - ref).norm() / ref.norm()) > 2 * 2.0 ** -11
+check([bm + 1, 7, 2 * bm], 2, 32, torch.float16, 2.0 ** -11)
+check([bm + 1, 7, 2 * bm], 1, 128, torch.float16, 2.0 ** -11)
+# no bf16 here: Triton 3.5's interpreter keeps bf16 as uint16 bit patterns and its tl.dot
+# multiplies those as integers (it converts only 8-bit floats); the GPU test covers bf16
+assert "BLOCK_M: 32" in ta.best_config() and "BLOCK_N: 16" in ta.best_config(), ta.best_config()
+print("interpreted kernel matches")
+"""
+
+
+def test_triton_attention_in_the_interpreter_matches_fp64_sdpa(tmp_path):
+    """Indexing, masking (lengths 1, BLOCK_M, BLOCK_M + 1, BLOCK_N, BLOCK_N + 1, long, empty),
+    strided QKV views, the online softmax and the output's coverage (poisoned with NaN first),
+    run by Triton's interpreter on the CPU against per-sequence SDPA in fp64, at head_dim 32, 64,
+    128, fp16 (bf16: the GPU test), with a fresh seed each run. In a process of its own: the interpreter patches
+    triton.language for good, and a kernel compiled later in the same process fails to lower."""
+    pytest.importorskip("triton", reason="triton is not installed (CUDA builds of torch bring it)")
+    seed = int.from_bytes(os.urandom(4), "little")
+    root = str(Path(ta.__file__).resolve().parents[2])  # the same package as this process's
+    env = {**os.environ, "TRITON_INTERPRET": "1", "TRITON_CACHE_DIR": str(tmp_path),
+           "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    r = subprocess.run([sys.executable, "-c", _INTERPRETED, str(seed)], env=env, cwd=root, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0 and "interpreted kernel matches" in r.stdout, f"seed {seed}\n{r.stdout}\n{r.stderr[-3000:]}"
+
+
+def test_sequence_bucket_and_config_pruning():
+    assert [ta.seq_bucket(n) for n in (1, 16, 17, 100, 128, 129, 384, 512)] == [16, 16, 32, 128, 128, 256, 512, 512]
+    # tiles longer than the bucket are dropped, except the smallest (64), which always stays
+    assert not ta.keep_config(128, 64, 8, 64, ta.seq_bucket(60))
+    assert not ta.keep_config(64, 128, 8, 64, ta.seq_bucket(60))
+    assert ta.keep_config(64, 64, 4, 64, ta.seq_bucket(5))
+    assert ta.keep_config(128, 128, 8, 64, ta.seq_bucket(384))
+    # register pressure: [128, 128] scores + [128, 64] accumulator over 4 warps spill
+    assert not ta.keep_config(128, 128, 4, 64, 512) and ta.keep_config(128, 64, 4, 64, 512)
+    for d in ta.HEAD_DIMS:
+        for n in (1, 64, 100, 384, 4096):
+            assert ta.keep_config(64, 64, 4, d, ta.seq_bucket(n))
+
+
+def test_the_autotuner_prunes_with_the_launch_arguments():
+    """The GPU autotuner's configurations, pruned through Triton's own call (positional arguments
+    in nargs, HEAD_DIM as a keyword) as a launch at max_seqlen 384 and 60 would."""
+    pytest.importorskip("triton", reason="triton is not installed (CUDA builds of torch bring it)")
+    tuner = ta._tuned()
+    assert len(tuner.configs) == 16 and tuner.keys == ["HEAD_DIM", "seq_bucket"]
+
+    def pruned(max_seqlen, d):
+        tuner.nargs = {"seq_bucket": ta.seq_bucket(max_seqlen)}
+        try:
+            return {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
+                    for c in tuner.prune_configs({"HEAD_DIM": d})}
+        finally:
+            tuner.nargs = None
+
+    assert pruned(384, 64) == {(m, n, w, s) for m in (64, 128) for n in (64, 128) for w in (4, 8) for s in (2, 3)
+                               if (m, n, w) != (128, 128, 4)}
+    assert pruned(60, 64) == {(64, 64, w, s) for w in (4, 8) for s in (2, 3)}
+
+
+def test_bad_inputs_raise_one_line_errors_naming_the_field():
+    qkv = torch.zeros(10, 3, 2, 64, dtype=torch.float16)
+    q, k, v = qkv.unbind(1)
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    with pytest.raises(ValueError, match="cu_seqlens must be int32"):
+        ta._check(q, k, v, cu.long(), 6, 0.125)
+    with pytest.raises(ValueError, match="q must be float16 or bfloat16"):
+        ta._check(q.float(), k, v, cu, 6, 0.125)
+    with pytest.raises(ValueError, match=r"head_dim 48 is not supported; valid: \[16, 32, 64, 128\]"):
+        z = torch.zeros(10, 2, 48, dtype=torch.float16)
+        ta._check(z, z, z, cu, 6, 0.125)
+    with pytest.raises(ValueError, match="k is"):
+        ta._check(q, k[:5], v, cu, 6, 0.125)
+    with pytest.raises(ValueError, match="head_dim must be contiguous"):
+        ta._check(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), cu, 6, 0.125)
+    with pytest.raises(ValueError, match="max_seqlen must be >= 1"):
+        ta._check(q, k, v, cu, 0, 0.125)
+    with pytest.raises(ValueError, match="scale must be > 0"):
+        ta._check(q, k, v, cu, 6, 0.0)
+    ta._check(q, k, v, cu, 6, 0.125)  # the valid call passes
+
+
+def _compile_sm90(tmp_path, monkeypatch, head_dim, block_m, block_n, num_warps, num_stages):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernel = ta._kernel()
+    sig = {"Q": "*fp16", "K": "*fp16", "V": "*fp16", "O": "*fp16", "cu_seqlens": "*i32"}
+    sig.update({f"stride_{x}{y}": "i32" for x in "qkvo" for y in "th"})
+    sig.update(qk_scale="fp32", seq_bucket="i32", HEAD_DIM="constexpr", BLOCK_M="constexpr", BLOCK_N="constexpr")
+    assert list(sig) == kernel.arg_names
+    # as a [T, 3, H, D] fp16 tensor's views pass them: 16-byte aligned pointers, strides multiples
+    # of 16 (Triton specializes integer arguments divisible by 16 at launch the same way)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values()) if t in ("*fp16", "*i32", "i32")}
+    src = ASTSource(fn=kernel, signature=sig, constexprs={"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n},
+                    attrs=attrs)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # a cold cache: compiled here, not read back
+    # GPUTarget's third field is the warp size (32 on NVIDIA GPUs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps,
+                                                                          "num_stages": num_stages})
+
+
+def _ptxas_spill_bytes(ptx: str, tmp_path) -> int:
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    f = tmp_path / "k.ptx"
+    f.write_text(ptx)
+    r = subprocess.run([get_ptxas().path, "-v", "--gpu-name=sm_90a", str(f), "-o", str(tmp_path / "k.cubin")],
+                       capture_output=True, text=True, check=True)
+    return sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", r.stderr))
+
+
+def test_attention_kernel_compiles_for_hopper_with_wgmma_and_pipelined_loads(tmp_path, monkeypatch):
+    """What the interpreter cannot run: the kernel compiled ahead of time for sm_90 at head_dim 64
+    with one of the autotuner's configurations: Hopper's warpgroup MMA (wgmma) for both matmuls,
+    exp2 through the SFU's ex2.approx, K/V loads asynchronous (cp.async, software-pipelined by
+    num_stages) and 16 bytes wide, no register spills."""
+    pytest.importorskip("triton", reason="triton is not installed (CUDA builds of torch bring it)")
+    compiled = _compile_sm90(tmp_path, monkeypatch, 64, 128, 64, 8, 3)
+    ptx = compiled.asm["ptx"]
+    assert "mma" in ptx
+    assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16" in ptx  # S = Q K^T and O += P V, fp32 accumulation
+    assert "ex2.approx" in ptx
+    assert "cp.async" in ptx and "ld.global.v4" in ptx
+    assert _ptxas_spill_bytes(ptx, tmp_path) == 0
+
+
+@pytest.mark.parametrize("head_dim", [64, 32, 128])
+def test_register_pruning_matches_ptxas_spills(head_dim, tmp_path, monkeypatch):
+    """keep_config's register rule, checked against ptxas: every configuration it keeps compiles
+    for sm_90a without spilling, every one it drops spills (num_stages changes shared memory, not
+    registers: compiled at 2)."""
+    pytest.importorskip("triton", reason="triton is not installed (CUDA builds of torch bring it)")
+    verdicts = {}
+    for bm in (64, 128):
+        for bn in (64, 128):
+            for w in (4, 8):
+                ptx = _compile_sm90(tmp_path, monkeypatch, head_dim, bm, bn, w, 2).asm["ptx"]
+                verdicts[(bm, bn, w)] = (ta.keep_config(bm, bn, w, head_dim, 512), _ptxas_spill_bytes(ptx, tmp_path))
+    assert all(keep == (spill == 0) for keep, spill in verdicts.values()), verdicts
+
+
+def _bert_large_like(seed: int, dtype, tokens: int = 32768, heads: int = 16, d: int = 64):
+    gen = torch.Generator().manual_seed(seed)
+    lens, total = [], 0
+    while True:
+        n = int(torch.randint(100, 385, (1,), generator=gen))
+        if total + n > tokens:
+            break
+        lens.append(n)
+        total += n
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    qkv = torch.randn(total, 3, heads, d, generator=gen).to(dtype).cuda()
+    return lens, cu, qkv
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_triton_attention_on_cuda_matches_sdpa_and_replays_in_a_cuda_graph(dtype):
+    """The BERT-large-like case (~32k tokens in sequences of 100-384, 16 heads, head_dim 64, fp16/bf16,
+    strided views of one fused QKV tensor) against per-sequence SDPA in fp64 with the module
+    docstring's bounds; then captured in a CUDA graph after the eager (autotuning) call: the
+    replay writes the same bytes as the eager call."""
+    if ta.triton_unavailable_reason():
+        pytest.skip(ta.triton_unavailable_reason())
+    seed = int.from_bytes(os.urandom(4), "little")
+    lens, cu, qkv = _bert_large_like(seed, dtype)
+    q, k, v = qkv.unbind(1)
+    scale, u = 64 ** -0.5, (2.0 ** -11 if dtype == torch.float16 else 2.0 ** -8)
+    out = ta.varlen_attention(q, k, v, cu, 384, scale)
+    assert out.shape == q.shape and out.dtype == dtype and out.is_contiguous()
+    assert ta.best_config() is not None
+    ref = torch.empty(q.shape, dtype=torch.float64, device="cuda")
+    b = cu.tolist()
+    for s, e in zip(b[:-1], b[1:]):
+        qi, ki, vi = (x[s:e].double().transpose(0, 1) for x in (q, k, v))
+        ref[s:e] = torch.nn.functional.scaled_dot_product_attention(qi, ki, vi, scale=scale).transpose(0, 1)
+    err = out.double() - ref
+    assert not out.isnan().any(), seed
+    assert float(err.norm() / ref.norm()) <= 2 * u, seed
+    assert float(err.abs().max()) <= 2 * u * float(v.abs().max()), seed
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        ta.varlen_attention(q, k, v, cu, 384, scale)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gout = ta.varlen_attention(q, k, v, cu, 384, scale)
+    gout.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(gout.view(torch.int16), out.view(torch.int16))
