@@ -28,7 +28,8 @@ length (it sizes the grid; it is not checked against the device values, which wo
 sync); trailing repeated entries of ``cu_seqlens`` are empty sequences; output rows outside
 [0, cu_seqlens[-1]) are not written. The launch grid depends only on host values (shapes,
 ``max_seqlen``), never on device values, so a call can be captured in a CUDA graph, once the
-autotuner has picked its configuration for that key in an eager call.
+autotuner has picked its configuration for that key in an eager call (the first call per
+head_dim, dtype and sequence-length bucket compiles and times up to 14 configurations: seconds).
 
 Triton is imported lazily (``_kernel()``), so importing this module needs neither Triton nor a
 GPU; ``launch`` runs the kernel on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1),
@@ -42,7 +43,9 @@ import os
 import torch
 
 LOG2E = 1.4426950408889634
-HEAD_DIMS = (16, 32, 64, 128)  # powers of two tl.dot takes (K >= 16); above 128 the fp32 accumulator spills
+# powers of two tl.dot takes (K >= 16); the configurations are sized (and checked against ptxas's
+# register use) up to 128
+HEAD_DIMS = (16, 32, 64, 128)
 # Under Triton's interpreter (numpy, one program at a time) a single small configuration: tuning
 # there measures nothing, and small tiles let the tests cross tile boundaries with short sequences.
 # BLOCK_N differs from BLOCK_M so that a q tile spans several K/V blocks.
@@ -82,8 +85,8 @@ def seq_bucket(max_seqlen: int) -> int:
 def keep_config(block_m: int, block_n: int, num_warps: int, head_dim: int, bucket: int) -> bool:
     """Whether a configuration is worth timing for this head_dim and sequence-length bucket.
 
-    * a tile longer than the longest sequence only computes masked rows/columns: dropped, unless
-      it is the smallest tile (64), which must stay;
+    * a tile longer than the sequence-length bucket (max_seqlen rounded up to a power of two)
+      only adds masked rows/columns: dropped, unless it is the smallest tile (64), which stays;
     * the fp32 score tile S [BLOCK_M, BLOCK_N] and accumulator [BLOCK_M, head_dim] live in
       registers, spread over num_warps * 32 threads; beyond 128 such fp32 values per thread (of
       the 255 registers, with P, the Q fragments and the softmax state besides) ptxas spills to
