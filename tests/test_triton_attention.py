@@ -138,7 +138,7 @@ def test_the_autotuner_prunes_with_the_launch_arguments():
     in nargs, HEAD_DIM as a keyword) as a launch at max_seqlen 384 and 60 would."""
     pytest.importorskip("triton", reason="triton is not installed (CUDA builds of torch bring it)")
     tuner = ta._tuned()
-    assert len(tuner.configs) == 16 and tuner.keys == ["HEAD_DIM", "seq_bucket"]
+    assert len(tuner.configs) == 24 and tuner.keys == ["HEAD_DIM", "seq_bucket"]
 
     def pruned(max_seqlen, d):
         tuner.nargs = {"seq_bucket": ta.seq_bucket(max_seqlen)}
@@ -148,9 +148,9 @@ def test_the_autotuner_prunes_with_the_launch_arguments():
         finally:
             tuner.nargs = None
 
-    assert pruned(384, 64) == {(m, n, w, s) for m in (64, 128) for n in (64, 128) for w in (4, 8) for s in (2, 3)
-                               if (m, n, w) != (128, 128, 4)}
-    assert pruned(60, 64) == {(64, 64, w, s) for w in (4, 8) for s in (2, 3)}
+    assert pruned(384, 64) == {(m, n, w, s) for m in (64, 128) for n in (32, 64, 128) for w in (4, 8)
+                               for s in (2, 3) if (m, n, w) != (128, 128, 4)}
+    assert pruned(60, 64) == {(64, n, w, s) for n in (32, 64) for w in (4, 8) for s in (2, 3)}
 
 
 def test_bad_inputs_raise_one_line_errors_naming_the_field():
@@ -229,7 +229,7 @@ def test_register_pruning_matches_ptxas_spills(head_dim, tmp_path, monkeypatch):
     pytest.importorskip("triton", reason="triton is not installed (CUDA builds of torch bring it)")
     verdicts = {}
     for bm in (64, 128):
-        for bn in (64, 128):
+        for bn in (32, 64, 128):
             for w in (4, 8):
                 ptx = _compile_sm90(tmp_path, monkeypatch, head_dim, bm, bn, w, 2).asm["ptx"]
                 verdicts[(bm, bn, w)] = (ta.keep_config(bm, bn, w, head_dim, 512), _ptxas_spill_bytes(ptx, tmp_path))
