@@ -686,8 +686,9 @@ def test_packed_attention_option_is_checked_and_cudnn_needs_a_gpu():
         torch_options.TorchOptions(packed=True, packed_attention="flashy")
     with pytest.raises(ConfigError, match="packed_attention: cudnn .* needs packed: true"):
         torch_options.TorchOptions(packed_attention="cudnn")
-    cpu = make_variant("x", "torch", "cpu", {"packed": True, "packed_attention": "cudnn"})
-    assert "needs device: cuda" in cpu.unavailable_reason()
+    for kernel in ("cudnn", "triton"):
+        cpu = make_variant("x", "torch", "cpu", {"packed": True, "packed_attention": kernel})
+        assert f"packed_attention: {kernel} is a CUDA kernel: it needs device: cuda" in cpu.unavailable_reason()
     epilogue = {"ffn_hidden_fp8": True, "ffn_gelu": "epilogue"}
     with pytest.raises(ConfigError, match="epilogue plans one cuBLASLt GEMM per token count.*token_bucket"):
         torch_options.TorchOptions(weights="fp16", packed=True, fp8=torch_options.Fp8Options(**epilogue))
@@ -1735,6 +1736,7 @@ def test_host_bucket_lengths_equal_the_devices():
                                                   "torch-compile-fp8all-graph-packed-cudnn-epilogue-autotune",
                                                   "torch-compile-fp8-graph-gelu-epilogue-autotune",
                                                   "torch-compile-fp8all-graph-packed-cudnn-epilogue-autotune-2streams",
+                                                  "torch-compile-fp8all-graph-packed-triton-epilogue-autotune-2streams",
                                                   "torch-compile-fp8-graph-gelu-epilogue-autotune-2streams",
                                                   "torch-compile-fp8all-graph-packed-cudnn-attn",
                                                   "torch-compile-fp8all-graph-packed-cudnn-fp8attn",
@@ -1763,6 +1765,8 @@ def test_fp8_attention_and_packing_variants_track_fp32_on_gpu(tmp_path, name):
     assert info.get("head_first", False) == TABLE.get(name).options.head_first
     if "cudnn-" in name and TABLE.get(name).options.packed:
         assert info["attention_kernel"].startswith("cuDNN")
+    if "-triton-" in name:
+        assert info["attention_kernel"].startswith("Triton")
     if "epilogue" in name:
         assert info["fp8_ffn_gelu"].startswith("tanh form, cuBLASLt GELU_BIAS epilogue")
     if "fp8attn" in name:
@@ -1795,6 +1799,7 @@ def _in_flight_gives_one_at_a_time_outputs(backend, batches, name, after_passes=
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["torch-compile-fp8all-graph-packed-cudnn-epilogue-autotune-2streams",
+                                  "torch-compile-fp8all-graph-packed-triton-epilogue-autotune-2streams",
                                   "torch-compile-fp8-graph-gelu-epilogue-autotune-2streams"])
 def test_two_streams_replay_their_own_graph_copies_and_give_the_one_at_a_time_outputs_on_gpu(tmp_path, name,
                                                                                             monkeypatch):

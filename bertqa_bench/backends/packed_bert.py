@@ -121,9 +121,14 @@ class PackedEncoder(nn.Module):
 
         self._fp8_attention = attention_fp8
         self._kernel = None
+        on_cuda = next(bert.parameters()).is_cuda
         if use_kernel and attention == "flash":
             self._kernel = _varlen_kernel()
-        elif use_kernel and next(bert.parameters()).is_cuda:  # the frontend is needed only where it runs
+        elif use_kernel and on_cuda and attention == "triton":
+            from .triton_attention import varlen_attention_op
+
+            self._kernel = varlen_attention_op
+        elif use_kernel and on_cuda:  # the frontend is needed only where it runs
             self._kernel = _cudnn_kernel()
         self.config = cfg
         self.family = getattr(cfg, "model_type", "bert")
@@ -150,6 +155,8 @@ class PackedEncoder(nn.Module):
             return "per-sequence SDPA"
         if self.attention == "cudnn":
             return "cuDNN fused attention, ragged offsets (cudnn-frontend sdpa_fwd)"
+        if self.attention == "triton":
+            return "Triton variable-length attention (triton_attention.py)"
         return "varlen_attn (FlashAttention)"
 
     def _attention(self, q, k, v, cu, max_len: int):
@@ -159,6 +166,8 @@ class PackedEncoder(nn.Module):
                 # frontend describes them by their real strides, no copy
                 return self._kernel(q, k, v, self.scale, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max_len,
                                     max_seqlen_kv=max_len, return_lse=False)[0]
+            if self.attention == "triton":  # the same views, by their strides
+                return self._kernel(q, k, v, cu, max_len, self.scale)
             return self._kernel(q, k, v, cu, cu, max_len, max_len, scale=self.scale)
         out = torch.empty_like(q)
         bounds = cu.tolist()

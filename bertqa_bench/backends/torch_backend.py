@@ -162,6 +162,12 @@ class TorchBackend(Backend):
             why = cudnn_unavailable_reason()
             if why:
                 return why
+        if o.packed and o.packed_attention == "triton":
+            from .triton_attention import unavailable_reason as triton_attention_reason
+
+            why = triton_attention_reason()
+            if why:
+                return why
         return None
 
     def __init__(self, variant):

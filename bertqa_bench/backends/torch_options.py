@@ -19,7 +19,7 @@ COMPILE_MODES = ("none", "default", "max-autotune", "max-autotune-no-cudagraphs"
 CUDA_GRAPHS = ("none", "trees", "manual")
 SDPA_BACKENDS = ("cudnn", "efficient", "flash", "math")
 # the padding-free encoder's variable-length attention on CUDA (packed_bert.py)
-PACKED_ATTENTION = ("flash", "cudnn")
+PACKED_ATTENTION = ("flash", "cudnn", "triton")
 # streams: every stream holds a copy of every captured graph (memory), and torch hands out its
 # streams from a pool of 32, which must give each copy a distinct one
 MAX_STREAMS = 8
@@ -187,7 +187,8 @@ class TorchOptions:
     head_first: bool = False
     # packed only: the variable-length attention kernel on CUDA (PACKED_ATTENTION, packed_bert.py):
     # flash (FlashAttention-2, torch's varlen_attn) | cudnn (cuDNN's fused attention through
-    # nvidia-cudnn-frontend, told each sequence's length by ragged offsets)
+    # nvidia-cudnn-frontend, told each sequence's length by ragged offsets) | triton (the suite's
+    # own Triton kernel for short sequences, triton_attention.py, measured against both)
     packed_attention: str = "flash"
     # CUDA only: keep two batches in flight (Backend.submit), so the host prepares batch i+1 and
     # scatters batch i's outputs while the GPU computes; every buffer the host writes or reads
