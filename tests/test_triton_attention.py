@@ -99,6 +99,12 @@ check([bm + 1, 7, 2 * bm], 1, 128, torch.float16, 2.0 ** -11)
 # no bf16 here: Triton 3.5's interpreter keeps bf16 as uint16 bit patterns and its tl.dot
 # multiplies those as integers (it converts only 8-bit floats); the GPU test covers bf16
 assert "BLOCK_M: 32" in ta.best_config() and "BLOCK_N: 16" in ta.best_config(), ta.best_config()
+# the custom op the packed encoder calls (torch.compile keeps it in its graph): the same bytes as
+# the kernel, and torch's own checks of its registration (schema, fake implementation's shape,
+# dtype and strides against the real one's)
+torch.testing.assert_close(ta.varlen_attention_op(q, k, v, cu, long, 64 ** -0.5), out, rtol=0, atol=0)
+torch.library.opcheck(ta.varlen_attention_op, (q, k, v, cu, long, 64 ** -0.5),
+                      test_utils=("test_schema", "test_faketensor"))
 print("interpreted kernel matches")
 """
 

@@ -64,7 +64,10 @@ def _round_up(x: int, m: int) -> int:
 # cuDNN's fused attention through its Python frontend (PyPI nvidia-cudnn-frontend), given the same
 # packed [T, heads, head_dim] tensors and cumulative lengths (its ragged offsets). FA2 is not a
 # Hopper (wgmma) kernel: on BERT-large it ran at 3.2-3.8x the memory floor of Q, K, V and O
-# (h100-mlperf-bert-large.md); cuDNN's is. The choice is PACKED_ATTENTION (torch_options).
+# (h100-mlperf-bert-large.md); cuDNN's is. Or the suite's own Triton kernel (triton_attention.py),
+# written for sequences this short, where per-tile fixed costs weigh as much as the loop over K/V:
+# on the H200's kernel bench it took 168 us to cuDNN's 225 (hopper-kernel-levers.csv). The choice
+# is PACKED_ATTENTION (torch_options).
 CUDNN_INSTALL = "pip install nvidia-cudnn-frontend"
 
 

@@ -163,9 +163,9 @@ class TorchBackend(Backend):
             if why:
                 return why
         if o.packed and o.packed_attention == "triton":
-            from .triton_attention import unavailable_reason as triton_attention_reason
+            from .triton_attention import triton_unavailable_reason
 
-            why = triton_attention_reason()
+            why = triton_unavailable_reason()
             if why:
                 return why
         return None
@@ -276,8 +276,14 @@ class TorchBackend(Backend):
                 from .packed_bert import HostPacker
 
                 self._packer = HostPacker(enc, torch.device("cuda"), slots=self.in_flight())
-        return {"token_bucket": o.token_bucket, "token_buckets": len(buckets.sizes),
+        info = {"token_bucket": o.token_bucket, "token_buckets": len(buckets.sizes),
                 "token_bucket_graphs": captured, "packing": "host" if self._packer is not None else "device"}
+        if o.packed_attention == "triton" and captured:
+            from .triton_attention import best_config
+
+            # tuned in the first bucket's warm-up (on its dummy sequences), then captured as chosen
+            info["attention_tuned_config"] = best_config()
+        return info
 
     @staticmethod
     def _plan_copy(copy: int):

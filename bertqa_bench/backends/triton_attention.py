@@ -218,3 +218,20 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen: int, scale: float | None =
                          "(or on the CPU under TRITON_INTERPRET=1)")
     return launch(q, k, v, cu_seqlens, max_seqlen, q.shape[-1] ** -0.5 if scale is None else scale)
 
+
+
+# The packed encoder's entry point: a torch custom op, so torch.compile keeps the call in its graph
+# as one opaque kernel (the autotuner and its host-side checks run at call time, not while
+# tracing) and the token buckets' CUDA graphs capture it. The schema is spelled out because this
+# module's annotations are strings (``from __future__ import annotations``). Registered on import,
+# which needs neither Triton nor a GPU; the fake implementation gives the output's shape to the
+# compiler: a new contiguous [T, heads, head_dim] tensor of q's dtype, whatever q's strides.
+@torch.library.custom_op("bertqa::varlen_attention", mutates_args=(),
+                         schema="(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, SymInt max_seqlen, float scale) -> Tensor")
+def varlen_attention_op(q, k, v, cu_seqlens, max_seqlen, scale):
+    return varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale)
+
+
+@varlen_attention_op.register_fake
+def _varlen_attention_fake(q, k, v, cu_seqlens, max_seqlen, scale):
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
