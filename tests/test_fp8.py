@@ -700,7 +700,7 @@ def test_packed_attention_option_is_checked_and_cudnn_needs_a_gpu():
 def test_missing_cudnn_frontend_or_nvmath_names_the_package(monkeypatch):
     """With a GPU but without the packages, the reasons say what to install (checked before any
     work: unavailable_reason runs before prepare)."""
-    from bertqa_bench.backends import gemm_epilogue, packed_bert
+    from bertqa_bench.backends import gemm_epilogue, packed_bert, torch_backend
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
@@ -710,6 +710,15 @@ def test_missing_cudnn_frontend_or_nvmath_names_the_package(monkeypatch):
     monkeypatch.setitem(sys.modules, "nvmath.linalg.advanced", None)
     assert "pip install nvidia-cudnn-frontend" in packed_bert.cudnn_unavailable_reason()
     assert "pip install nvmath-python" in gemm_epilogue.nvmath_unavailable_reason()
+    # with nvmath-python but without the cuDNN frontend: the row with the suite's own Triton
+    # attention runs, the same row with cuDNN's names the frontend
+    pytest.importorskip("triton", reason="triton is not installed (CUDA builds of torch bring it)")
+    monkeypatch.setattr(gemm_epilogue, "nvmath_unavailable_reason", lambda: "")
+    monkeypatch.setattr(torch_backend, "cuda_unavailable_reason", lambda: "")  # this CPU-only torch
+    cudnn_row = TABLE.get("torch-compile-fp8all-graph-packed-cudnn-epilogue-autotune-2streams")
+    triton_row = TABLE.get("torch-compile-fp8all-graph-packed-triton-epilogue-autotune-2streams")
+    assert "pip install nvidia-cudnn-frontend" in cudnn_row.unavailable_reason()
+    assert not triton_row.unavailable_reason()
 
 
 @pytest.mark.gpu
