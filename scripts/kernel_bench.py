@@ -3,9 +3,10 @@
 would replace, with its numerics checked against a reference on the same inputs:
 
 * attention: FlashAttention-2 varlen (``packed_attention: flash``) against cuDNN's fused attention
-  through nvidia-cudnn-frontend (``cudnn``) and the Triton varlen kernel (``triton``, autotuned on
-  its first call; the chosen configuration is recorded), on packed [T, 3, heads, head_dim] QKV views of random
-  sequence lengths; reference: per-sequence SDPA in fp32;
+  through nvidia-cudnn-frontend (``cudnn``), torch's FlexAttention with a document mask (``flex``)
+  and the suite's Triton varlen kernel (``triton``, autotuned on its first call; the chosen
+  configuration and every timed one are recorded), on packed [T, 3, heads, head_dim] QKV views of
+  random sequence lengths; reference: per-sequence SDPA in fp32;
 * the FFN's first half: the FP8 up-projection writing e4m3 then the Triton tanh-GELU kernel
   (``ffn_gelu: tanh``) against cuBLASLt's GELU_BIAS epilogue through nvmath-python
   (``ffn_gelu: epilogue``); reference: the epilogue's formula in fp32 (gemm_epilogue.py);
@@ -144,6 +145,19 @@ def attention(args, hidden, heads, emit) -> None:
     from bertqa_bench.backends import triton_attention
 
     kernels["triton"] = lambda: triton_attention.varlen_attention(q, k, v, cu, args.seq_max, scale)
+    # torch's own FlexAttention (compiled Triton templates) with a document mask over the packed
+    # tokens: the maintained library for exactly this masking, beside the hand-written kernel
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        doc = torch.repeat_interleave(torch.arange(len(lens), device="cuda"), torch.tensor(lens, device="cuda"))
+        block_mask = create_block_mask(lambda b, h, qi, ki: doc[qi] == doc[ki], B=None, H=None, Q_LEN=t, KV_LEN=t,
+                                       device="cuda")
+        flex = torch.compile(flex_attention, dynamic=False)
+        q4, k4, v4 = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, heads, T, d] views
+        kernels["flex"] = lambda: flex(q4, k4, v4, block_mask=block_mask, scale=scale)[0].transpose(0, 1)
+    except Exception as e:  # noqa: BLE001 - recorded as this kernel's result
+        emit({"what": "attention", "kernel": "flex", "error": f"{type(e).__name__}: {e}"[:2000]})
     ref = torch.empty(t, heads, d, device="cuda")
     bounds = cu.tolist()
     for s, e in zip(bounds[:-1], bounds[1:]):

@@ -178,7 +178,23 @@ def test_bad_inputs_raise_one_line_errors_naming_the_field():
         ta._check(q, k, v, cu, 0, 0.125)
     with pytest.raises(ValueError, match="scale must be > 0"):
         ta._check(q, k, v, cu, 6, 0.0)
+    with pytest.raises(ValueError, match="cu_seqlens must be contiguous"):
+        ta._check(q, k, v, torch.tensor([0, 9, 4, 9, 10], dtype=torch.int32)[::2], 6, 0.125)
     ta._check(q, k, v, cu, 6, 0.125)  # the valid call passes
+
+
+def test_packed_encoder_refuses_a_head_size_the_kernel_does_not_take_before_any_work():
+    """A model whose head size the Triton kernel has no tiles for (48 here; FlashAttention-2 and
+    cuDNN take it) is refused when the encoder is built, naming the sizes it takes."""
+    from transformers import BertConfig, BertModel
+
+    from bertqa_bench.backends.packed_bert import PackedEncoder
+
+    bert = BertModel(BertConfig(hidden_size=96, num_attention_heads=2, num_hidden_layers=1, intermediate_size=64,
+                                vocab_size=50), add_pooling_layer=False)
+    with pytest.raises(ValueError, match="attention 'triton' takes head sizes 16, 32, 64, 128; this model's is 48"):
+        PackedEncoder(bert, attention="triton")
+    PackedEncoder(bert, attention="cudnn")  # the other kernels take it
 
 
 def _compile_sm90(tmp_path, monkeypatch, head_dim, block_m, block_n, num_warps, num_stages):

@@ -5,9 +5,9 @@ ELECTRA; DistilBERT's blocks by their own names; ``PACKED_FAMILIES``) and comput
 the batch's real tokens packed into one [T, hidden] matrix: embeddings, every projection and
 FFN GEMM, LayerNorm and GELU see T = sum of real lengths rows instead of batch x seq_len, and
 attention runs per sequence through a variable-length kernel given the cumulative sequence
-lengths (``torch.nn.attention.varlen.varlen_attn``, FlashAttention, or cuDNN's fused attention
-through nvidia-cudnn-frontend, ``attention="cudnn"``, on CUDA; a per-sequence SDPA loop elsewhere,
-for tests). The hidden states are scattered back to [batch, seq_len, hidden]
+lengths (``torch.nn.attention.varlen.varlen_attn``, FlashAttention, cuDNN's fused attention
+through nvidia-cudnn-frontend, ``attention="cudnn"``, or the suite's Triton kernel,
+``attention="triton"``, on CUDA; a per-sequence SDPA loop elsewhere, for tests). The hidden states are scattered back to [batch, seq_len, hidden]
 (zeros at padding) so the task's own head (QA span head, NQ's answer-type head on the pooled
 [CLS]) runs unchanged — the wrapper is task-agnostic.
 
@@ -118,6 +118,12 @@ class PackedEncoder(nn.Module):
         self.head_dim = cfg.hidden_size // cfg.num_attention_heads
         self.scale = self.head_dim ** -0.5
         self.attention = attention
+        if attention == "triton":
+            from .triton_attention import HEAD_DIMS
+
+            if self.head_dim not in HEAD_DIMS:  # refused here, before compiling and capturing
+                raise ValueError(f"attention 'triton' takes head sizes {', '.join(map(str, HEAD_DIMS))}; this "
+                                 f"model's is {self.head_dim} (packed_attention: cudnn or flash take it)")
         # FP8 attention for layers whose QKV GEMM writes e4m3 (torch_fp8 attention_fp8); bound here,
         # outside traced code
         from .cudnn_fp8_attention import attention_fp8

@@ -6,10 +6,10 @@ QKV tensor are read in place through their strides, no copies) and the int32 seq
 ``cu_seqlens`` [B + 1] on the device, and returns softmax(Q K^T * scale) V per sequence and head
 as a new contiguous [T, heads, head_dim] tensor of q's dtype.
 
-Why: on the kernel bench's BERT-large case (32,754 tokens in 133 sequences of 100-384 tokens,
-16 heads, head_dim 64, fp16) cuDNN's fused attention takes ~225 us per layer and
-FlashAttention-2 varlen ~285 us, against a memory floor (Q, K, V read and O written once) of
-~56 us: ~4x the floor. ~35.6 GFLOP at ~158 TFLOP/s is far from Hopper's dense fp16 peak too, so
+Why: on the kernel bench's BERT-large case on an H200 (32,754 tokens in 133 sequences of 100-384
+tokens, 16 heads, head_dim 64, fp16) cuDNN's fused attention takes ~225 us per layer and
+FlashAttention-2 varlen ~287 us, against a memory floor (Q, K, V read and O written once) of
+~56 us: ~4x the floor. 36.6 GFLOP at ~162 TFLOP/s is far from Hopper's dense fp16 peak too, so
 on sequences this short the per-program fixed costs (launching a tile, loading Q, the epilogue)
 weigh as much as the loop over K/V. This kernel is written for that regime: one program per
 (q tile, head, sequence), a loop of only 1-6 K/V blocks, masks only in the last block.
@@ -180,6 +180,8 @@ def _check(q, k, v, cu_seqlens, max_seqlen, scale) -> None:
     if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError(f"varlen_attention: cu_seqlens must be int32 [batch + 1] (>= 2 entries), "
                          f"got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
+    if cu_seqlens.stride(0) != 1:  # the kernel reads entry i at cu_seqlens + i
+        raise ValueError(f"varlen_attention: cu_seqlens must be contiguous, got stride {cu_seqlens.stride(0)}")
     if cu_seqlens.device != q.device:
         raise ValueError(f"varlen_attention: cu_seqlens is on {cu_seqlens.device}, q on {q.device}")
     if int(max_seqlen) < 1:
