@@ -686,8 +686,11 @@ def test_packed_attention_option_is_checked_and_cudnn_needs_a_gpu():
         torch_options.TorchOptions(packed=True, packed_attention="flashy")
     with pytest.raises(ConfigError, match="packed_attention: cudnn .* needs packed: true"):
         torch_options.TorchOptions(packed_attention="cudnn")
+    with pytest.raises(ConfigError, match="packed_attention: triton tunes its tile .* needs token_bucket"):
+        torch_options.TorchOptions(packed=True, packed_attention="triton")
+    torch_options.TorchOptions(packed=True, token_bucket=1024, packed_attention="triton")
     for kernel in ("cudnn", "triton"):
-        cpu = make_variant("x", "torch", "cpu", {"packed": True, "packed_attention": kernel})
+        cpu = make_variant("x", "torch", "cpu", {"packed": True, "token_bucket": 1024, "packed_attention": kernel})
         assert f"packed_attention: {kernel} is a CUDA kernel: it needs device: cuda" in cpu.unavailable_reason()
     epilogue = {"ffn_hidden_fp8": True, "ffn_gelu": "epilogue"}
     with pytest.raises(ConfigError, match="epilogue plans one cuBLASLt GEMM per token count.*token_bucket"):

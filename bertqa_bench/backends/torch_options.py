@@ -232,6 +232,12 @@ class TorchOptions:
         if self.packed_attention != "flash" and not self.packed:
             raise ConfigError(f"packed_attention: {self.packed_attention} is the padding-free encoder's attention "
                               "kernel: it needs packed: true (padded rows choose SDPA's with sdpa_backend)")
+        if self.packed_attention == "triton" and not self.token_bucket:
+            # the kernel tunes its tile once per sequence-length bucket, for seconds; the token
+            # buckets' warm-up does it in prepare, whereas batches packed to their own longest
+            # length would tune inside the timed passes whenever a new bucket first appears
+            raise ConfigError("packed_attention: triton tunes its tile in the token buckets' warm-up, in prepare: it "
+                              "needs token_bucket (batches packed to their own length would tune while timed)")
         if self.fp8 is not None and self.fp8.ffn_gelu == "epilogue" and self.packed and not self.token_bucket:
             raise ConfigError("fp8.ffn_gelu: epilogue plans one cuBLASLt GEMM per token count; packed batches need "
                               "token_bucket (a few bucket sizes), not a new token count every batch")
