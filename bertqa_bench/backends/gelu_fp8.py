@@ -60,7 +60,8 @@ HAS_TRITON = _has_triton()
 
 
 def triton_unavailable_reason() -> str:
-    """Why the Triton kernel cannot run here ('' when it can: CUDA and Triton present)."""
+    """Why the suite's Triton kernels (this one, triton_attention's) cannot run here ('' when they
+    can: CUDA and Triton present)."""
     if not torch.cuda.is_available():
         return "no CUDA device"
     if not HAS_TRITON:

@@ -42,6 +42,9 @@ import os
 
 import torch
 
+# whether Triton is here, decided once for the suite's Triton kernels (gelu_fp8.py's and this one)
+from .gelu_fp8 import HAS_TRITON, triton_unavailable_reason  # noqa: F401 - torch_backend asks this module
+
 LOG2E = 1.4426950408889634
 # powers of two tl.dot takes (K >= 16); the configurations are sized (and checked against ptxas's
 # register use) up to 128
@@ -50,26 +53,6 @@ HEAD_DIMS = (16, 32, 64, 128)
 # there measures nothing, and small tiles let the tests cross tile boundaries with short sequences.
 # BLOCK_N differs from BLOCK_M so that a q tile spans several K/V blocks.
 INTERPRETER_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 16}
-
-
-def _has_triton() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-HAS_TRITON = _has_triton()
-
-
-def triton_unavailable_reason() -> str:
-    """Why the Triton kernel cannot run on a GPU here ('' when it can: CUDA and Triton present)."""
-    if not torch.cuda.is_available():
-        return "no CUDA device"
-    if not HAS_TRITON:
-        return "triton is not installed (it comes with CUDA builds of torch)"
-    return ""
 
 
 def _interpreting() -> bool:
