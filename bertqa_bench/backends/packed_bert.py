@@ -7,9 +7,10 @@ FFN GEMM, LayerNorm and GELU see T = sum of real lengths rows instead of batch x
 attention runs per sequence through a variable-length kernel given the cumulative sequence
 lengths (``torch.nn.attention.varlen.varlen_attn``, FlashAttention, cuDNN's fused attention
 through nvidia-cudnn-frontend, ``attention="cudnn"``, or the suite's Triton kernel,
-``attention="triton"``, on CUDA; a per-sequence SDPA loop elsewhere, for tests). The hidden states are scattered back to [batch, seq_len, hidden]
-(zeros at padding) so the task's own head (QA span head, NQ's answer-type head on the pooled
-[CLS]) runs unchanged — the wrapper is task-agnostic.
+``attention="triton"``, on CUDA; a per-sequence SDPA loop elsewhere, for tests). The hidden
+states are scattered back to [batch, seq_len, hidden] (zeros at padding) so the task's own head
+(QA span head, NQ's answer-type head on the pooled [CLS]) runs unchanged — the wrapper is
+task-agnostic.
 
 It uses the wrapped BertModel's own weights and modules, so it computes the same function as
 the padded model on every real token (tested against it). Quantized Linears (FP8, INT8) swapped
