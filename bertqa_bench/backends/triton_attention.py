@@ -204,7 +204,6 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen: int, scale: float | None =
     return launch(q, k, v, cu_seqlens, max_seqlen, q.shape[-1] ** -0.5 if scale is None else scale)
 
 
-
 # The packed encoder's entry point: a torch custom op, so torch.compile keeps the call in its graph
 # as one opaque kernel (the autotuner and its host-side checks run at call time, not while
 # tracing) and the token buckets' CUDA graphs capture it. The schema is spelled out because this
