@@ -857,6 +857,62 @@ def test_fp8_attention_swaps_qkv_to_e4m3_and_the_packed_model_tracks_the_padded_
         fp8.swap_to_fp8(copy.deepcopy(model), amax, gemms="qkv,ffn_in,ffn_out", attention_fp8=True)
 
 
+def test_attention_output_e4m3_options_are_checked_before_any_work():
+    from bertqa_bench.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="attention_output 'fp8' is not one of fp16, e4m3"):
+        torch_options.Fp8Options(gemms="all", attention_output="fp8")
+    with pytest.raises(ConfigError, match="attention_output: e4m3 needs scaling 'tensor'.*attn_out"):
+        torch_options.Fp8Options(attention_output="e4m3")  # the default gemms leave attn_out in 16 bits
+    with pytest.raises(ConfigError, match="attention_output: e4m3 needs scaling 'tensor'"):
+        torch_options.Fp8Options(gemms="all", scaling="rowwise", attention_output="e4m3")
+    with pytest.raises(ConfigError, match="attention: fp8 writes its output in e4m3 already"):
+        torch_options.Fp8Options(gemms="all", attention="fp8", attention_output="e4m3")
+    e4m3 = torch_options.Fp8Options(gemms="all", attention_output="e4m3")
+    with pytest.raises(ConfigError, match="attention_output: e4m3 is written by .* Triton attention kernel: it needs "
+                                          "packed: true and packed_attention: triton"):
+        torch_options.TorchOptions(weights="fp16", packed=True, token_bucket=1024, packed_attention="cudnn", fp8=e4m3)
+    torch_options.TorchOptions(weights="fp16", packed=True, token_bucket=1024, packed_attention="triton", fp8=e4m3)
+
+
+@needs_cpu_scaled_mm
+def test_attention_output_e4m3_hands_the_output_gemm_what_it_would_quantize_itself():
+    """attention_output: e4m3: every layer's attention knows 1 / its output GEMM's input scale,
+    that GEMM is called with an e4m3 input, and the packed model's logits are the fp16-output
+    model's bit for bit: on the CPU the encoder quantizes the 16-bit attention output exactly as
+    the GEMM's own quantize did (the GPU's Triton kernel rounds its fp32 output once instead:
+    test_triton_attention)."""
+    from bertqa_bench.backends.packed_bert import encoder_of, pack_model
+
+    model = qa(tiny_bert(hidden=64))
+    ids, mask, types = inputs()
+    x = (ids, mask, types)
+    targets = fp8.target_linears(model, fp8.GEMM_KINDS)
+    amax = fp8.calibrate_amax(model, [x], targets)
+    plain = copy.deepcopy(model)
+    fp8.swap_to_fp8(plain, amax, gemms="all")
+    with pytest.raises(ValueError, match="attention_output: e4m3 needs .*attn_out"):
+        fp8.swap_to_fp8(copy.deepcopy(model), amax, gemms="qkv,ffn_in,ffn_out", attention_output="e4m3")
+    done = fp8.swap_to_fp8(model, amax, gemms="all", attention_output="e4m3")
+    assert len(done["attention_output_e4m3"]) == 2 and not done["attention_fp8"]
+    seen = []
+    for name in done["attention_output_e4m3"]:
+        sa = model.get_submodule(name)
+        dense = model.get_submodule(name[: -len("self")] + "output.dense")
+        assert sa.qkv_out_scale is None and sa.o_inv_scale.dtype == torch.float32
+        assert float(sa.o_inv_scale) == np.float32(1.0 / dense.act_scale_value)
+        dense.register_forward_pre_hook(lambda m, a: seen.append(a[0].dtype))
+    pack_model(model.model, attention="triton")
+    pack_model(plain.model, attention="triton")
+    assert "e4m3" not in encoder_of(model.model).kernel_name  # no Triton kernel on the CPU: SDPA, quantized after
+    with torch.no_grad():
+        got = model(*x)
+        want = plain(*x)
+    assert seen == [torch.float8_e4m3fn] * 2
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
 # --------------------------------------------------------------------------- the residual in the GEMM
 
 @needs_cpu_scaled_mm
@@ -1749,6 +1805,7 @@ def test_host_bucket_lengths_equal_the_devices():
                                                   "torch-compile-fp8-graph-gelu-epilogue-autotune",
                                                   "torch-compile-fp8all-graph-packed-cudnn-epilogue-autotune-2streams",
                                                   "torch-compile-fp8all-graph-packed-triton-epilogue-autotune-2streams",
+                                                  "torch-compile-fp8all-graph-packed-triton-e4m3out-epilogue-autotune-2streams",
                                                   "torch-compile-fp8-graph-gelu-epilogue-autotune-2streams",
                                                   "torch-compile-fp8all-graph-packed-cudnn-attn",
                                                   "torch-compile-fp8all-graph-packed-cudnn-fp8attn",
@@ -1779,6 +1836,10 @@ def test_fp8_attention_and_packing_variants_track_fp32_on_gpu(tmp_path, name):
         assert info["attention_kernel"].startswith("cuDNN")
     if "-triton-" in name:
         assert info["attention_kernel"].startswith("Triton")
+        assert info["attention_tuning_source"] in ("timed", "cache") and info["attention_tuned_config"]
+    if "-e4m3out-" in name:
+        assert info["attention_kernel"].endswith("e4m3 output in 2 layers")
+        assert info["fp8_attention_output"].startswith("e4m3 at the output GEMM's input scale")
     if "epilogue" in name:
         assert info["fp8_ffn_gelu"].startswith("tanh form, cuBLASLt GELU_BIAS epilogue")
     if "fp8attn" in name:
@@ -1812,6 +1873,7 @@ def _in_flight_gives_one_at_a_time_outputs(backend, batches, name, after_passes=
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["torch-compile-fp8all-graph-packed-cudnn-epilogue-autotune-2streams",
                                   "torch-compile-fp8all-graph-packed-triton-epilogue-autotune-2streams",
+                                  "torch-compile-fp8all-graph-packed-triton-e4m3out-epilogue-autotune-2streams",
                                   "torch-compile-fp8-graph-gelu-epilogue-autotune-2streams"])
 def test_two_streams_replay_their_own_graph_copies_and_give_the_one_at_a_time_outputs_on_gpu(tmp_path, name,
                                                                                             monkeypatch):

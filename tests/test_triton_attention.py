@@ -12,6 +12,15 @@ p-weighted mean of |V| over the row sum of the unrounded P) + u * |O| <= 2 u max
 bound. Relative to ||O|| over many elements, the errors are independent roundings of rms ~u/sqrt(3)
 each, ~0.8 u = 4e-4 for the two: the 1e-3 limit (~2u) has 2.5x margin, while a 1% error in the
 scale (checked) already exceeds it. bf16: u = 2^-8, the same formulas.
+
+The e4m3 output (``out_inv_scale`` c): the fp32 output x (|x - y| <= u max|V| from P's rounding,
+y the exact attention) times c, rounded once to e4m3, whose rounding is relative <= 2^-4 (half a
+step of 3 mantissa bits) among normal values and absolute <= 2^-10 among subnormals; so
+|e4m3 / c - y| <= 2^-4 (|y| + u max|V|) + 2^-10 / c + u max|V| wherever |x c| < 448, and exactly
++-448 beyond. Against the 16-bit output quantized afterwards (what the output GEMM did): the same
+x, rounded to fp16 first, so the two differ by at most one e4m3 step (a second rounding can only
+cross one midpoint), and only where fp16's rounding crossed one: a fraction of about
+2^-11 / 2^-4 = 2^-7 of the normal values.
 """
 from __future__ import annotations
 
@@ -48,7 +57,11 @@ except TypeError:
 _INTERPRETED = _INTERPRETER_NUMPY_SHIM + """
 import sys
 import torch
+import triton
+import triton.language as tl
 from bertqa_bench.backends import triton_attention as ta
+from bertqa_bench.backends._triton_attention_kernels import round_to_e4m3
+from bertqa_bench.backends.torch_fp8 import e4m3_codes_apart
 
 seed = int(sys.argv[1])
 g = torch.Generator().manual_seed(seed)
@@ -96,6 +109,50 @@ wrong = ta.launch(q, k, v, cu, long, 1.01 * 64 ** -0.5).double()
 assert float((wrong - ref).norm() / ref.norm()) > 2 * 2.0 ** -11
 check([bm + 1, 7, 2 * bm], 2, 32, torch.float16, 2.0 ** -11)
 check([bm + 1, 7, 2 * bm], 1, 128, torch.float16, 2.0 ** -11)
+# the e4m3 output, at a scale c that puts a tenth of the values past 448 (saturated)
+c = 448.0 / float(out.float().abs().flatten().quantile(0.9))
+inv = torch.tensor([c], dtype=torch.float32)
+poisoned = torch.full(q.shape, float("nan"), dtype=torch.float32).to(torch.float8_e4m3fn)
+o8 = ta.launch(q, k, v, cu, long, 64 ** -0.5, out=poisoned, out_inv_scale=inv)
+assert o8 is poisoned and o8.dtype == torch.float8_e4m3fn
+assert not o8.float().isnan().any(), "unwritten or NaN elements"
+got = o8.double() / c
+u, vmax = 2.0 ** -11, float(v.abs().max())
+sat = (ref * c).abs() > 448 + c * u * vmax  # certainly past 448 before rounding
+free = (ref * c).abs() < 448 - c * u * vmax  # certainly inside
+assert int(sat.sum()) > 0 and bool((o8.float()[sat].abs() == 448).all())
+allowed = 2.0 ** -4 * (ref.abs() + u * vmax) + 2.0 ** -10 / c + u * vmax
+assert bool(((got - ref).abs() <= allowed)[free].all()), float(((got - ref).abs() - allowed)[free].max())
+# against the fp16 output quantized afterwards as the output GEMM did: at most one step apart,
+# and rarely that (the fraction where fp16's rounding crossed an e4m3 midpoint, ~2^-7)
+after = (out.float() * inv).clamp(-448, 448).to(torch.float8_e4m3fn)
+apart = e4m3_codes_apart(o8, after)
+frac = float((apart > 0).float().mean())
+print(f"e4m3 output: {int(sat.sum())} saturated, {frac:.2%} one step from the fp16 output quantized after")
+assert int(apart.max()) <= 1 and frac <= 2.0 ** -6, (int(apart.max()), frac)
+# the custom op with the scale: the same bytes, an e4m3 fake output
+assert torch.equal(ta.varlen_attention_op(q, k, v, cu, long, 64 ** -0.5, inv).view(torch.uint8), o8.view(torch.uint8))
+torch.library.opcheck(ta.varlen_attention_op, (q, k, v, cu, long, 64 ** -0.5, inv),
+                      test_utils=("test_schema", "test_faketensor"))
+
+
+@triton.jit
+def _round_kernel(X, Y, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(Y + offs, round_to_e4m3(tl.load(X + offs)).to(Y.dtype.element_ty))
+
+
+# round_to_e4m3 is torch's round-to-nearest-even cast after saturation, bit for bit: ties (odd
+# and even), the smallest subnormals and half of them, both zeros, past 448 and 464 (a tie
+# above 448), and a random spread of magnitudes 1e-5..3e3
+ties = [2.0 ** -10, 3 * 2.0 ** -10, 1.0625, 1.1875, 1.03125, 2.0 ** -9, 2.0 ** -6 - 2.0 ** -10, 464.0, 460.0, 0.0, -0.0]
+n = 1 << 14
+x = torch.randn(n, generator=g) * torch.logspace(-5, 3.5, n)
+x[: 2 * len(ties)] = torch.tensor(ties + [-t for t in ties])
+y = torch.empty(n, dtype=torch.float8_e4m3fn)
+_round_kernel[(1,)](x, y, N=n)
+want = x.clamp(-448, 448).to(torch.float8_e4m3fn)
+assert torch.equal(y.view(torch.uint8), want.view(torch.uint8)), int((y.view(torch.uint8) != want.view(torch.uint8)).sum())
 # no bf16 here: Triton 3.5's interpreter keeps bf16 as uint16 bit patterns and its tl.dot
 # multiplies those as integers (it converts only 8-bit floats); the GPU test covers bf16
 assert "BLOCK_M: 32" in ta.best_config() and "BLOCK_N: 16" in ta.best_config(), ta.best_config()
@@ -113,14 +170,18 @@ def test_triton_attention_in_the_interpreter_matches_fp64_sdpa(tmp_path):
     """Indexing, masking (lengths 1, BLOCK_M, BLOCK_M + 1, BLOCK_N, BLOCK_N + 1, long, empty),
     strided QKV views, the online softmax and the output's coverage (poisoned with NaN first),
     run by Triton's interpreter on the CPU against per-sequence SDPA in fp64, at head_dim 32, 64,
-    128, fp16 (bf16: the GPU test), with a fresh seed each run. In a process of its own: the interpreter patches
+    128, fp16 (bf16: the GPU test), with a fresh seed each run; the e4m3 output against the same
+    reference and against the fp16 output quantized afterwards, and its rounding helper against
+    torch's cast. In a process of its own: the interpreter patches
     triton.language for good, and a kernel compiled later in the same process fails to lower."""
     pytest.importorskip("triton", reason="triton is not installed (CUDA builds of torch bring it)")
     seed = int.from_bytes(os.urandom(4), "little")
     root = str(Path(ta.__file__).resolve().parents[2])  # the same package as this process's
     env = {**os.environ, "TRITON_INTERPRET": "1", "TRITON_CACHE_DIR": str(tmp_path),
            "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    r = subprocess.run([sys.executable, "-c", _INTERPRETED, str(seed)], env=env, cwd=root, capture_output=True,
+    script = tmp_path / "interpreted.py"  # a file: the interpreter reads a jitted function's source
+    script.write_text(_INTERPRETED)
+    r = subprocess.run([sys.executable, str(script), str(seed)], env=env, cwd=root, capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0 and "interpreted kernel matches" in r.stdout, f"seed {seed}\n{r.stdout}\n{r.stderr[-3000:]}"
 
@@ -197,21 +258,26 @@ def test_packed_encoder_refuses_a_head_size_the_kernel_does_not_take_before_any_
     PackedEncoder(bert, attention="cudnn")  # the other kernels take it
 
 
-def _compile_sm90(tmp_path, monkeypatch, head_dim, block_m, block_n, num_warps, num_stages):
+def _compile_sm90(tmp_path, monkeypatch, head_dim, block_m, block_n, num_warps, num_stages, e4m3_out=False):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     kernel = ta._kernel()
-    sig = {"Q": "*fp16", "K": "*fp16", "V": "*fp16", "O": "*fp16", "cu_seqlens": "*i32"}
+    sig = {"Q": "*fp16", "K": "*fp16", "V": "*fp16", "O": "*fp8e4nv" if e4m3_out else "*fp16", "cu_seqlens": "*i32",
+           "o_inv_scale": "*fp32" if e4m3_out else "constexpr"}
     sig.update({f"stride_{x}{y}": "i32" for x in "qkvo" for y in "th"})
-    sig.update(qk_scale="fp32", seq_bucket="i32", HEAD_DIM="constexpr", BLOCK_M="constexpr", BLOCK_N="constexpr")
+    sig.update(qk_scale="fp32", seq_bucket="i32", HEAD_DIM="constexpr", E4M3_OUT="constexpr", BLOCK_M="constexpr",
+               BLOCK_N="constexpr")
     assert list(sig) == kernel.arg_names
     # as a [T, 3, H, D] fp16 tensor's views pass them: 16-byte aligned pointers, strides multiples
     # of 16 (Triton specializes integer arguments divisible by 16 at launch the same way)
-    attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values()) if t in ("*fp16", "*i32", "i32")}
-    src = ASTSource(fn=kernel, signature=sig, constexprs={"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n},
-                    attrs=attrs)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values())
+             if t in ("*fp16", "*fp8e4nv", "*i32", "i32")}
+    constexprs = {"HEAD_DIM": head_dim, "E4M3_OUT": e4m3_out, "BLOCK_M": block_m, "BLOCK_N": block_n}
+    if not e4m3_out:
+        constexprs["o_inv_scale"] = None  # what a launch without the scale passes
+    src = ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs)
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # a cold cache: compiled here, not read back
     # GPUTarget's third field is the warp size (32 on NVIDIA GPUs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps,
@@ -240,6 +306,18 @@ def test_attention_kernel_compiles_for_hopper_with_wgmma_and_pipelined_loads(tmp
     assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16" in ptx  # S = Q K^T and O += P V, fp32 accumulation
     assert "ex2.approx" in ptx
     assert "cp.async" in ptx and "ld.global.v4" in ptx
+    assert _ptxas_spill_bytes(ptx, tmp_path) == 0
+    assert "e4m3" not in ptx
+
+
+def test_attention_kernel_with_e4m3_output_compiles_for_hopper_without_spills(tmp_path, monkeypatch):
+    """The e4m3-output form of the tile the end-to-end runs chose (64 x 32, 4 warps, 3 stages):
+    its stores convert with Hopper's cvt to e4m3 (of values already on e4m3's grid, so the
+    conversion's own rounding never acts), the matmuls stay on wgmma, and nothing spills."""
+    pytest.importorskip("triton", reason="triton is not installed (CUDA builds of torch bring it)")
+    ptx = _compile_sm90(tmp_path, monkeypatch, 64, 64, 32, 4, 3, e4m3_out=True).asm["ptx"]
+    assert re.search(r"cvt\.rn\.satfinite\.e4m3x2\.f(32|16x2)", ptx), "no e4m3 conversion in the PTX"
+    assert "wgmma.mma_async" in ptx
     assert _ptxas_spill_bytes(ptx, tmp_path) == 0
 
 
@@ -310,3 +388,46 @@ def test_triton_attention_on_cuda_matches_sdpa_and_replays_in_a_cuda_graph(dtype
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(gout.view(torch.int16), out.view(torch.int16))
+
+
+@pytest.mark.gpu
+def test_triton_attention_e4m3_output_on_cuda_is_within_its_bound_and_replays_in_a_cuda_graph():
+    """The BERT-large-like case with the e4m3 output, at a scale that saturates a tenth of the
+    values: within the module docstring's bound of fp64 SDPA and exactly +-448 where saturated; a
+    CUDA graph's replay writes the eager call's bytes. (Not compared code for code with the fp16
+    output quantized afterwards, as the interpreter test does: each output dtype is tuned on its
+    own, and another tile rounds P differently.)"""
+    if ta.triton_unavailable_reason():
+        pytest.skip(ta.triton_unavailable_reason())
+    seed = int.from_bytes(os.urandom(4), "little")
+    lens, cu, qkv = _bert_large_like(seed, torch.float16)
+    q, k, v = qkv.unbind(1)
+    scale, u, vmax = 64 ** -0.5, 2.0 ** -11, float(v.abs().max())
+    out16 = ta.varlen_attention(q, k, v, cu, 384, scale)
+    c = 448.0 / float(out16.float().abs().flatten()[::7].quantile(0.9))
+    inv = torch.tensor([c], dtype=torch.float32, device="cuda")
+    o8 = ta.varlen_attention(q, k, v, cu, 384, scale, inv)
+    assert o8.dtype == torch.float8_e4m3fn and o8.shape == q.shape and not o8.float().isnan().any()
+    ref = torch.empty(q.shape, dtype=torch.float64, device="cuda")
+    b = cu.tolist()
+    for s, e in zip(b[:-1], b[1:]):
+        qi, ki, vi = (x[s:e].double().transpose(0, 1) for x in (q, k, v))
+        ref[s:e] = torch.nn.functional.scaled_dot_product_attention(qi, ki, vi, scale=scale).transpose(0, 1)
+    sat = (ref * c).abs() > 448 + c * u * vmax
+    free = (ref * c).abs() < 448 - c * u * vmax
+    assert int(sat.sum()) > 0 and bool((o8.float()[sat].abs() == 448).all()), seed
+    allowed = 2.0 ** -4 * (ref.abs() + u * vmax) + 2.0 ** -10 / c + u * vmax
+    assert bool(((o8.double() / c - ref).abs() <= allowed)[free].all()), seed
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        ta.varlen_attention(q, k, v, cu, 384, scale, inv)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gout = ta.varlen_attention(q, k, v, cu, 384, scale, inv)
+    gout.view(torch.uint8).fill_(0x7F)  # NaN in e4m3fn
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(gout.view(torch.uint8), o8.view(torch.uint8))

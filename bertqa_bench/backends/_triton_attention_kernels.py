@@ -34,13 +34,34 @@ def _attend_block(q, k_base, v_base, start_n, seqlen, stride_kt, stride_vt, m_i,
     acc = tl.dot(p.to(v.dtype), v, acc)
     return m_new, l_i, acc
 
+
 @triton.jit
-def varlen_attention_fwd(Q, K, V, O, cu_seqlens, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+def round_to_e4m3(x):
+    # x saturated to +-448 and rounded to the e4m3 grid (3 mantissa bits, subnormal spacing 2^-9
+    # below 2^-6), to nearest with ties to even, in exact fp32 steps; the cast that follows only
+    # changes the format. Written out because the rounding of a plain fp32 -> e4m3 cast is the
+    # backend's choice (cvt.rn.satfinite on the GPU, truncation in Triton's interpreter) and the
+    # output must be what quantize_fp8 gives on any of them.
+    x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+    exp = (x.to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased exponent of |x|
+    step_exp = tl.maximum(exp, 127 - 6) - 3  # the grid's spacing at |x|: 2^(step_exp - 127)
+    step = (step_exp << 23).to(tl.float32, bitcast=True)
+    inv_step = ((254 - step_exp) << 23).to(tl.float32, bitcast=True)
+    # x / step is exact (a power of two); adding and subtracting 1.5 * 2^23 rounds it to an integer,
+    # ties to even (|x / step| < 2^4 here, far inside the trick's 2^22); an FMA contraction of the
+    # first two steps rounds once too, so it gives the same bits
+    r = (x * inv_step + 12582912.0) - 12582912.0
+    return tl.where(r == 0.0, x * 0.0, r * step)  # a zero keeps x's sign, as a cast's does
+
+
+@triton.jit
+def varlen_attention_fwd(Q, K, V, O, cu_seqlens, o_inv_scale, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                          stride_ot, stride_oh, qk_scale, seq_bucket, HEAD_DIM: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                         E4M3_OUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # Grid (q tiles, heads, sequences), the q tile fastest: the programs of one (sequence,
     # head) are launched next to each other and read the same K/V, which then comes from L2.
-    # seq_bucket only keys the autotuner.
+    # seq_bucket only keys the autotuner. E4M3_OUT: O is e4m3, written as the output times
+    # o_inv_scale (a 1-element fp32 tensor: the consuming GEMM's static input scale, inverted).
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
     seq = tl.program_id(2)
@@ -71,5 +92,7 @@ def varlen_attention_fwd(Q, K, V, O, cu_seqlens, stride_qt, stride_qh, stride_kt
                                       qk_scale, offs_n, offs_d, MASKED=True)
     # every stored row has >= 1 valid key, so l_i >= 1 (its maximum term is exp2(0))
     out = acc / l_i[:, None]
+    if E4M3_OUT:
+        out = round_to_e4m3(out * tl.load(o_inv_scale))
     tl.store(O + (row0 + offs_m[:, None]) * stride_ot + head * stride_oh + offs_d[None, :],
              out.to(O.dtype.element_ty), mask=m_valid[:, None])

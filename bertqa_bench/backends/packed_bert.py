@@ -54,6 +54,7 @@ from torch import nn
 
 from ..model.checkpoint import OFFSET_POSITION_FAMILIES, PACKED_FAMILIES
 from .device_io import capture_streams
+from .torch_fp8 import E4M3_MAX
 from .torch_options import PACKED_ATTENTION
 
 
@@ -158,9 +159,12 @@ class PackedEncoder(nn.Module):
     @property
     def kernel_name(self) -> str:
         layers = () if self.family == "distilbert" else self.bert.encoder.layer
-        n_fp8 = sum(getattr(layer.attention.self, "o_inv_scale", None) is not None for layer in layers)
+        n_fp8 = sum(getattr(layer.attention.self, "qkv_out_scale", None) is not None for layer in layers)
         if n_fp8:  # layers whose QKV GEMM writes e4m3 run cuDNN's FP8 attention, whatever the 16-bit kernel
             return f"cuDNN FP8 attention, ragged offsets (cudnn-frontend sdpa_fp8) in {n_fp8} layers"
+        n_e4m3 = sum(getattr(layer.attention.self, "o_inv_scale", None) is not None for layer in layers)
+        if n_e4m3 and self._kernel is not None and self.attention == "triton":
+            return f"Triton variable-length attention (triton_attention.py), e4m3 output in {n_e4m3} layers"
         if self._kernel is None:
             return "per-sequence SDPA"
         if self.attention == "cudnn":
@@ -169,7 +173,19 @@ class PackedEncoder(nn.Module):
             return "Triton variable-length attention (triton_attention.py)"
         return "varlen_attn (FlashAttention)"
 
-    def _attention(self, q, k, v, cu, max_len: int):
+    def _attention(self, q, k, v, cu, max_len: int, out_inv_scale=None):
+        """Attention over the packed sequences: q's dtype, or e4m3 at ``out_inv_scale`` (the FP8
+        output GEMM's static input scale, inverted; the Triton kernel writes it, the other paths
+        quantize their 16-bit output as that GEMM would)."""
+        if (out_inv_scale is not None and self.attention == "triton" and self._kernel is not None and q.is_cuda
+                and q.dtype in (torch.float16, torch.bfloat16)):
+            return self._kernel(q, k, v, cu, max_len, self.scale, out_inv_scale)
+        out = self._attention_16bit(q, k, v, cu, max_len)
+        if out_inv_scale is None:
+            return out
+        return (out.float() * out_inv_scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+    def _attention_16bit(self, q, k, v, cu, max_len: int):
         if self._kernel is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
             if self.attention == "cudnn":
                 # q, k, v may be strided views of the fused [T, 3, heads, head_dim] QKV: the
@@ -241,11 +257,13 @@ class PackedEncoder(nn.Module):
                 q = sa.query(x).view(t, self.heads, self.head_dim)
                 k = sa.key(x).view(t, self.heads, self.head_dim)
                 v = sa.value(x).view(t, self.heads, self.head_dim)
-            if getattr(sa, "o_inv_scale", None) is not None:
+            o_inv = getattr(sa, "o_inv_scale", None)
+            if o_inv is not None and sa.qkv_out_scale is not None:
                 # FP8 attention on e4m3 Q, K, V: its e4m3 output is quantized at the output GEMM's
                 # own static input scale, so that GEMM takes it as it is
-                ctx = self._fp8_attention(q, k, v, cu, max_len, self.scale, sa.qkv_out_scale,
-                                          sa.o_inv_scale).reshape(t, -1)
+                ctx = self._fp8_attention(q, k, v, cu, max_len, self.scale, sa.qkv_out_scale, o_inv).reshape(t, -1)
+            elif o_inv is not None:  # 16-bit attention writing e4m3 at that scale (fp8 attention_output)
+                ctx = self._attention(q, k, v, cu, max_len, o_inv).reshape(t, -1)
             else:
                 # (the fused FP8 GEMM may write bf16 under rowwise scaling: back to the model's dtype)
                 ctx = self._attention(q, k, v, cu, max_len).reshape(t, -1).to(x.dtype)

@@ -279,11 +279,13 @@ class TorchBackend(Backend):
         info = {"token_bucket": o.token_bucket, "token_buckets": len(buckets.sizes),
                 "token_bucket_graphs": captured, "packing": "host" if self._packer is not None else "device"}
         if o.packed_attention == "triton" and captured:
-            from .triton_attention import autotune_timings, best_config
+            from .triton_attention import autotune_timings, best_config, tuning_source
 
-            # tuned in the first bucket's warm-up (on its dummy sequences), then captured as chosen;
-            # every timed configuration is kept, so the margin of the choice shows
+            # tuned in the first bucket's warm-up (on its dummy sequences), or taken from an earlier
+            # process's tuning in Triton's cache, then captured as chosen; every timed configuration
+            # is kept, so the margin of the choice shows
             info["attention_tuned_config"] = best_config()
+            info["attention_tuning_source"] = tuning_source()
             info["attention_tuning_us"] = autotune_timings()
         return info
 

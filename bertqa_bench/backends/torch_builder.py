@@ -132,7 +132,8 @@ def quantize_fp8(module, f: Fp8Options, batches) -> dict:
         return swap_to_fp8(m, amax, scaling=f.scaling, gemms=gemms, fuse_qkv=f.fuse_qkv, fast_accum=f.fast_accum,
                            act_margin=f.act_margin, keep_layers=keep, ffn_hidden_fp8=f.ffn_hidden_fp8,
                            ffn_gelu=f.ffn_gelu, attention_fp8=f.attention == "fp8", residual=f.residual,
-                           cublaslt_gemms=f.cublaslt_gemms, cublaslt_autotune=f.cublaslt_autotune)
+                           cublaslt_gemms=f.cublaslt_gemms, cublaslt_autotune=f.cublaslt_autotune,
+                           attention_output=f.attention_output)
 
     kept, info = sensitivity_sweep(module, batches, lambda m, layer: swap(m, [i for i in range(n) if i != layer]),
                              f.sensitivity_keep)
@@ -155,6 +156,10 @@ def quantize_fp8(module, f: Fp8Options, batches) -> dict:
                                    if f.cublaslt_autotune else "cuBLASLt's heuristic"),
         "fp8_attention": (f"e4m3 Q, K, V, probabilities and output in {len(done['attention_fp8'])} layers "
                           "(cuDNN FP8 attention)" if f.attention == "fp8" else "16-bit"),
+        "fp8_attention_output": (f"e4m3 at the output GEMM's input scale, written by the attention kernel, in "
+                                 f"{len(done['attention_output_e4m3'])} layers" if f.attention_output == "e4m3"
+                                 else "e4m3 only with attention: fp8" if f.attention == "fp8"
+                                 else "16-bit (quantized by the output GEMM)" if "attn_out" in gemms else "16-bit"),
         "fp8_not_fp8": "embeddings, layernorms, "
                        + ("" if f.attention == "fp8" else "attention softmax/PV (SDPA), ") + "qa head"
                        + ("" if "attn_out" in gemms else ", attention output projection"),

@@ -46,6 +46,10 @@ FFN_GELUS = ("exact", "tanh", "epilogue")
 # them (Inductor fuses the add there), or in the GEMM itself as cuBLASLt's C operand
 # (gemm_epilogue.py), so that the LayerNorm pass reads one tensor instead of two
 RESIDUALS = ("layernorm", "gemm")
+# the 16-bit attention's output, which the FP8 attention-output GEMM reads: fp16 (the model's
+# 16-bit dtype; that GEMM quantizes it in a pass of its own) or e4m3 (the packed encoder's Triton
+# attention kernel writes it at the GEMM's static input scale: half the bytes, no separate pass)
+ATTENTION_OUTPUTS = ("fp16", "e4m3")
 # the activations (transformers' and torch's classes) whose function the tanh form computes or
 # approximates: erf-GELU and the tanh forms; not QuickGELU (x * sigmoid(1.702 x))
 GELU_CLASSES = ("GELUActivation", "GELU", "NewGELUActivation", "PytorchGELUTanh", "GELUTanh", "FastGELUActivation")
@@ -562,7 +566,7 @@ def swap_to_fp8(model, act_amax: Optional[Mapping[str, float]] = None, *, scalin
                 act_margin: float = 2.0, keep_layers: Iterable[int] = (),
                 ffn_hidden_fp8: bool = False, ffn_gelu: str = "exact",
                 attention_fp8: bool = False, residual: str = "layernorm",
-                cublaslt_gemms="", cublaslt_autotune: int = 0) -> dict[str, Any]:
+                cublaslt_gemms="", cublaslt_autotune: int = 0, attention_output: str = "fp16") -> dict[str, Any]:
     """Replace encoder Linears of ``model`` (those of the kinds in ``gemms``) in place by FP8 modules.
 
     ``act_amax`` (name -> calibrated input amax, ``calibrate_amax``) is needed for the static
@@ -572,7 +576,11 @@ def swap_to_fp8(model, act_amax: Optional[Mapping[str, float]] = None, *, scalin
     between them. ``attention_fp8``: in every layer whose fused QKV and attention-output GEMMs are
     both FP8, Q, K and V are written in e4m3 (needs the q/k/v outputs' calibrated amax, ``name +
     OUT``) and the attention output is read in e4m3 at the output GEMM's input scale: the packed
-    encoder runs attention in FP8 there (cudnn_fp8_attention.py). ``residual`` (RESIDUALS): "gemm"
+    encoder runs attention in FP8 there (cudnn_fp8_attention.py). ``attention_output``
+    (ATTENTION_OUTPUTS): "e4m3" has the 16-bit attention of every layer whose fused QKV and
+    attention-output GEMMs are both FP8 write its output in e4m3 at the output GEMM's input scale
+    (the packed encoder's Triton kernel does). Either way the layer's ``o_inv_scale`` (1 / that
+    scale) says that its attention writes e4m3. ``residual`` (RESIDUALS): "gemm"
     adds the residual in the attention-output and FFN-down FP8 GEMMs (``Fp8Linear.plus``, which
     the padding-free encoder calls). ``cublaslt_gemms``: GEMM kinds (16-bit output) run through
     cuBLASLt planned by nvmath-python instead of torch._scaled_mm (``Fp8Linear.use_cublaslt``);
@@ -583,6 +591,8 @@ def swap_to_fp8(model, act_amax: Optional[Mapping[str, float]] = None, *, scalin
     modules replaced by a fused-QKV FP8 attention), ``gemms`` (FP8 GEMMs per forward), ``kept``
     (targeted Linears left alone, with why).
     """
+    import torch
+
     if scaling not in SCALINGS:
         raise ValueError(f"scaling must be one of {SCALINGS}, not '{scaling}'")
     gemms = parse_gemms(gemms)
@@ -592,6 +602,7 @@ def swap_to_fp8(model, act_amax: Optional[Mapping[str, float]] = None, *, scalin
         raise ValueError(f"scaling '{scaling}' needs calibrated activation amax values (act_amax)")
     check_ffn_hidden(scaling, gemms, ffn_hidden_fp8, ffn_gelu)
     check_attention_fp8(scaling, gemms, fuse_qkv, attention_fp8)
+    check_attention_output(scaling, gemms, fuse_qkv, attention_output, attention_fp8)
     check_residual(scaling, gemms, residual)
     check_cublaslt(scaling, gemms, cublaslt_gemms, cublaslt_autotune, ffn_hidden_fp8=ffn_hidden_fp8,
                    ffn_gelu=ffn_gelu, attention_fp8=attention_fp8, residual=residual)
@@ -652,16 +663,20 @@ def swap_to_fp8(model, act_amax: Optional[Mapping[str, float]] = None, *, scalin
                                                            fast_accum=fast_accum, out_scale=out_scale))
         swapped.append(name)
         n_gemms += 1
-    attention_fp8_layers = []
+    attention_fp8_layers, e4m3_output_layers = [], []
     for attn_name in fused:
         sa = model.get_submodule(attn_name)
         out = attn_name[: -len("self")] + "output.dense"
-        if sa.qkv_out_scale is None:
+        if sa.qkv_out_scale is not None:
+            if out not in swapped:  # never reached: _fp8_able said it would be swapped
+                raise ValueError(f"{attn_name} writes e4m3 Q, K, V but {out} is not an FP8 GEMM")
+            attention_fp8_layers.append(attn_name)
+        elif attention_output == "e4m3" and out in swapped:
+            e4m3_output_layers.append(attn_name)
+        else:
             continue
-        if out not in swapped:  # never reached: _fp8_able said it would be swapped
-            raise ValueError(f"{attn_name} writes e4m3 Q, K, V but {out} is not an FP8 GEMM")
-        sa.o_inv_scale = sa.qkv_out_scale.new_tensor(1.0 / model.get_submodule(out).act_scale_value)
-        attention_fp8_layers.append(attn_name)
+        dense = model.get_submodule(out)
+        sa.o_inv_scale = torch.tensor(1.0 / dense.act_scale_value, dtype=torch.float32, device=dense.weight_fp8.device)
     hidden_fp8 = []
     for name in swapped:
         up = model.get_submodule(name) if gemm_kind(name) == "ffn_in" else None
@@ -693,7 +708,8 @@ def swap_to_fp8(model, act_amax: Optional[Mapping[str, float]] = None, *, scalin
             planned.append(label)
         lin.cublaslt_autotune = int(cublaslt_autotune)
     return {"swapped": swapped, "fused_qkv": fused, "gemms": n_gemms, "kept": kept, "ffn_hidden_fp8": hidden_fp8,
-            "attention_fp8": attention_fp8_layers, "residual_in_gemm": residual_in_gemm, "cublaslt": planned}
+            "attention_fp8": attention_fp8_layers, "attention_output_e4m3": e4m3_output_layers,
+            "residual_in_gemm": residual_in_gemm, "cublaslt": planned}
 
 
 def qkv_names(names: Iterable[str]) -> list[str]:
@@ -708,6 +724,19 @@ def check_attention_fp8(scaling: str, gemms, fuse_qkv: bool, attention_fp8: bool
         raise ValueError("attention: fp8 needs scaling 'tensor', fuse_qkv and both attention GEMMs (qkv, attn_out) "
                          f"in FP8, not scaling '{scaling}' with gemms {','.join(parse_gemms(gemms))}"
                          + ("" if fuse_qkv else " and fuse_qkv false"))
+
+
+def check_attention_output(scaling: str, gemms, fuse_qkv: bool, attention_output: str, attention_fp8: bool) -> None:
+    """ValueError unless the attention output's type fits the rest."""
+    if attention_output not in ATTENTION_OUTPUTS:
+        raise ValueError(f"attention_output '{attention_output}' is not one of {', '.join(ATTENTION_OUTPUTS)}")
+    if attention_output == "e4m3" and attention_fp8:
+        raise ValueError("attention_output: e4m3 is for 16-bit attention; attention: fp8 writes its output in e4m3 "
+                         "already")
+    if attention_output == "e4m3" and (scaling != "tensor" or not fuse_qkv or "attn_out" not in parse_gemms(gemms)):
+        raise ValueError("attention_output: e4m3 needs scaling 'tensor' (the output GEMM's static input scale), "
+                         f"fuse_qkv and the attention output GEMM (attn_out) in FP8, not scaling '{scaling}' with "
+                         f"gemms {','.join(parse_gemms(gemms))}" + ("" if fuse_qkv else " and fuse_qkv false"))
 
 
 # the GEMMs a residual follows

@@ -8,8 +8,8 @@ from typing import Optional
 
 from ..errors import ConfigError
 from ..model.checkpoint import PACKED_FAMILIES  # noqa: F401 - the families the padding-free encoder computes
-from .torch_fp8 import (SCALINGS, check_attention_fp8, check_cublaslt, check_ffn_hidden, check_residual,
-                        parse_cublaslt_gemms, parse_gemms)
+from .torch_fp8 import (SCALINGS, check_attention_fp8, check_attention_output, check_cublaslt, check_ffn_hidden,
+                        check_residual, parse_cublaslt_gemms, parse_gemms)
 
 DTYPES = ("fp32", "fp16", "bf16")
 # Families whose encoder is BertModel's layout (tests/test_checkpoint.py checks the FP8/INT8
@@ -53,6 +53,11 @@ class Fp8Options:
     # the softmax probabilities and the output in e4m3 through cuDNN's FP8 attention,
     # cudnn_fp8_attention.py; packed with packed_attention: cudnn, both attention GEMMs in FP8)
     attention: str = "fp16"
+    # the 16-bit attention's output, read by the FP8 attention-output GEMM: fp16 (quantized by that
+    # GEMM in a pass of its own) or e4m3 (written by the attention kernel at the GEMM's static
+    # input scale, torch_fp8.ATTENTION_OUTPUTS; the packed encoder's Triton kernel: packed_attention:
+    # triton; needs scaling: tensor, fuse_qkv and attn_out in FP8)
+    attention_output: str = "fp16"
     # where the attention-output and FFN-down GEMMs' residual is added: layernorm (in the fused
     # LayerNorm + quantize pass) or gemm (cuBLASLt's C operand, beta 1, through nvmath-python:
     # that pass then reads one tensor instead of two); gemm needs scaling: tensor and the packed
@@ -83,6 +88,11 @@ class Fp8Options:
             raise ConfigError(f"fp8.attention '{self.attention}' is not one of {', '.join(FP8_ATTENTION)}")
         try:
             check_attention_fp8(self.scaling, self.gemms, self.fuse_qkv, self.attention == "fp8")
+        except ValueError as e:
+            raise ConfigError(f"fp8.{e}") from None
+        try:
+            check_attention_output(self.scaling, self.gemms, self.fuse_qkv, self.attention_output,
+                                   self.attention == "fp8")
         except ValueError as e:
             raise ConfigError(f"fp8.{e}") from None
         try:
@@ -257,6 +267,10 @@ class TorchOptions:
         if self.fp8 is not None and self.fp8.attention == "fp8" and not (self.packed and self.packed_attention == "cudnn"):
             raise ConfigError("fp8.attention: fp8 is cuDNN's FP8 attention on the padding-free encoder: it needs "
                               "packed: true and packed_attention: cudnn")
+        if (self.fp8 is not None and self.fp8.attention_output == "e4m3"
+                and not (self.packed and self.packed_attention == "triton")):
+            raise ConfigError("fp8.attention_output: e4m3 is written by the padding-free encoder's Triton attention "
+                              "kernel: it needs packed: true and packed_attention: triton")
         if self.host_pack and not self.token_bucket:
             raise ConfigError("host_pack feeds the token buckets' CUDA graphs: it needs packed: true and token_bucket")
         if not isinstance(self.streams, int) or isinstance(self.streams, bool) or not 1 <= self.streams <= MAX_STREAMS:

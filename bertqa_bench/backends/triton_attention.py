@@ -23,13 +23,23 @@ an exact (fp64) attention is therefore the rounding of P (relative <= 2^-11 per 
 plus the output's rounding (relative <= 2^-11): |error| <= 2 * 2^-11 * max|V| per element in
 fp16 (2^-8 in bf16), the bound the tests check.
 
+An e4m3 output (``out_inv_scale``, for an FP8 GEMM that consumes it at a static input scale): the
+fp32 output times ``out_inv_scale``, saturated to +-448 and rounded to nearest-even on e4m3's grid
+explicitly (``round_to_e4m3``), i.e. exactly ``torch_fp8.quantize_fp8(output, 1 / out_inv_scale)``
+of the fp32 output. It replaces the 16-bit output and the separate quantize pass over it: half the
+bytes written and one pass fewer. The 16-bit output's rounding is gone; e4m3's (relative <= 2^-4,
+absolute <= 2^-10 / out_inv_scale among its subnormals) takes its place.
+
 Contract (as FlashAttention's varlen API): ``max_seqlen`` must be at least every sequence's
 length (it sizes the grid; it is not checked against the device values, which would need a host
 sync); trailing repeated entries of ``cu_seqlens`` are empty sequences; output rows outside
 [0, cu_seqlens[-1]) are not written. The launch grid depends only on host values (shapes,
 ``max_seqlen``), never on device values, so a call can be captured in a CUDA graph, once the
 autotuner has picked its configuration for that key in an eager call (the first call per
-head_dim, dtype and sequence-length bucket compiles and times up to 22 configurations: seconds).
+head_dim, dtypes and sequence-length bucket compiles and times up to 22 configurations: seconds).
+The tuning is kept in Triton's cache (``cache_results``), so later processes on the machine take the
+same tile from it instead of re-timing: the processes of one run agree to the bit, where tiles
+within noise of each other would otherwise be chosen apart (``tuning_source`` says which).
 
 Triton is imported lazily (``_kernel()``), so importing this module needs neither Triton nor a
 GPU; ``launch`` runs the kernel on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1),
@@ -120,7 +130,7 @@ def _tuned():
     import triton
 
     return triton.autotune(configs=autotune_configs(), key=["HEAD_DIM", "seq_bucket"],
-                           prune_configs_by={"early_config_prune": _prune})(_kernel())
+                           prune_configs_by={"early_config_prune": _prune}, cache_results=True)(_kernel())
 
 
 def best_config() -> str | None:
@@ -129,6 +139,15 @@ def best_config() -> str | None:
         return None
     cfg = getattr(_tuned(), "best_config", None)
     return None if cfg is None else str(cfg)
+
+
+def tuning_source() -> str | None:
+    """Where this process's configurations came from: "timed" (it timed them itself, for at least
+    one key) or "cache" (every one from an earlier process's timings in Triton's cache); None
+    before any call. The autotuner sets its bench_time only when it times configurations."""
+    if not HAS_TRITON or _tuned.cache_info().currsize == 0 or getattr(_tuned(), "best_config", None) is None:
+        return None
+    return "timed" if getattr(_tuned(), "bench_time", None) is not None else "cache"
 
 
 def autotune_timings() -> dict[str, float] | None:
@@ -146,7 +165,7 @@ def autotune_timings() -> dict[str, float] | None:
     return out
 
 
-def _check(q, k, v, cu_seqlens, max_seqlen, scale) -> None:
+def _check(q, k, v, cu_seqlens, max_seqlen, scale, out_inv_scale=None) -> None:
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.dim() != 3:
             raise ValueError(f"varlen_attention: {name} must be [tokens, heads, head_dim], got shape {tuple(x.shape)}")
@@ -171,37 +190,48 @@ def _check(q, k, v, cu_seqlens, max_seqlen, scale) -> None:
         raise ValueError(f"varlen_attention: max_seqlen must be >= 1, got {max_seqlen}")
     if not scale > 0:  # the kernel takes the row maximum of the unscaled scores
         raise ValueError(f"varlen_attention: scale must be > 0, got {scale}")
+    if out_inv_scale is not None and (out_inv_scale.numel() != 1 or out_inv_scale.dtype != torch.float32
+                                      or out_inv_scale.device != q.device):
+        raise ValueError(f"varlen_attention: out_inv_scale must be a 1-element float32 tensor on {q.device}, got "
+                         f"{out_inv_scale.dtype} {tuple(out_inv_scale.shape)} on {out_inv_scale.device}")
 
 
-def launch(q, k, v, cu_seqlens, max_seqlen: int, scale: float, out=None) -> torch.Tensor:
+def launch(q, k, v, cu_seqlens, max_seqlen: int, scale: float, out=None, out_inv_scale=None) -> torch.Tensor:
     """Run the (autotuned) kernel; on CPU tensors under TRITON_INTERPRET=1 as well as on CUDA.
-    ``out``: a [T, heads, head_dim] tensor of q's dtype to write (a new one when None)."""
+    ``out``: a [T, heads, head_dim] tensor to write (a new one when None), of q's dtype, or
+    float8_e4m3fn when ``out_inv_scale`` (a 1-element fp32 tensor) is given."""
     import triton
 
-    _check(q, k, v, cu_seqlens, max_seqlen, scale)
+    _check(q, k, v, cu_seqlens, max_seqlen, scale, out_inv_scale)
     t, heads, d = q.shape
+    out_dtype = q.dtype if out_inv_scale is None else torch.float8_e4m3fn
     if out is None:
-        out = torch.empty((t, heads, d), dtype=q.dtype, device=q.device)
+        out = torch.empty((t, heads, d), dtype=out_dtype, device=q.device)
+    elif out.dtype != out_dtype or out.shape != q.shape:
+        raise ValueError(f"varlen_attention: out must be {tuple(q.shape)} {out_dtype}, got {tuple(out.shape)} {out.dtype}")
     batch = cu_seqlens.numel() - 1
 
     def grid(meta):
         return (triton.cdiv(int(max_seqlen), meta["BLOCK_M"]), heads, batch)
 
-    _tuned()[grid](q, k, v, out, cu_seqlens, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
-                   v.stride(1), out.stride(0), out.stride(1), float(scale) * LOG2E, seq_bucket(max_seqlen),
-                   HEAD_DIM=d)
+    _tuned()[grid](q, k, v, out, cu_seqlens, out_inv_scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                   v.stride(0), v.stride(1), out.stride(0), out.stride(1), float(scale) * LOG2E,
+                   seq_bucket(max_seqlen), HEAD_DIM=d, E4M3_OUT=out_inv_scale is not None)
     return out
 
 
-def varlen_attention(q, k, v, cu_seqlens, max_seqlen: int, scale: float | None = None) -> torch.Tensor:
+def varlen_attention(q, k, v, cu_seqlens, max_seqlen: int, scale: float | None = None,
+                     out_inv_scale=None) -> torch.Tensor:
     """softmax(Q K^T * scale) V per sequence of the packed batch, per head (non-causal): a new
-    contiguous [T, heads, head_dim] tensor of q's dtype. ``scale`` defaults to head_dim ** -0.5."""
+    contiguous [T, heads, head_dim] tensor of q's dtype, or of e4m3 at ``out_inv_scale`` (a 1-element
+    fp32 tensor: the e4m3 codes of the output times it). ``scale`` defaults to head_dim ** -0.5."""
     if not HAS_TRITON:
         raise RuntimeError("varlen_attention needs triton (it comes with CUDA builds of torch: pip install triton)")
     if not q.is_cuda and not _interpreting():
         raise ValueError(f"varlen_attention: q is on {q.device}; the Triton kernel runs on CUDA "
                          "(or on the CPU under TRITON_INTERPRET=1)")
-    return launch(q, k, v, cu_seqlens, max_seqlen, q.shape[-1] ** -0.5 if scale is None else scale)
+    return launch(q, k, v, cu_seqlens, max_seqlen, q.shape[-1] ** -0.5 if scale is None else scale,
+                  out_inv_scale=out_inv_scale)
 
 
 # The packed encoder's entry point: a torch custom op, so torch.compile keeps the call in its graph
@@ -209,13 +239,15 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen: int, scale: float | None =
 # tracing) and the token buckets' CUDA graphs capture it. The schema is spelled out because this
 # module's annotations are strings (``from __future__ import annotations``). Registered on import,
 # which needs neither Triton nor a GPU; the fake implementation gives the output's shape to the
-# compiler: a new contiguous [T, heads, head_dim] tensor of q's dtype, whatever q's strides.
+# compiler: a new contiguous [T, heads, head_dim] tensor of q's dtype (e4m3 with out_inv_scale),
+# whatever q's strides.
 @torch.library.custom_op("bertqa::varlen_attention", mutates_args=(),
-                         schema="(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, SymInt max_seqlen, float scale) -> Tensor")
-def varlen_attention_op(q, k, v, cu_seqlens, max_seqlen, scale):
-    return varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale)
+                         schema="(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, SymInt max_seqlen, float scale, "
+                                "Tensor? out_inv_scale=None) -> Tensor")
+def varlen_attention_op(q, k, v, cu_seqlens, max_seqlen, scale, out_inv_scale=None):
+    return varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale, out_inv_scale)
 
 
 @varlen_attention_op.register_fake
-def _varlen_attention_fake(q, k, v, cu_seqlens, max_seqlen, scale):
-    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+def _varlen_attention_fake(q, k, v, cu_seqlens, max_seqlen, scale, out_inv_scale=None):
+    return torch.empty(q.shape, dtype=q.dtype if out_inv_scale is None else torch.float8_e4m3fn, device=q.device)
