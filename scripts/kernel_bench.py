@@ -6,7 +6,9 @@ would replace, with its numerics checked against a reference on the same inputs:
   through nvidia-cudnn-frontend (``cudnn``), torch's FlexAttention with a document mask (``flex``)
   and the suite's Triton varlen kernel (``triton``, autotuned on its first call; the chosen
   configuration and every timed one are recorded), on packed [T, 3, heads, head_dim] QKV views of
-  random sequence lengths; reference: per-sequence SDPA in fp32;
+  random sequence lengths; reference: per-sequence SDPA in fp32; and for the FP8 output GEMM's
+  input, the Triton kernel writing e4m3 itself (``triton-e4m3``, ``fp8.attention_output: e4m3``)
+  against its fp16 output quantized by a compiled pass of its own (``triton+quantize``, today's);
 * the FFN's first half: the FP8 up-projection writing e4m3 then the Triton tanh-GELU kernel
   (``ffn_gelu: tanh``) against cuBLASLt's GELU_BIAS epilogue through nvmath-python
   (``ffn_gelu: epilogue``); reference: the epilogue's formula in fp32 (gemm_epilogue.py);
@@ -145,6 +147,12 @@ def attention(args, hidden, heads, emit) -> None:
     from bertqa_bench.backends import triton_attention
 
     kernels["triton"] = lambda: triton_attention.varlen_attention(q, k, v, cu, args.seq_max, scale)
+    # the e4m3 output at the scale cuDNN's FP8 row uses (1/16), fused or as a pass of its own (what
+    # Inductor generates for the output GEMM's quantize of a 16-bit input)
+    quantize = torch.compile(lambda x: (x.float() * o_inv).clamp(-448.0, 448.0).to(torch.float8_e4m3fn))
+    o_inv1 = o_inv.reshape(1)
+    kernels["triton-e4m3"] = lambda: triton_attention.varlen_attention(q, k, v, cu, args.seq_max, scale, o_inv1)
+    kernels["triton+quantize"] = lambda: quantize(triton_attention.varlen_attention(q, k, v, cu, args.seq_max, scale))
     # torch's own FlexAttention (compiled Triton templates) with a document mask over the packed
     # tokens: the maintained library for exactly this masking, beside the hand-written kernel
     try:
@@ -170,7 +178,7 @@ def attention(args, hidden, heads, emit) -> None:
                "head_dim": d, "seq_range": [args.seq_min, args.seq_max], "dtype": "fp16", "floor_MB": floor_bytes / 1e6}
         try:
             out = fn()
-            if name == "triton":
+            if name.startswith("triton"):
                 rec["triton_config"] = triton_attention.best_config()
                 rec["triton_autotune_us"] = triton_attention.autotune_timings()
             decoded = out.float() / 16.0 if out.dtype == torch.float8_e4m3fn else out.float()
