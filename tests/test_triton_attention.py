@@ -54,6 +54,26 @@ except TypeError:
     _interp._patch_lang_tensor = _patch_lang_tensor
 """
 
+# Shared by the interpreter's script and the GPU test. c = 97: V (fp16, <= 11 significant bits) times
+# 97 is exact in fp32 and never lies on, or within 2^-18 relative of, a midpoint between e4m3 values
+# (97 would have to divide a midpoint's odd mantissa of <= 5 bits), so a last-bit difference in
+# the kernel's fp32 output (the GPU's division by the row sum of exactly 1) cannot flip a rounding.
+# Magnitudes from 1e-6 to ~20 put V * c among e4m3's subnormals, its normals and past 448.
+_ONE_TOKEN = """
+def one_token_sequences(gen, device="cpu"):
+    n, heads, d = 96, 2, 64
+    mag = torch.logspace(-6, 1.3, n * heads * d).reshape(n, heads, d)
+    v = (torch.randn(n, heads, d, generator=gen) * mag).to(torch.float16)
+    q, k = torch.randn(2, n, heads, d, generator=gen).to(torch.float16)
+    q, k, v = (x.to(device) for x in (q, k, v))
+    cu = torch.arange(n + 1, dtype=torch.int32, device=device)
+    c = torch.tensor([97.0], device=device)
+    o8 = ta.launch(q, k, v, cu, 1, d ** -0.5, out_inv_scale=c)
+    want = (v.float() * c).clamp(-448, 448).to(torch.float8_e4m3fn)
+    assert int((want.float().abs() == 448).sum()) > 0 and int((want.float().abs() < 2 ** -6).sum()) > 0
+    return o8, want  # compared as values: a V of -0 gives +0 (the accumulator starts at +0)
+"""
+
 _INTERPRETED = _INTERPRETER_NUMPY_SHIM + """
 import sys
 import torch
@@ -102,6 +122,8 @@ def check(lens, heads, d, dtype, u):
     return q, k, v, cu, ref, out
 
 
+ONE_TOKEN = """ + repr(_ONE_TOKEN) + """
+exec(ONE_TOKEN)
 long = 3 * bm + 5  # 4 q tiles, 7 K/V blocks the last partial
 q, k, v, cu, ref, out = check([1, bm, bm + 1, 0, long, bn, bn + 1], 2, 64, torch.float16, 2.0 ** -11)
 # the comparison detects a 1% error in the scale
@@ -134,6 +156,13 @@ assert int(apart.max()) <= 1 and frac <= 2.0 ** -6, (int(apart.max()), frac)
 assert torch.equal(ta.varlen_attention_op(q, k, v, cu, long, 64 ** -0.5, inv).view(torch.uint8), o8.view(torch.uint8))
 torch.library.opcheck(ta.varlen_attention_op, (q, k, v, cu, long, 64 ** -0.5, inv),
                       test_utils=("test_schema", "test_faketensor"))
+
+
+# sequences of one token: the softmax over one key is 1, so the output is V itself and the e4m3
+# output must be quantize(V * c) bit for bit, whatever the path (the whole epilogue: scale,
+# saturation, rounding, subnormals)
+o8, want = one_token_sequences(g)
+assert torch.equal(o8.float(), want.float()), int((o8.float() != want.float()).sum())
 
 
 @triton.jit
@@ -312,11 +341,15 @@ def test_attention_kernel_compiles_for_hopper_with_wgmma_and_pipelined_loads(tmp
 
 def test_attention_kernel_with_e4m3_output_compiles_for_hopper_without_spills(tmp_path, monkeypatch):
     """The e4m3-output form of the tile the end-to-end runs chose (64 x 32, 4 warps, 3 stages):
-    its stores convert with Hopper's cvt to e4m3 (of values already on e4m3's grid, so the
-    conversion's own rounding never acts), the matmuls stay on wgmma, and nothing spills."""
+    its stores convert with Hopper's cvt.rn.satfinite from fp32 (round to nearest-even: what the
+    compiled kernel relies on, where the interpreter rounds in arithmetic), the matmuls stay on
+    wgmma, and nothing spills."""
     pytest.importorskip("triton", reason="triton is not installed (CUDA builds of torch bring it)")
     ptx = _compile_sm90(tmp_path, monkeypatch, 64, 64, 32, 4, 3, e4m3_out=True).asm["ptx"]
-    assert re.search(r"cvt\.rn\.satfinite\.e4m3x2\.f(32|16x2)", ptx), "no e4m3 conversion in the PTX"
+    # straight from fp32, to nearest-even, saturating: the rounding the kernel relies on
+    # (ROUND_IN_ARITHMETIC off); never through fp16, which would round twice
+    assert re.search(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx), "no fp32 -> e4m3 conversion in the PTX"
+    assert "e4m3x2.f16x2" not in ptx
     assert "wgmma.mma_async" in ptx
     assert _ptxas_spill_bytes(ptx, tmp_path) == 0
 
@@ -394,7 +427,8 @@ def test_triton_attention_on_cuda_matches_sdpa_and_replays_in_a_cuda_graph(dtype
 def test_triton_attention_e4m3_output_on_cuda_is_within_its_bound_and_replays_in_a_cuda_graph():
     """The BERT-large-like case with the e4m3 output, at a scale that saturates a tenth of the
     values: within the module docstring's bound of fp64 SDPA and exactly +-448 where saturated; a
-    CUDA graph's replay writes the eager call's bytes. (Not compared code for code with the fp16
+    CUDA graph's replay writes the eager call's bytes; on one-token sequences, torch's own
+    quantization of V bit for bit. (Not compared code for code with the fp16
     output quantized afterwards, as the interpreter test does: each output dtype is tuned on its
     own, and another tile rounds P differently.)"""
     if ta.triton_unavailable_reason():
@@ -431,3 +465,9 @@ def test_triton_attention_e4m3_output_on_cuda_is_within_its_bound_and_replays_in
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(gout.view(torch.uint8), o8.view(torch.uint8))
+    # one-token sequences: the output is V, so the e4m3 output is quantize(V * c) bit for bit: the
+    # GPU's cast rounds to nearest-even and the kernel saturates
+    scope = {"torch": torch, "ta": ta}
+    exec(_ONE_TOKEN, scope)
+    o1, want = scope["one_token_sequences"](torch.Generator().manual_seed(seed), "cuda")
+    assert torch.equal(o1.float(), want.float()), seed
