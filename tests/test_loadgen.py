@@ -578,13 +578,22 @@ def _serve_or_fail(sut, timeout_s: float = 30.0) -> None:
 
 @pytest.mark.parametrize("window", [1, 2])
 @pytest.mark.parametrize("fail_at", [None, 3])
-def test_server_keeps_a_pipelined_backends_batches_in_flight_and_answers_every_sample_when_one_fails(window, fail_at):
+def test_server_keeps_a_pipelined_backends_batches_in_flight_and_answers_every_sample_when_one_fails(window, fail_at,
+                                                                                                 monkeypatch):
     """Server with a window of two: batch k+1 is formed and submitted before batch k is collected,
     never more than the window outstanding, each sample answered with its own outputs, collected
     on the collector thread (submits stay on the batcher's). With a window of one, each batch is
     collected before the next is submitted. A failed batch is answered empty, as is every batch
-    submitted after the failure; the one already in flight keeps its answers."""
+    submitted after the failure; the one already in flight keeps its answers.
+
+    The failure's report is slowed down (0.2 s in print_exception), so that a permit given back
+    before the error is recorded would certainly let the batcher form and run the next batch:
+    without the delay, whether it does is a race between two threads."""
+    from bertqa_bench.measuring import loadgen_sut
     from bertqa_bench.measuring.loadgen_sut import SUT
+
+    report = loadgen_sut.traceback.print_exception
+    monkeypatch.setattr(loadgen_sut.traceback, "print_exception", lambda e: (time.sleep(0.2), report(e)))
 
     seq, n, per = 32, 32, 4  # 8 batches: after a failure at 3, more batches answered empty than the window
     rng = np.random.default_rng(11)
