@@ -857,6 +857,19 @@ def test_fp8_attention_swaps_qkv_to_e4m3_and_the_packed_model_tracks_the_padded_
         fp8.swap_to_fp8(copy.deepcopy(model), amax, gemms="qkv,ffn_in,ffn_out", attention_fp8=True)
 
 
+def _tiny_qa_and_its_fp8_all_copy():
+    """A tiny QA model, its inputs (ids, mask, types), the calibrated input amax of its encoder
+    GEMMs, and a copy with every one of them in FP8 (per-tensor scales): the baseline an FP8
+    option is compared with."""
+    model = qa(tiny_bert(hidden=64))
+    ids, mask, types = inputs()
+    x = (ids, mask, types)
+    amax = fp8.calibrate_amax(model, [x], fp8.target_linears(model, fp8.GEMM_KINDS))
+    plain = copy.deepcopy(model)
+    fp8.swap_to_fp8(plain, amax, gemms="all")
+    return model, x, mask, amax, plain
+
+
 def test_attention_output_e4m3_options_are_checked_before_any_work():
     from bertqa_bench.errors import ConfigError
 
@@ -884,13 +897,7 @@ def test_attention_output_e4m3_hands_the_output_gemm_what_it_would_quantize_itse
     test_triton_attention)."""
     from bertqa_bench.backends.packed_bert import encoder_of, pack_model
 
-    model = qa(tiny_bert(hidden=64))
-    ids, mask, types = inputs()
-    x = (ids, mask, types)
-    targets = fp8.target_linears(model, fp8.GEMM_KINDS)
-    amax = fp8.calibrate_amax(model, [x], targets)
-    plain = copy.deepcopy(model)
-    fp8.swap_to_fp8(plain, amax, gemms="all")
+    model, x, mask, amax, plain = _tiny_qa_and_its_fp8_all_copy()
     with pytest.raises(ValueError, match="attention_output: e4m3 needs .*attn_out"):
         fp8.swap_to_fp8(copy.deepcopy(model), amax, gemms="qkv,ffn_in,ffn_out", attention_output="e4m3")
     done = fp8.swap_to_fp8(model, amax, gemms="all", attention_output="e4m3")
@@ -923,13 +930,7 @@ def test_residual_in_gemm_calls_the_gemm_with_the_residual_and_the_packed_model_
     from bertqa_bench.backends import gemm_epilogue as ge
     from bertqa_bench.backends.packed_bert import pack_model
 
-    model = qa(tiny_bert(hidden=64))
-    ids, mask, types = inputs()
-    x = (ids, mask, types)
-    targets = fp8.target_linears(model, fp8.GEMM_KINDS)
-    amax = fp8.calibrate_amax(model, [x], targets)
-    plain = copy.deepcopy(model)
-    fp8.swap_to_fp8(plain, amax, gemms="all")
+    model, x, mask, amax, plain = _tiny_qa_and_its_fp8_all_copy()
     done = fp8.swap_to_fp8(model, amax, gemms="all", residual="gemm")
     assert sorted(fp8.gemm_kind(n) for n in done["residual_in_gemm"]) == ["attn_out"] * 2 + ["ffn_out"] * 2
     calls = []
