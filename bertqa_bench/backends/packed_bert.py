@@ -177,16 +177,19 @@ class PackedEncoder(nn.Module):
         """Attention over the packed sequences: q's dtype, or e4m3 at ``out_inv_scale`` (the FP8
         output GEMM's static input scale, inverted; the Triton kernel writes it, the other paths
         quantize their 16-bit output as that GEMM would)."""
-        if (out_inv_scale is not None and self.attention == "triton" and self._kernel is not None and q.is_cuda
-                and q.dtype in (torch.float16, torch.bfloat16)):
+        if out_inv_scale is not None and self.attention == "triton" and self._kernel_takes(q):
             return self._kernel(q, k, v, cu, max_len, self.scale, out_inv_scale)
         out = self._attention_16bit(q, k, v, cu, max_len)
         if out_inv_scale is None:
             return out
         return (out.float() * out_inv_scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
+    def _kernel_takes(self, q) -> bool:
+        """Whether the bound CUDA kernel runs on q (16-bit, on the GPU), not the per-sequence SDPA loop."""
+        return self._kernel is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+
     def _attention_16bit(self, q, k, v, cu, max_len: int):
-        if self._kernel is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        if self._kernel_takes(q):
             if self.attention == "cudnn":
                 # q, k, v may be strided views of the fused [T, 3, heads, head_dim] QKV: the
                 # frontend describes them by their real strides, no copy
