@@ -1780,6 +1780,28 @@ def test_host_pack_gives_the_device_packs_values():
         assert want[5] == got[5] == 24
 
 
+def test_the_first_call_before_capture_is_the_runs_real_batch_packed_as_forward_packs_it():
+    """``first_packed_batch``: what ``TokenBuckets.capture(first=...)`` runs before any capture, so
+    that the attention kernel's autotuner times its tiles on real sequences. It must be the sample
+    batch's real tokens and lengths, exactly as the encoder's forward packs that batch."""
+    from bertqa_bench.backends.packed_bert import PackedEncoder, host_pack
+    from bertqa_bench.backends.torch_backend import first_packed_batch
+
+    enc = PackedEncoder(tiny_bert(hidden=32).bert)
+    r = np.random.default_rng(1)
+    ids = r.integers(5, 1000, (3, 20))
+    mask = np.zeros((3, 20), np.int64)
+    for i, n in enumerate((20, 3, 11)):
+        mask[i, :n] = 1
+    types = r.integers(0, 2, (3, 20))
+    got = first_packed_batch(enc, {"input_ids": ids, "attention_mask": mask, "token_type_ids": types},
+                             torch.device("cpu"))
+    assert len(got) == 4
+    np.testing.assert_array_equal(got[3].numpy(), [0, 20, 23, 34])
+    for g, w in zip(got, host_pack(ids, mask, types)[:4]):
+        np.testing.assert_array_equal(g.numpy(), w)
+
+
 def test_host_bucket_lengths_equal_the_devices():
     from bertqa_bench.backends.packed_bert import TokenBuckets
 
@@ -1807,6 +1829,7 @@ def test_host_bucket_lengths_equal_the_devices():
                                                   "torch-compile-fp8all-graph-packed-cudnn-epilogue-autotune-2streams",
                                                   "torch-compile-fp8all-graph-packed-triton-epilogue-autotune-2streams",
                                                   "torch-compile-fp8all-graph-packed-triton-e4m3out-epilogue-autotune-2streams",
+                                                  "torch-compile-fp8all-graph-packed-triton-e4m3out-epilogue-autotune-coordtune-2streams",
                                                   "torch-compile-fp8-graph-gelu-epilogue-autotune-2streams",
                                                   "torch-compile-fp8all-graph-packed-cudnn-attn",
                                                   "torch-compile-fp8all-graph-packed-cudnn-fp8attn",
@@ -1838,6 +1861,8 @@ def test_fp8_attention_and_packing_variants_track_fp32_on_gpu(tmp_path, name):
     if "-triton-" in name:
         assert info["attention_kernel"].startswith("Triton")
         assert info["attention_tuning_source"] in ("timed", "cache") and info["attention_tuned_config"]
+    if TABLE.get(name).options.token_bucket:  # the sample batch: 3 rows of 64 tokens and one of 32
+        assert info["first_call_batch"].startswith("real: 4 sequences, 224 tokens, bucket ")
     if "-e4m3out-" in name:
         assert info["attention_kernel"].endswith("e4m3 output in 2 layers")
         assert info["fp8_attention_output"].startswith("e4m3 at the output GEMM's input scale")
@@ -1850,6 +1875,32 @@ def test_fp8_attention_and_packing_variants_track_fp32_on_gpu(tmp_path, name):
         for n in OUTPUTS:
             err = np.linalg.norm((out[n] - ref[n])[valid]) / np.linalg.norm(ref[n][valid])
             assert err < 0.08, (name, n, err)
+
+
+@pytest.mark.gpu
+def test_the_triton_attention_kernel_is_first_called_on_the_runs_real_batch_on_gpu(tmp_path, monkeypatch):
+    """The autotuner times its tiles on the kernel's first call of a key: that call must carry the
+    run's real sequences (the sample batch: lengths 64, 64, 64, 32), not the dummy ones of the
+    captures' warm-ups."""
+    from bertqa_bench.backends import triton_attention as ta
+
+    name = "torch-compile-fp8all-graph-packed-triton-e4m3out-epilogue-autotune-2streams"
+    reason = TABLE.get(name).unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    calls = []
+    launch = ta.launch
+
+    def recording(q, k, v, cu_seqlens, *a, **kw):
+        if not calls:  # the first call only, before any capture (a host copy inside one would fail)
+            calls.append(cu_seqlens.cpu().tolist())
+        return launch(q, k, v, cu_seqlens, *a, **kw)
+
+    monkeypatch.setattr(ta, "launch", recording)
+    ctx, batches = _gpu_ctx(tmp_path)
+    info, _ = _run(name, ctx, batches[:1])
+    assert calls[0][:5] == [0, 64, 128, 192, 224], calls[0]
+    assert info["first_call_batch"].startswith("real: 4 sequences, 224 tokens")
 
 
 def _in_flight_gives_one_at_a_time_outputs(backend, batches, name, after_passes=None) -> None:

@@ -360,9 +360,15 @@ class TokenBuckets:
         cu = torch.zeros(self.cu_len, dtype=torch.int32, device=device)
         return z, z.clone(), z.clone(), cu
 
-    def capture(self, device, copies: int = 1, around=None) -> int:
+    def capture(self, device, copies: int = 1, around=None, first=None) -> int:
         """One CUDA graph per bucket, largest first, in one memory pool (they never run at once;
         each replay's output is copied out before the next). Returns how many were captured.
+
+        ``first``: a real batch (ids, positions, types, cu on ``device``), run once at its bucket's
+        shape before anything is captured. What tunes itself on its first call then tunes on real
+        sequences: the Triton attention kernel's autotuner times its tiles on the batch it is
+        first called with, and the captures' warm-ups only have dummy sequences of one length,
+        where a tile's cost differs from that on the run's mix of lengths.
 
         ``copies`` > 1: that many independent sets of graphs, each with its own static inputs,
         memory pool and capture stream, so that copies can replay at once on different streams;
@@ -372,6 +378,10 @@ class TokenBuckets:
         writes into that stream's one workspace on replay (``capture_streams``)."""
         self.copies = [{} for _ in range(copies)]
         self.graphs = self.copies[0]
+        if first is not None:  # no graph exists yet, so this runs the bucket's shape directly
+            with around(0) if around is not None else contextlib.nullcontext():
+                self(*first)
+            torch.cuda.synchronize(device)
         self.capture_streams = capture_streams(device, copies)
         for k in range(copies):
             with around(k) if around is not None else contextlib.nullcontext():

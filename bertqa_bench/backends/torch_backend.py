@@ -269,19 +269,24 @@ class TorchBackend(Backend):
                                max_rows=max(b for b, _ in shapes), max_tokens=max(b * s for b, s in shapes)).attach(enc)
         captured = 0
         self._buckets = buckets
+        info = {}
         if self.device == "cuda":
             with torch.inference_mode(), self._autocast():
-                captured = buckets.capture(torch.device("cuda"), copies=o.streams, around=self._plan_copy)
+                first = first_packed_batch(enc, batch_at_shape(ctx.sample_batch, *shapes[0]), torch.device("cuda"))
+                captured = buckets.capture(torch.device("cuda"), copies=o.streams, around=self._plan_copy,
+                                           first=first)
+            t, rows = first[0].numel(), first[3].numel() - 1
+            info["first_call_batch"] = f"real: {rows} sequences, {t} tokens, bucket {buckets.size_for(t, rows)}"
             if o.host_pack:
                 from .packed_bert import HostPacker
 
                 self._packer = HostPacker(enc, torch.device("cuda"), slots=self.in_flight())
-        info = {"token_bucket": o.token_bucket, "token_buckets": len(buckets.sizes),
-                "token_bucket_graphs": captured, "packing": "host" if self._packer is not None else "device"}
+        info.update(token_bucket=o.token_bucket, token_buckets=len(buckets.sizes), token_bucket_graphs=captured,
+                    packing="host" if self._packer is not None else "device")
         if o.packed_attention == "triton" and captured:
             from .triton_attention import autotune_timings, best_config, tuning_source
 
-            # tuned in the first bucket's warm-up (on its dummy sequences), or taken from an earlier
+            # tuned on the run's first real batch (``first_call_batch``), or taken from an earlier
             # process's tuning in Triton's cache, then captured as chosen; every timed configuration
             # is kept, so the margin of the choice shows
             info["attention_tuned_config"] = best_config()
@@ -390,3 +395,13 @@ class TorchBackend(Backend):
             self._tf32_before = None
         if self.device == "cuda":
             torch.cuda.empty_cache()
+
+
+def first_packed_batch(encoder, batch: Mapping[str, np.ndarray], device):
+    """A real batch of the run, packed as ``encoder.forward`` packs it: (ids, positions, types,
+    cumulative lengths) on ``device``, for ``TokenBuckets.capture(first=...)``."""
+    import torch
+
+    ids, mask, types = (torch.from_numpy(np.ascontiguousarray(batch[n], dtype=np.int64)).to(device)
+                        for n in INPUT_NAMES)
+    return encoder.pack(ids, mask, types)[:4]
