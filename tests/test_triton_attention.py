@@ -336,7 +336,8 @@ def test_attention_kernel_compiles_for_hopper_with_wgmma_and_pipelined_loads(tmp
     assert "ex2.approx" in ptx
     assert "cp.async" in ptx and "ld.global.v4" in ptx
     assert _ptxas_spill_bytes(ptx, tmp_path) == 0
-    assert "e4m3" not in ptx
+    # no e4m3 in the code; the .file directives name source paths, which may contain anything
+    assert "e4m3" not in "\n".join(ln for ln in ptx.splitlines() if not ln.lstrip().startswith(".file"))
 
 
 def test_attention_kernel_with_e4m3_output_compiles_for_hopper_without_spills(tmp_path, monkeypatch):

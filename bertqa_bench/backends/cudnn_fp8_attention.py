@@ -27,7 +27,7 @@ import threading
 
 import torch
 
-from .gelu_fp8 import E4M3_MAX
+from .torch_fp8 import saturate_to_e4m3
 
 SCALE_S = 256.0
 INSTALL = "pip install nvidia-cudnn-frontend"
@@ -56,9 +56,9 @@ def fp8_varlen_attention_reference(q8, k8, v8, cu, scale: float, qkv_scale, o_in
             continue
         q, k, v = (t[a:b].float().transpose(0, 1) * s_qkv for t in (q8, k8, v8))  # [heads, n, d]
         p = torch.softmax(q @ k.transpose(1, 2) * scale, dim=-1)
-        p8 = (p * SCALE_S).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float() / SCALE_S
+        p8 = saturate_to_e4m3(p, SCALE_S).float() / SCALE_S
         out[a:b] = (p8 @ v).transpose(0, 1)
-    return (out * float(o_inv_scale)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return saturate_to_e4m3(out, float(o_inv_scale))
 
 
 _GRAPHS: dict = {}

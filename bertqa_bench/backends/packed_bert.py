@@ -54,7 +54,7 @@ from torch import nn
 
 from ..model.checkpoint import OFFSET_POSITION_FAMILIES, PACKED_FAMILIES
 from .device_io import capture_streams
-from .torch_fp8 import E4M3_MAX
+from .torch_fp8 import saturate_to_e4m3
 from .torch_options import PACKED_ATTENTION
 
 
@@ -182,7 +182,7 @@ class PackedEncoder(nn.Module):
         out = self._attention_16bit(q, k, v, cu, max_len)
         if out_inv_scale is None:
             return out
-        return (out.float() * out_inv_scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+        return saturate_to_e4m3(out, out_inv_scale)
 
     def _kernel_takes(self, q) -> bool:
         """Whether the bound CUDA kernel runs on q (16-bit, on the GPU), not the per-sequence SDPA loop."""

@@ -75,11 +75,33 @@ def static_act_scale(amax: float, margin: float = 2.0) -> float:
     return max(float(amax) * float(margin), _EPS) / E4M3_MAX
 
 
-def quantize_fp8(x, scale):
-    """x / scale, clamped to the e4m3 range (a plain cast would turn overflow into NaN), as fp8."""
+def saturate_to_e4m3(x, inv_scale=None, *, scale=None):
+    """x * inv_scale, or x / scale, or x itself, in fp32, clamped to ±448 and cast to float8_e4m3fn.
+
+    The clamp is explicit because e4m3fn has no infinity and what a bare cast does past ±448
+    depends on torch's version and the path: eager casts before torch 2.12 round |x| > 464 to
+    e4m3fn's NaN code; 2.12 made the eager casts saturate (pytorch/pytorch#178817; the torch 2.13
+    installed here gives ±448 on the CPU, up to ±inf); Triton's conversion saturates. With the
+    clamp first every path gives ±448 (a NaN input stays NaN).
+
+    ``scale`` divides, ``inv_scale`` multiplies: x / s and x * (1 / s) differ in fp32's last bit
+    for some x, which moves a value at an e4m3 rounding tie to the other neighbour, so each caller
+    keeps the arithmetic its numbers were checked with."""
     import torch
 
-    return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    if inv_scale is not None and scale is not None:
+        raise ValueError("saturate_to_e4m3 takes inv_scale or scale, not both")
+    y = x.float()
+    if scale is not None:
+        y = y / scale
+    elif inv_scale is not None:
+        y = y * inv_scale
+    return y.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def quantize_fp8(x, scale):
+    """x / scale, saturated to the e4m3 range (``saturate_to_e4m3``), as fp8."""
+    return saturate_to_e4m3(x, scale=scale)
 
 
 def dequantize_fp8(q, scale):
@@ -293,8 +315,8 @@ def _define_modules():
             if self.scaling == "rowwise":
                 amax = x2.abs().amax(dim=1, keepdim=True).float()
                 s = amax.clamp(min=_EPS) / E4M3_MAX
-                return (x2.float() / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), s
-            q = (x2.float() * self._inv_act_scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+                return saturate_to_e4m3(x2, scale=s), s
+            q = saturate_to_e4m3(x2, self._inv_act_scale)
             if self.scaling == "static-rowwise":  # rowwise kernel: scale_a must be [M, 1]
                 return q, self.act_scale.reshape(1, 1).expand(x2.shape[0], 1).contiguous()
             return q, self.act_scale
@@ -314,7 +336,7 @@ def _define_modules():
             if self.bias is not None and not self._bias_in_gemm:
                 y = y + self.bias
             if self.gemm_dtype != self.out_dtype:  # e4m3 out, saturated here, not by whatever the cast does past ±448
-                y = y.float().clamp(-E4M3_MAX, E4M3_MAX).to(self.out_dtype)
+                y = saturate_to_e4m3(y)
             y = y.reshape(*lead, self.out_features)
             if self.out_scale_value is not None:
                 return y  # e4m3, y / out_scale: its consumer dequantizes
@@ -379,7 +401,7 @@ def _define_modules():
             if self._tanh_gelu is not None:  # gelu_fp8: one Triton kernel on CUDA, e4m3 in and out
                 return self._tanh_gelu(self.dense(hidden_states), self.out_scale_value, self._inv_down_scale)
             h = self.intermediate_act_fn(self.dense(hidden_states).float() * self.out_scale_value)
-            return (h * self._inv_down_scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+            return saturate_to_e4m3(h, self._inv_down_scale)
 
     class _Fp8SelfAttention(nn.Module):
         """BERT self-attention with query/key/value as one FP8 GEMM, then SDPA in 16 bits.
