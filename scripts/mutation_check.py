@@ -314,6 +314,10 @@ MUTANTS = [
       "step_exp = tl.maximum(exp, 127 - 6) - 3", "step_exp = exp - 3",
       ("tests/test_triton_attention.py", "-k", "interpreter"),
       "values below 2^-6 are rounded on a grid finer than e4m3's subnormals, then cast again"),
+    M("first-real-batch-packed-without-its-token-types", "bertqa_bench/backends/torch_backend.py",
+      "    return encoder.pack(ids, mask, types)[:4]", "    return encoder.pack(ids, mask, None)[:4]",
+      ("tests/test_fp8.py", "-k", "first_call_before_capture"),
+      "the batch the attention tile is tuned on is not the run's: every token gets segment 0"),
     # --- training
     M("graphed-layers-share-one-static-input", "bertqa_bench/training/graphed_layers.py",
       "                        for _ in calls)", "                        for _ in calls)[:1] * len(calls)",
