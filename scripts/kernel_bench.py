@@ -24,6 +24,15 @@ Times are CUDA-event medians (min-max) over ``--iters`` calls after ``--warmup``
 output is one JSON record. Random weights and activations: kernel timing and numerics only.
 
     python scripts/kernel_bench.py --shape bert-large --tokens 32768 --out kernels.jsonl
+
+The attention's cost depends on the sequence lengths it packs, and random lengths of 100-384
+tokens are not a run's: ``--from-run`` takes them from a bench run's own packed plan and
+evaluation set instead (``plan_lengths``), times the attention kernels on ``--plan-batches`` of its
+batches spread over the plan, and adds a record per kernel estimating its time over one whole
+pass (per layer: the sampled batches' mean times the plan's batch count).
+
+    python scripts/kernel_bench.py --shape bert-large --only attention --from-run results/h200-large \
+        --backend torch-compile-fp8all-graph-packed-triton-e4m3out-epilogue-autotune-2streams
 """
 from __future__ import annotations
 
@@ -108,6 +117,9 @@ def epilogue_support(emit) -> None:
             emit(rec)
 
 
+ATTENTION_KERNELS = ("flash", "cudnn", "cudnn-fp8", "triton", "triton-e4m3", "triton+quantize", "flex")
+
+
 def lengths_for(tokens: int, lo: int, hi: int, gen) -> list[int]:
     out, total = [], 0
     while True:
@@ -118,12 +130,84 @@ def lengths_for(tokens: int, lo: int, hi: int, gen) -> list[int]:
         total += n
 
 
-def attention(args, hidden, heads, emit) -> None:
+def plan_lengths(run_dir, backend: str | None = None, evalset: str | None = None) -> list[list[int]]:
+    """The real sequence lengths of every batch of a bench run's packed plan, in the plan's order.
+
+    The plan is the run's own (``plans/`` of the run folder, as its worker's job names it); the
+    lengths are its evaluation set's (``attention_mask.npy`` in the cached set the job names, or in
+    ``evalset``). ``backend``: whose job to read; by default the first job of a packed row."""
+    import numpy as np
+
+    from bertqa_bench.record.schedule import Plan
+
+    run = Path(run_dir)
+    jobs = sorted((run / "workers").glob("*.job.json"))
+    if not jobs:
+        raise SystemExit(f"kernel_bench: {run} has no workers/*.job.json (is it a bench run folder?)")
+    specs = {j.name[: -len(".job.json")]: json.loads(j.read_text()) for j in jobs}
+    if backend is not None:
+        if backend not in specs:
+            raise SystemExit(f"kernel_bench: {run} has no job for {backend}; it has: {', '.join(sorted(specs))}")
+        spec = specs[backend]
+    else:
+        packed = [v for v in specs.values() if v["variant"].get("batching") == "packed"]
+        if not packed:
+            raise SystemExit(f"kernel_bench: {run} ran no packed row; its rows: {', '.join(sorted(specs))}")
+        spec = packed[0]
+    plan_file = run / "plans" / Path(spec["plan"]).name  # the job names it where the run was made
+    mask_file = Path(evalset or spec["evalset"]) / "attention_mask.npy"
+    for f, what in ((plan_file, "plan"), (mask_file, "evaluation set (give --evalset DIR)")):
+        if not f.exists():
+            raise SystemExit(f"kernel_bench: the run's {what} is not at {f}")
+    plan = Plan.load(plan_file)
+    if plan.batching != "packed":
+        raise SystemExit(f"kernel_bench: {plan_file} is a {plan.batching} plan; the attention packs only packed ones")
+    lengths = np.load(mask_file, mmap_mode="r").sum(axis=1)
+    if len(lengths) < plan.n_features:
+        raise SystemExit(f"kernel_bench: {mask_file} has {len(lengths)} features, the plan {plan.n_features}: "
+                         "not this run's evaluation set")
+    return [[int(n) for n in lengths[b.rows]] for b in plan.batches]
+
+
+def spread(n: int, k: int) -> list[int]:
+    """``k`` indices of ``range(n)`` spread evenly, the first and the last among them (all when
+    ``k`` is 0 or at least ``n``)."""
+    if k <= 0 or k >= n:
+        return list(range(n))
+    if k == 1:
+        return [0]
+    return sorted({round(i * (n - 1) / (k - 1)) for i in range(k)})
+
+
+def attention_over_plan(args, batches: list[list[int]], hidden, heads, emit) -> None:
+    """The attention kernels on ``batches`` (a bench run's own plan, ``plan_lengths``), then one
+    record per kernel: its estimated time over a whole pass, per layer."""
+    chosen = spread(len(batches), args.plan_batches)
+    times: dict[str, list[float]] = {}
+
+    def collect(rec):
+        emit(rec)
+        if "error" not in rec and "us_median" in rec.get("graph", {}):  # the CUDA graph replay, as the bench runs it
+            times.setdefault(rec["kernel"], []).append(rec["graph"]["us_median"])
+
+    for i in chosen:
+        attention(args, hidden, heads, collect, lens=batches[i], tag={"plan_batch": i, "plan_batches": len(batches)})
+    for name, ts in times.items():
+        mean = sum(ts) / len(ts)
+        emit({"what": "attention-pass", "kernel": name, "run": str(args.from_run), "plan_batches": len(batches),
+              "sampled": len(ts), "mean_batch_us": round(mean, 1), "pass_estimate_us": round(mean * len(batches), 1),
+              "note": "per layer: the sampled batches' mean median (CUDA graph replay) times the plan's batch count"})
+
+
+def attention(args, hidden, heads, emit, lens=None, tag=None) -> None:
     from bertqa_bench.backends.packed_bert import _cudnn_kernel, _varlen_kernel
 
     d = hidden // heads
-    gen = torch.Generator().manual_seed(0)
-    lens = lengths_for(args.tokens, args.seq_min, args.seq_max, gen)
+    if lens is None:
+        gen = torch.Generator().manual_seed(0)
+        lens = lengths_for(args.tokens, args.seq_min, args.seq_max, gen)
+    # the kernels' max_seqlen: the bench's (384 by default), never below a sequence it is given
+    max_len = max(args.seq_max, max(lens))
     cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device="cuda")
     t = int(cu[-1])
     qkv = torch.randn(t, 3, heads, d, device="cuda", dtype=torch.float16)
@@ -131,9 +215,9 @@ def attention(args, hidden, heads, emit) -> None:
     scale = d ** -0.5
     flash, cudnn_op = _varlen_kernel(), _cudnn_kernel()
     kernels = {
-        "flash": lambda: flash(q, k, v, cu, cu, args.seq_max, args.seq_max, scale=scale),
-        "cudnn": lambda: cudnn_op(q, k, v, scale, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=args.seq_max,
-                                  max_seqlen_kv=args.seq_max, return_lse=False)[0],
+        "flash": lambda: flash(q, k, v, cu, cu, max_len, max_len, scale=scale),
+        "cudnn": lambda: cudnn_op(q, k, v, scale, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max_len,
+                                  max_seqlen_kv=max_len, return_lse=False)[0],
     }
     # cuDNN's FP8 attention on the same values in e4m3 (unit scales: the inputs are ~N(0, 1)), its
     # output in e4m3 at scale 1/16 (|O| <= max |V|)
@@ -141,21 +225,24 @@ def attention(args, hidden, heads, emit) -> None:
 
     q8, k8, v8 = qkv.to(torch.float8_e4m3fn).unbind(1)
     one, o_inv = torch.ones((), device="cuda"), torch.tensor(16.0, device="cuda")
-    kernels["cudnn-fp8"] = lambda: fp8_varlen_attention(q8, k8, v8, cu, args.seq_max, scale, one, o_inv)
+    kernels["cudnn-fp8"] = lambda: fp8_varlen_attention(q8, k8, v8, cu, max_len, scale, one, o_inv)
     # the hand-written Triton varlen kernel; its first (eager) call below autotunes, before any
     # timing or graph capture
     from bertqa_bench.backends import triton_attention
 
-    kernels["triton"] = lambda: triton_attention.varlen_attention(q, k, v, cu, args.seq_max, scale)
+    kernels["triton"] = lambda: triton_attention.varlen_attention(q, k, v, cu, max_len, scale)
     # the e4m3 output at the scale cuDNN's FP8 row uses (1/16), fused or as a pass of its own (what
     # Inductor generates for the output GEMM's quantize of a 16-bit input)
     quantize = torch.compile(lambda x: (x.float() * o_inv).clamp(-448.0, 448.0).to(torch.float8_e4m3fn))
     o_inv1 = o_inv.reshape(1)
-    kernels["triton-e4m3"] = lambda: triton_attention.varlen_attention(q, k, v, cu, args.seq_max, scale, o_inv1)
-    kernels["triton+quantize"] = lambda: quantize(triton_attention.varlen_attention(q, k, v, cu, args.seq_max, scale))
+    kernels["triton-e4m3"] = lambda: triton_attention.varlen_attention(q, k, v, cu, max_len, scale, o_inv1)
+    kernels["triton+quantize"] = lambda: quantize(triton_attention.varlen_attention(q, k, v, cu, max_len, scale))
     # torch's own FlexAttention (compiled Triton templates) with a document mask over the packed
     # tokens: the maintained library for exactly this masking, beside the hand-written kernel
+    # (compiled for each batch's shape: leave it out of --kernels on many batches)
     try:
+        if args.kernels and "flex" not in args.kernels:
+            raise LookupError("not among --kernels")
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
         doc = torch.repeat_interleave(torch.arange(len(lens), device="cuda"), torch.tensor(lens, device="cuda"))
@@ -164,8 +251,12 @@ def attention(args, hidden, heads, emit) -> None:
         flex = torch.compile(flex_attention, dynamic=False)
         q4, k4, v4 = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, heads, T, d] views
         kernels["flex"] = lambda: flex(q4, k4, v4, block_mask=block_mask, scale=scale)[0].transpose(0, 1)
+    except LookupError:
+        pass
     except Exception as e:  # noqa: BLE001 - recorded as this kernel's result
         emit({"what": "attention", "kernel": "flex", "error": f"{type(e).__name__}: {e}"[:2000]})
+    if args.kernels:
+        kernels = {n: f for n, f in kernels.items() if n in args.kernels}
     ref = torch.empty(t, heads, d, device="cuda")
     bounds = cu.tolist()
     for s, e in zip(bounds[:-1], bounds[1:]):
@@ -175,7 +266,8 @@ def attention(args, hidden, heads, emit) -> None:
     floor_bytes = 4 * t * hidden * 2
     for name, fn in kernels.items():
         rec = {"what": "attention", "kernel": name, "tokens": t, "sequences": len(lens), "heads": heads,
-               "head_dim": d, "seq_range": [args.seq_min, args.seq_max], "dtype": "fp16", "floor_MB": floor_bytes / 1e6}
+               "head_dim": d, "seq_range": [min(lens), max(lens)], "dtype": "fp16", "floor_MB": floor_bytes / 1e6,
+               **(tag or {})}
         try:
             out = fn()
             if name.startswith("triton"):
@@ -362,7 +454,21 @@ def main(argv=None) -> int:
     p.add_argument("--only", choices=("attention", "ffn_up", "gemms"), default=None)
     p.add_argument("--autotune", type=int, default=5, help="also time the epilogue autotuned (iterations; 0: not)")
     p.add_argument("--out", default="-", help="JSON lines file (default stdout)")
+    p.add_argument("--from-run", default=None, metavar="RUN_DIR",
+                   help="attention on the sequence lengths of this bench run's packed plan instead of random ones")
+    p.add_argument("--backend", default=None, help="with --from-run: whose plan (default: the run's first packed row)")
+    p.add_argument("--evalset", default=None, metavar="DIR",
+                   help="with --from-run: the cached evaluation set, where it is not where the run's job says")
+    p.add_argument("--plan-batches", type=int, default=8,
+                   help="with --from-run: how many of the plan's batches to time, spread over it (0: all)")
+    p.add_argument("--kernels", default=None, type=lambda v: [k for k in v.split(",") if k],
+                   help=f"attention kernels to time, comma-separated (default all: {','.join(ATTENTION_KERNELS)})")
     args = p.parse_args(argv)
+    unknown = sorted(set(args.kernels or ()) - set(ATTENTION_KERNELS))
+    if unknown:
+        p.error(f"unknown --kernels {','.join(unknown)}; valid: {','.join(ATTENTION_KERNELS)}")
+    # the run's plan and evaluation set are read first: a wrong path fails before any GPU work
+    plan_batches = plan_lengths(args.from_run, args.backend, args.evalset) if args.from_run else None
     if not torch.cuda.is_available():
         print("kernel_bench: no CUDA device", file=sys.stderr)
         return 2
@@ -385,7 +491,10 @@ def main(argv=None) -> int:
 
     emit(dev)
     if args.only in (None, "attention"):
-        attention(args, hidden, heads, emit)
+        if plan_batches is not None:
+            attention_over_plan(args, plan_batches, hidden, heads, emit)
+        else:
+            attention(args, hidden, heads, emit)
     if args.only in (None, "ffn_up"):
         try:
             epilogue_support(emit)

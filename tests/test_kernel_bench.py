@@ -1,0 +1,87 @@
+"""scripts/kernel_bench.py's host side: the sequence lengths it reads from a bench run's own plan and
+evaluation set (``--from-run``), which batches it samples, and its refusals of bad input before any
+GPU work. The timing itself needs a GPU and is not tested here."""
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bertqa_bench.record.schedule import make_plan
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def kb():
+    spec = importlib.util.spec_from_file_location("kernel_bench", ROOT / "scripts" / "kernel_bench.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _run_folder(tmp_path, lengths, batching="packed", name="row-packed"):
+    """A bench run folder as the runner leaves it: its plan under plans/, a worker job naming the plan
+    where the run was made (another machine's path) and the cached evaluation set."""
+    evalset = tmp_path / "cache" / "evalsets" / "squad-dev-x"
+    evalset.mkdir(parents=True)
+    seq = 32
+    mask = (np.arange(seq)[None, :] < np.asarray(lengths)[:, None]).astype(np.int64)
+    np.save(evalset / "attention_mask.npy", mask)
+    run = tmp_path / "run"
+    plan = make_plan(np.asarray(lengths), batching=batching, batch_size=4, max_seq_len=seq, tokens_per_batch=40)
+    plan.save(run / "plans" / f"{batching}-b4.npz")
+    (run / "workers").mkdir(parents=True)
+    job = {"variant": {"name": name, "batching": batching}, "evalset": str(evalset),
+           "plan": f"/root/elsewhere/results/run/plans/{batching}-b4.npz"}
+    (run / "workers" / f"{name}.job.json").write_text(json.dumps(job))
+    return run, plan
+
+
+def test_plan_lengths_are_the_runs_batches_of_real_lengths(kb, tmp_path):
+    lengths = [30, 3, 17, 8, 25, 1, 12, 30, 9, 22, 5]
+    run, plan = _run_folder(tmp_path, lengths)
+    got = kb.plan_lengths(run)
+    assert len(got) == len(plan.batches) > 2
+    for batch, lens in zip(plan.batches, got):
+        assert lens == [lengths[i] for i in batch.rows]
+    assert sorted(n for lens in got for n in lens) == sorted(lengths)  # every feature once, at its real length
+    assert kb.plan_lengths(run, backend="row-packed") == got
+
+
+def test_plan_lengths_refuses_what_it_cannot_read_and_names_it(kb, tmp_path):
+    run, _ = _run_folder(tmp_path, [5, 6, 7])
+    with pytest.raises(SystemExit, match="no job for other-row; it has: row-packed"):
+        kb.plan_lengths(run, backend="other-row")
+    with pytest.raises(SystemExit, match="evaluation set .*give --evalset"):
+        kb.plan_lengths(run, evalset=str(tmp_path / "nowhere"))
+    with pytest.raises(SystemExit, match="has no workers"):
+        kb.plan_lengths(tmp_path / "not-a-run")
+    padded, _ = _run_folder(tmp_path / "p", [5, 6, 7], batching="padded", name="row-padded")
+    with pytest.raises(SystemExit, match="ran no packed row; its rows: row-padded"):
+        kb.plan_lengths(padded)
+    short = tmp_path / "short"
+    short.mkdir()
+    np.save(short / "attention_mask.npy", np.ones((2, 32), np.int64))
+    with pytest.raises(SystemExit, match="has 2 features, the plan 3"):
+        kb.plan_lengths(run, evalset=str(short))
+
+
+def test_spread_takes_the_first_and_the_last_batch_and_spaces_the_rest(kb):
+    got = kb.spread(63, 8)
+    assert got[0] == 0 and got[-1] == 62 and len(got) == 8 == len(set(got)) and got == sorted(got)
+    gaps = np.diff(got)
+    assert gaps.max() - gaps.min() <= 1
+    assert kb.spread(5, 0) == kb.spread(5, 9) == [0, 1, 2, 3, 4]
+    assert kb.spread(10, 1) == [0]
+
+
+def test_bad_arguments_are_refused_before_any_gpu_work(kb, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        kb.main(["--kernels", "triton,warp"])
+    assert e.value.code == 2 and "unknown --kernels warp; valid: flash" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="has no workers"):
+        kb.main(["--only", "attention", "--from-run", str(tmp_path / "missing")])
