@@ -318,6 +318,10 @@ MUTANTS = [
       "    return encoder.pack(ids, mask, types)[:4]", "    return encoder.pack(ids, mask, None)[:4]",
       ("tests/test_fp8.py", "-k", "first_call_before_capture"),
       "the batch the attention tile is tuned on is not the run's: every token gets segment 0"),
+    M("tile-tuned-on-the-shortest-sample-batch", "bertqa_bench/backends/torch_backend.py",
+      "    return order[(len(order) - 1) // 2]", "    return order[0]",
+      ("tests/test_fp8.py", "-k", "median_mean_length"),
+      "the attention tile is tuned on the plan's shortest sequences, not on a typical batch"),
     # --- training
     M("graphed-layers-share-one-static-input", "bertqa_bench/training/graphed_layers.py",
       "                        for _ in calls)", "                        for _ in calls)[:1] * len(calls)",

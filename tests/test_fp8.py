@@ -1820,6 +1820,23 @@ def test_the_first_call_before_capture_is_the_runs_real_batch_packed_as_forward_
         np.testing.assert_array_equal(g.numpy(), w)
 
 
+def test_the_batch_tuned_on_is_the_sample_batch_of_median_mean_length():
+    """``typical_batch``: the plan's sample batches run from few long sequences (the first, of the
+    largest shape) to many short ones; the one the attention tile is tuned on has the median mean
+    length, the lower median for an even count, the earliest on a tie."""
+    from bertqa_bench.backends.torch_backend import typical_batch
+
+    def batch(lengths, seq=40):
+        return {"attention_mask": (np.arange(seq)[None, :] < np.asarray(lengths)[:, None]).astype(np.int64)}
+
+    means = [38, 12, 30, 20, 25]  # the first: the largest shape, long sequences
+    batches = [batch([m - 1, m, m + 1]) for m in means]
+    assert typical_batch(batches) == 4  # 25: the median of 12, 20, 25, 30, 38
+    assert typical_batch(batches[:4]) == 3  # 20: the lower median of 12, 20, 30, 38
+    assert typical_batch([batch([10, 30]), batch([20, 20]), batch([5])]) == 0  # 20 twice: the earliest
+    assert typical_batch(batches[:1]) == 0
+
+
 def test_host_bucket_lengths_equal_the_devices():
     from bertqa_bench.backends.packed_bert import TokenBuckets
 
@@ -1880,7 +1897,7 @@ def test_fp8_attention_and_packing_variants_track_fp32_on_gpu(tmp_path, name):
         assert info["attention_kernel"].startswith("Triton")
         assert info["attention_tuning_source"] in ("timed", "cache") and info["attention_tuned_config"]
     if TABLE.get(name).options.token_bucket:  # the sample batch: 3 rows of 64 tokens and one of 32
-        assert info["first_call_batch"].startswith("real: 4 sequences, 224 tokens, bucket ")
+        assert info["first_call_batch"].startswith("real: sample batch 0 of 1, 4 sequences, 224 tokens (56 a sequence)")
     if "-e4m3out-" in name:
         assert info["attention_kernel"].endswith("e4m3 output in 2 layers")
         assert info["fp8_attention_output"].startswith("e4m3 at the output GEMM's input scale")
@@ -1918,7 +1935,7 @@ def test_the_triton_attention_kernel_is_first_called_on_the_runs_real_batch_on_g
     ctx, batches = _gpu_ctx(tmp_path)
     info, _ = _run(name, ctx, batches[:1])
     assert calls[0][:5] == [0, 64, 128, 192, 224], calls[0]
-    assert info["first_call_batch"].startswith("real: 4 sequences, 224 tokens")
+    assert info["first_call_batch"].startswith("real: sample batch 0 of 1, 4 sequences, 224 tokens")
 
 
 def _in_flight_gives_one_at_a_time_outputs(backend, batches, name, after_passes=None) -> None:

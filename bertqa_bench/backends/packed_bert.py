@@ -368,8 +368,9 @@ class TokenBuckets:
         shape before anything is captured. What tunes itself on its first call then tunes on real
         sequences: the Triton attention kernel's autotuner times its tiles on the batch it is
         first called with, and the captures' warm-ups only have dummy sequences of one length,
-        where a tile's cost differs from that on real lengths. (One batch: the run's sample batch,
-        the plan's largest shape; a tile timed on a mix of the plan's batches is not built.)
+        where a tile's cost differs from that on real lengths. (One batch, whole: the backend
+        passes the sample batch of median mean length; a tile timed on a mix of the plan's batches
+        is not built.)
 
         ``copies`` > 1: that many independent sets of graphs, each with its own static inputs,
         memory pool and capture stream, so that copies can replay at once on different streams;

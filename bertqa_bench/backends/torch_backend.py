@@ -272,11 +272,13 @@ class TorchBackend(Backend):
         info = {}
         if self.device == "cuda":
             with torch.inference_mode(), self._autocast():
-                first = first_packed_batch(enc, batch_at_shape(ctx.sample_batch, *shapes[0]), torch.device("cuda"))
+                k = typical_batch(ctx.sample_batches)
+                first = first_packed_batch(enc, ctx.sample_batches[k], torch.device("cuda"))
                 captured = buckets.capture(torch.device("cuda"), copies=o.streams, around=self._plan_copy,
                                            first=first)
             t, rows = first[0].numel(), first[3].numel() - 1
-            info["first_call_batch"] = f"real: {rows} sequences, {t} tokens, bucket {buckets.size_for(t, rows)}"
+            info["first_call_batch"] = (f"real: sample batch {k} of {len(ctx.sample_batches)}, {rows} sequences, "
+                                        f"{t} tokens ({t / rows:.0f} a sequence), bucket {buckets.size_for(t, rows)}")
             if o.host_pack:
                 from .packed_bert import HostPacker
 
@@ -286,7 +288,7 @@ class TorchBackend(Backend):
         if o.packed_attention == "triton" and captured:
             from .triton_attention import autotune_timings, best_config, tuning_source
 
-            # tuned on the run's first real batch (``first_call_batch``), or taken from an earlier
+            # tuned on the run's typical real batch (``first_call_batch``), or taken from an earlier
             # process's tuning in Triton's cache, then captured as chosen; every timed configuration
             # is kept, so the margin of the choice shows
             info["attention_tuned_config"] = best_config()
@@ -395,6 +397,17 @@ class TorchBackend(Backend):
             self._tf32_before = None
         if self.device == "cuda":
             torch.cuda.empty_cache()
+
+
+def typical_batch(batches) -> int:
+    """Which of the run's sample batches (``BackendContext.sample_batches``: real batches spread over
+    the plan) is typical of it: the one whose mean sequence length is the median of theirs (the
+    lower median; the earliest on a tie). What tunes itself on one call tunes on it: the plan's
+    batches run from few long sequences to many short ones, and the first sample batch, of the
+    largest shape, sits at one end."""
+    means = [float(np.asarray(b["attention_mask"]).sum()) / max(1, len(b["attention_mask"])) for b in batches]
+    order = sorted(range(len(means)), key=lambda i: (means[i], i))
+    return order[(len(order) - 1) // 2]
 
 
 def first_packed_batch(encoder, batch: Mapping[str, np.ndarray], device):
