@@ -130,8 +130,9 @@ def lengths_for(tokens: int, lo: int, hi: int, gen) -> list[int]:
         total += n
 
 
-def plan_lengths(run_dir, backend: str | None = None, evalset: str | None = None) -> list[list[int]]:
-    """The real sequence lengths of every batch of a bench run's packed plan, in the plan's order.
+def plan_lengths(run_dir, backend: str | None = None, evalset: str | None = None) -> tuple[list[list[int]], int]:
+    """The real sequence lengths of every batch of a bench run's packed plan, in the plan's order,
+    and the run's maximum sequence length (the attention kernel's ``max_seqlen`` there).
 
     The plan is the run's own (``plans/`` of the run folder, as its worker's job names it); the
     lengths are its evaluation set's (``attention_mask.npy`` in the cached set the job names, or in
@@ -145,6 +146,11 @@ def plan_lengths(run_dir, backend: str | None = None, evalset: str | None = None
     if not jobs:
         raise SystemExit(f"kernel_bench: {run} has no workers/*.job.json (is it a bench run folder?)")
     specs = {j.name[: -len(".job.json")]: json.loads(j.read_text()) for j in jobs}
+    for name, spec in specs.items():
+        missing = [k for k in ("variant", "plan", "evalset", "max_seq_len") if k not in spec]
+        if missing:
+            raise SystemExit(f"kernel_bench: {run}/workers/{name}.job.json has no {', '.join(missing)}: "
+                             "not a job this version of the runner wrote")
     if backend is not None:
         if backend not in specs:
             raise SystemExit(f"kernel_bench: {run} has no job for {backend}; it has: {', '.join(sorted(specs))}")
@@ -163,10 +169,10 @@ def plan_lengths(run_dir, backend: str | None = None, evalset: str | None = None
     if plan.batching != "packed":
         raise SystemExit(f"kernel_bench: {plan_file} is a {plan.batching} plan; the attention packs only packed ones")
     lengths = np.load(mask_file, mmap_mode="r").sum(axis=1)
-    if len(lengths) < plan.n_features:
+    if len(lengths) != plan.n_features:
         raise SystemExit(f"kernel_bench: {mask_file} has {len(lengths)} features, the plan {plan.n_features}: "
                          "not this run's evaluation set")
-    return [[int(n) for n in lengths[b.rows]] for b in plan.batches]
+    return [[int(n) for n in lengths[b.rows]] for b in plan.batches], int(spec["max_seq_len"])
 
 
 def spread(n: int, k: int) -> list[int]:
@@ -179,10 +185,21 @@ def spread(n: int, k: int) -> list[int]:
     return sorted({round(i * (n - 1) / (k - 1)) for i in range(k)})
 
 
-def attention_over_plan(args, batches: list[list[int]], hidden, heads, emit) -> None:
-    """The attention kernels on ``batches`` (a bench run's own plan, ``plan_lengths``), then one
+def typical_first(batches: list[list[int]], chosen: list[int]) -> list[int]:
+    """``chosen`` with the batch of median mean length (the lower median) first: the Triton
+    kernel's autotuner times its tiles on its first call for a key and every later batch reuses
+    that tile, as the bench's backend tunes on its typical sample batch (``typical_batch``)."""
+    order = sorted(chosen, key=lambda i: (sum(batches[i]) / max(1, len(batches[i])), i))
+    first = order[(len(order) - 1) // 2]
+    return [first] + [i for i in chosen if i != first]
+
+
+def attention_over_plan(args, plan: tuple[list[list[int]], int], hidden, heads, emit) -> None:
+    """The attention kernels on batches of a bench run's own plan (``plan_lengths``), then one
     record per kernel: its estimated time over a whole pass, per layer."""
-    chosen = spread(len(batches), args.plan_batches)
+    batches, max_seq_len = plan
+    args.seq_max = max_seq_len  # the kernels' max_seqlen as the run's (it sizes the launch grid)
+    chosen = typical_first(batches, spread(len(batches), args.plan_batches))
     times: dict[str, list[float]] = {}
 
     def collect(rec):
@@ -190,16 +207,19 @@ def attention_over_plan(args, batches: list[list[int]], hidden, heads, emit) -> 
         if "error" not in rec and "us_median" in rec.get("graph", {}):  # the CUDA graph replay, as the bench runs it
             times.setdefault(rec["kernel"], []).append(rec["graph"]["us_median"])
 
-    for i in chosen:
-        attention(args, hidden, heads, collect, lens=batches[i], tag={"plan_batch": i, "plan_batches": len(batches)})
+    for k, i in enumerate(chosen):
+        attention(args, hidden, heads, collect, lens=batches[i], tag={"plan_batch": i, "plan_batches": len(batches)},
+                  tuning_call=k == 0)
     for name, ts in times.items():
         mean = sum(ts) / len(ts)
         emit({"what": "attention-pass", "kernel": name, "run": str(args.from_run), "plan_batches": len(batches),
-              "sampled": len(ts), "mean_batch_us": round(mean, 1), "pass_estimate_us": round(mean * len(batches), 1),
-              "note": "per layer: the sampled batches' mean median (CUDA graph replay) times the plan's batch count"})
+              "sampled": len(ts), "tuned_on_plan_batch": chosen[0], "mean_batch_us": round(mean, 1),
+              "pass_estimate_us": round(mean * len(batches), 1),
+              "note": "per layer: the sampled batches' mean median (CUDA graph replay) times the plan's batch "
+                      "count; the run's kernel also sees its token buckets' dummy sequences, left out here"})
 
 
-def attention(args, hidden, heads, emit, lens=None, tag=None) -> None:
+def attention(args, hidden, heads, emit, lens=None, tag=None, tuning_call: bool = True) -> None:
     from bertqa_bench.backends.packed_bert import _cudnn_kernel, _varlen_kernel
 
     d = hidden // heads
@@ -265,14 +285,15 @@ def attention(args, hidden, heads, emit, lens=None, tag=None) -> None:
     # bytes of Q, K, V read and O written once: the kernel's memory floor
     floor_bytes = 4 * t * hidden * 2
     for name, fn in kernels.items():
+        seq_range = [args.seq_min, args.seq_max] if tag is None else [min(lens), max(lens)]  # drawn from / real
         rec = {"what": "attention", "kernel": name, "tokens": t, "sequences": len(lens), "heads": heads,
-               "head_dim": d, "seq_range": [min(lens), max(lens)], "dtype": "fp16", "floor_MB": floor_bytes / 1e6,
-               **(tag or {})}
+               "head_dim": d, "seq_range": seq_range, "dtype": "fp16", "floor_MB": floor_bytes / 1e6, **(tag or {})}
         try:
             out = fn()
             if name.startswith("triton"):
                 rec["triton_config"] = triton_attention.best_config()
-                rec["triton_autotune_us"] = triton_attention.autotune_timings()
+                if tuning_call:  # later calls of the key reuse the first call's tile and timings
+                    rec["triton_autotune_us"] = triton_attention.autotune_timings()
             decoded = out.float() / 16.0 if out.dtype == torch.float8_e4m3fn else out.float()
             rec["max_abs_err_vs_fp32_sdpa"] = float((decoded - ref).abs().max())
             rec["dtype"] = str(out.dtype)
@@ -462,13 +483,18 @@ def main(argv=None) -> int:
     p.add_argument("--plan-batches", type=int, default=8,
                    help="with --from-run: how many of the plan's batches to time, spread over it (0: all)")
     p.add_argument("--kernels", default=None, type=lambda v: [k for k in v.split(",") if k],
-                   help=f"attention kernels to time, comma-separated (default all: {','.join(ATTENTION_KERNELS)})")
+                   help=f"attention kernels to time, comma-separated (default all: {','.join(ATTENTION_KERNELS)}; "
+                        "with --from-run all but flex)")
     args = p.parse_args(argv)
     unknown = sorted(set(args.kernels or ()) - set(ATTENTION_KERNELS))
     if unknown:
         p.error(f"unknown --kernels {','.join(unknown)}; valid: {','.join(ATTENTION_KERNELS)}")
     # the run's plan and evaluation set are read first: a wrong path fails before any GPU work
     plan_batches = plan_lengths(args.from_run, args.backend, args.evalset) if args.from_run else None
+    if plan_batches is not None and args.kernels is None:
+        # FlexAttention compiles for each batch's token count, past torch.compile's recompile
+        # limit over a plan's batches: on a plan it runs only when named
+        args.kernels = [k for k in ATTENTION_KERNELS if k != "flex"]
     if not torch.cuda.is_available():
         print("kernel_bench: no CUDA device", file=sys.stderr)
         return 2

@@ -35,7 +35,7 @@ def _run_folder(tmp_path, lengths, batching="packed", name="row-packed"):
     plan = make_plan(np.asarray(lengths), batching=batching, batch_size=4, max_seq_len=seq, tokens_per_batch=40)
     plan.save(run / "plans" / f"{batching}-b4.npz")
     (run / "workers").mkdir(parents=True)
-    job = {"variant": {"name": name, "batching": batching}, "evalset": str(evalset),
+    job = {"variant": {"name": name, "batching": batching}, "evalset": str(evalset), "max_seq_len": seq,
            "plan": f"/root/elsewhere/results/run/plans/{batching}-b4.npz"}
     (run / "workers" / f"{name}.job.json").write_text(json.dumps(job))
     return run, plan
@@ -44,12 +44,13 @@ def _run_folder(tmp_path, lengths, batching="packed", name="row-packed"):
 def test_plan_lengths_are_the_runs_batches_of_real_lengths(kb, tmp_path):
     lengths = [30, 3, 17, 8, 25, 1, 12, 30, 9, 22, 5]
     run, plan = _run_folder(tmp_path, lengths)
-    got = kb.plan_lengths(run)
+    got, max_seq_len = kb.plan_lengths(run)
+    assert max_seq_len == 32
     assert len(got) == len(plan.batches) > 2
     for batch, lens in zip(plan.batches, got):
         assert lens == [lengths[i] for i in batch.rows]
     assert sorted(n for lens in got for n in lens) == sorted(lengths)  # every feature once, at its real length
-    assert kb.plan_lengths(run, backend="row-packed") == got
+    assert kb.plan_lengths(run, backend="row-packed") == (got, 32)
 
 
 def test_plan_lengths_refuses_what_it_cannot_read_and_names_it(kb, tmp_path):
@@ -68,6 +69,13 @@ def test_plan_lengths_refuses_what_it_cannot_read_and_names_it(kb, tmp_path):
     np.save(short / "attention_mask.npy", np.ones((2, 32), np.int64))
     with pytest.raises(SystemExit, match="has 2 features, the plan 3"):
         kb.plan_lengths(run, evalset=str(short))
+    np.save(short / "attention_mask.npy", np.ones((4, 32), np.int64))
+    with pytest.raises(SystemExit, match="has 4 features, the plan 3"):
+        kb.plan_lengths(run, evalset=str(short))
+    job = run / "workers" / "row-packed.job.json"
+    job.write_text(json.dumps({k: v for k, v in json.loads(job.read_text()).items() if k != "max_seq_len"}))
+    with pytest.raises(SystemExit, match="row-packed.job.json has no max_seq_len"):
+        kb.plan_lengths(run)
 
 
 def test_spread_takes_the_first_and_the_last_batch_and_spaces_the_rest(kb):
@@ -77,6 +85,15 @@ def test_spread_takes_the_first_and_the_last_batch_and_spaces_the_rest(kb):
     assert gaps.max() - gaps.min() <= 1
     assert kb.spread(5, 0) == kb.spread(5, 9) == [0, 1, 2, 3, 4]
     assert kb.spread(10, 1) == [0]
+
+
+def test_the_batch_the_autotuner_times_comes_first_and_is_the_typical_one(kb):
+    """The Triton autotuner tunes on its first call of a key and every later batch reuses that tile:
+    the sampled batch of median mean length goes first (the lower median), the others keep their order."""
+    batches = [[380] * 85, [300] * 100, [200] * 150, [120] * 256, [100] * 256]
+    assert kb.typical_first(batches, [0, 1, 2, 3, 4]) == [2, 0, 1, 3, 4]
+    assert kb.typical_first(batches, [0, 1, 3, 4]) == [3, 0, 1, 4]  # means 100, 120, 300, 380: the lower median
+    assert kb.typical_first(batches, [4]) == [4]
 
 
 def test_bad_arguments_are_refused_before_any_gpu_work(kb, tmp_path, capsys):
