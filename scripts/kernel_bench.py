@@ -175,22 +175,13 @@ def plan_lengths(run_dir, backend: str | None = None, evalset: str | None = None
     return [[int(n) for n in lengths[b.rows]] for b in plan.batches], int(spec["max_seq_len"])
 
 
-def spread(n: int, k: int) -> list[int]:
-    """``k`` indices of ``range(n)`` spread evenly, the first and the last among them (all when
-    ``k`` is 0 or at least ``n``)."""
-    if k <= 0 or k >= n:
-        return list(range(n))
-    if k == 1:
-        return [0]
-    return sorted({round(i * (n - 1) / (k - 1)) for i in range(k)})
-
-
 def typical_first(batches: list[list[int]], chosen: list[int]) -> list[int]:
     """``chosen`` with the batch of median mean length (the lower median) first: the Triton
     kernel's autotuner times its tiles on its first call for a key and every later batch reuses
     that tile, as the bench's backend tunes on its typical sample batch (``typical_batch``)."""
-    order = sorted(chosen, key=lambda i: (sum(batches[i]) / max(1, len(batches[i])), i))
-    first = order[(len(order) - 1) // 2]
+    from bertqa_bench.backends.torch_backend import median_index
+
+    first = chosen[median_index([sum(batches[i]) / max(1, len(batches[i])) for i in chosen])]
     return [first] + [i for i in chosen if i != first]
 
 
@@ -199,6 +190,8 @@ def attention_over_plan(args, plan: tuple[list[list[int]], int], hidden, heads, 
     record per kernel: its estimated time over a whole pass, per layer."""
     batches, max_seq_len = plan
     args.seq_max = max_seq_len  # the kernels' max_seqlen as the run's (it sizes the launch grid)
+    from bertqa_bench.record.schedule import spread
+
     chosen = typical_first(batches, spread(len(batches), args.plan_batches))
     times: dict[str, list[float]] = {}
 

@@ -78,15 +78,6 @@ def test_plan_lengths_refuses_what_it_cannot_read_and_names_it(kb, tmp_path):
         kb.plan_lengths(run)
 
 
-def test_spread_takes_the_first_and_the_last_batch_and_spaces_the_rest(kb):
-    got = kb.spread(63, 8)
-    assert got[0] == 0 and got[-1] == 62 and len(got) == 8 == len(set(got)) and got == sorted(got)
-    gaps = np.diff(got)
-    assert gaps.max() - gaps.min() <= 1
-    assert kb.spread(5, 0) == kb.spread(5, 9) == [0, 1, 2, 3, 4]
-    assert kb.spread(10, 1) == [0]
-
-
 def test_the_batch_the_autotuner_times_comes_first_and_is_the_typical_one(kb):
     """The Triton autotuner tunes on its first call of a key and every later batch reuses that tile:
     the sampled batch of median mean length goes first (the lower median), the others keep their order."""

@@ -373,3 +373,17 @@ def test_warm_up_goes_through_the_in_flight_path_too():
     backend = SimulatedDevice(SimulatedClock(), STEP, STEP, 2)
     n = warm_up(backend, plan, materialize(_inputs(lengths, 128), plan), 6, TOKEN, TOKEN)
     assert n == 6 and backend.events[:3] == ["submit 1", "submit 2", "collect 1"]
+
+
+def test_spread_takes_the_first_and_the_last_batch_and_spaces_the_rest():
+    """``spread``: which batches of a plan stand for all of them (the runner's sample batches, the
+    kernel bench's sampled ones)."""
+    from bertqa_bench.record.schedule import spread
+
+    got = spread(63, 8)
+    assert got[0] == 0 and got[-1] == 62 and len(got) == 8 == len(set(got)) and got == sorted(got)
+    gaps = np.diff(got)
+    assert gaps.max() - gaps.min() <= 1
+    assert spread(5, 0) == spread(5, 9) == [0, 1, 2, 3, 4]
+    assert spread(10, 1) == [0]
+    assert spread(1, 8) == [0]

@@ -405,8 +405,14 @@ def typical_batch(batches) -> int:
     lower median; the earliest on a tie). What tunes itself on one call tunes on it: the plan's
     batches run from few long sequences to many short ones, and the first sample batch, of the
     largest shape, sits at one end."""
-    means = [float(np.asarray(b["attention_mask"]).sum()) / max(1, len(b["attention_mask"])) for b in batches]
-    order = sorted(range(len(means)), key=lambda i: (means[i], i))
+    return median_index([float(np.asarray(b["attention_mask"]).sum()) / max(1, len(b["attention_mask"]))
+                         for b in batches])
+
+
+def median_index(values) -> int:
+    """The index of the median of ``values`` (the lower median for an even count; the earliest
+    index on a tie)."""
+    order = sorted(range(len(values)), key=lambda i: (values[i], i))
     return order[(len(order) - 1) // 2]
 
 

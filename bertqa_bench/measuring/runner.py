@@ -34,7 +34,7 @@ import numpy as np
 from ..backends.base import Backend, BackendContext
 from ..errors import BenchError
 from .progress import Progress
-from ..record.schedule import Plan, batch_inputs, empty_outputs, scatter
+from ..record.schedule import Plan, batch_inputs, empty_outputs, scatter, spread
 
 
 @dataclass
@@ -81,8 +81,7 @@ def sample_batches(plan: Plan, batches: list, n: int = 8) -> tuple:
     checks, compile warm-up and calibration: several lengths, not one)."""
     largest = plan.shapes[0]
     first = next(i for i, b in enumerate(plan.batches) if b.shape == largest)
-    spread = np.linspace(0, len(batches) - 1, num=min(n, len(batches))).round().astype(int).tolist()
-    order = [first] + [i for i in dict.fromkeys(spread) if i != first]
+    order = [first] + [i for i in spread(len(batches), n) if i != first]
     return tuple(batches[i] for i in order[:n])
 
 

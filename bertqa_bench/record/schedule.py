@@ -146,6 +146,14 @@ def make_plan(lengths: np.ndarray, *, batching: str, batch_size: int, max_seq_le
     return Plan(batching, batches, n)
 
 
+def spread(n: int, k: int) -> list[int]:
+    """``k`` indices of ``range(n)`` spread evenly, the first and the last among them (all when
+    ``k`` is 0 or at least ``n``): which batches of a plan stand for all of them."""
+    if k <= 0 or k >= n:
+        return list(range(n))
+    return sorted({int(i) for i in np.linspace(0, n - 1, num=k).round()})
+
+
 def shard_plan(plan: Plan, n: int) -> list[Plan]:
     """Split a plan's batches over ``n`` workers with equal work: batches go, largest first, to
     the worker with the fewest computed tokens so far (every batch to exactly one worker)."""
