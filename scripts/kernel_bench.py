@@ -246,28 +246,27 @@ def attention(args, hidden, heads, emit, lens=None, tag=None, tuning_call: bool 
     kernels["triton"] = lambda: triton_attention.varlen_attention(q, k, v, cu, max_len, scale)
     # the e4m3 output at the scale cuDNN's FP8 row uses (1/16), fused or as a pass of its own (what
     # Inductor generates for the output GEMM's quantize of a 16-bit input)
-    quantize = torch.compile(lambda x: (x.float() * o_inv).clamp(-448.0, 448.0).to(torch.float8_e4m3fn))
+    from bertqa_bench.backends.torch_fp8 import saturate_to_e4m3
+
+    quantize = torch.compile(lambda x: saturate_to_e4m3(x, o_inv))
     o_inv1 = o_inv.reshape(1)
     kernels["triton-e4m3"] = lambda: triton_attention.varlen_attention(q, k, v, cu, max_len, scale, o_inv1)
     kernels["triton+quantize"] = lambda: quantize(triton_attention.varlen_attention(q, k, v, cu, max_len, scale))
     # torch's own FlexAttention (compiled Triton templates) with a document mask over the packed
     # tokens: the maintained library for exactly this masking, beside the hand-written kernel
     # (compiled for each batch's shape: leave it out of --kernels on many batches)
-    try:
-        if args.kernels and "flex" not in args.kernels:
-            raise LookupError("not among --kernels")
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    if not args.kernels or "flex" in args.kernels:
+        try:
+            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-        doc = torch.repeat_interleave(torch.arange(len(lens), device="cuda"), torch.tensor(lens, device="cuda"))
-        block_mask = create_block_mask(lambda b, h, qi, ki: doc[qi] == doc[ki], B=None, H=None, Q_LEN=t, KV_LEN=t,
-                                       device="cuda")
-        flex = torch.compile(flex_attention, dynamic=False)
-        q4, k4, v4 = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, heads, T, d] views
-        kernels["flex"] = lambda: flex(q4, k4, v4, block_mask=block_mask, scale=scale)[0].transpose(0, 1)
-    except LookupError:
-        pass
-    except Exception as e:  # noqa: BLE001 - recorded as this kernel's result
-        emit({"what": "attention", "kernel": "flex", "error": f"{type(e).__name__}: {e}"[:2000]})
+            doc = torch.repeat_interleave(torch.arange(len(lens), device="cuda"), torch.tensor(lens, device="cuda"))
+            block_mask = create_block_mask(lambda b, h, qi, ki: doc[qi] == doc[ki], B=None, H=None, Q_LEN=t, KV_LEN=t,
+                                           device="cuda")
+            flex = torch.compile(flex_attention, dynamic=False)
+            q4, k4, v4 = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, heads, T, d] views
+            kernels["flex"] = lambda: flex(q4, k4, v4, block_mask=block_mask, scale=scale)[0].transpose(0, 1)
+        except Exception as e:  # noqa: BLE001 - recorded as this kernel's result
+            emit({"what": "attention", "kernel": "flex", "error": f"{type(e).__name__}: {e}"[:2000]})
     if args.kernels:
         kernels = {n: f for n, f in kernels.items() if n in args.kernels}
     ref = torch.empty(t, heads, d, device="cuda")
@@ -277,8 +276,8 @@ def attention(args, hidden, heads, emit, lens=None, tag=None, tuning_call: bool 
         ref[s:e] = torch.nn.functional.scaled_dot_product_attention(qi, ki, vi, scale=scale).transpose(0, 1)
     # bytes of Q, K, V read and O written once: the kernel's memory floor
     floor_bytes = 4 * t * hidden * 2
+    seq_range = [args.seq_min, args.seq_max] if tag is None else [min(lens), max(lens)]  # drawn from / real
     for name, fn in kernels.items():
-        seq_range = [args.seq_min, args.seq_max] if tag is None else [min(lens), max(lens)]  # drawn from / real
         rec = {"what": "attention", "kernel": name, "tokens": t, "sequences": len(lens), "heads": heads,
                "head_dim": d, "seq_range": seq_range, "dtype": "fp16", "floor_MB": floor_bytes / 1e6, **(tag or {})}
         try:

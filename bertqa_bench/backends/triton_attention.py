@@ -27,9 +27,10 @@ An e4m3 output (``out_inv_scale``, for an FP8 GEMM that consumes it at a static 
 fp32 output times ``out_inv_scale``, saturated to +-448 by the kernel and rounded to nearest-even,
 i.e. exactly the GEMM's own quantization of the fp32 output. Compiled, the cast rounds (Hopper's
 cvt.rn.satfinite from fp32, which the ahead-of-time test checks); under Triton's interpreter, whose
-cast truncates, the kernel rounds in arithmetic first (``round_to_e4m3``). It replaces the 16-bit output and the separate quantize pass over it: half the
-bytes written and one pass fewer. The 16-bit output's rounding is gone; e4m3's (relative <= 2^-4,
-absolute <= 2^-10 / out_inv_scale among its subnormals) takes its place.
+cast truncates, the kernel rounds in arithmetic first (``round_to_e4m3``). It replaces the 16-bit
+output and the separate quantize pass over it: half the bytes written and one pass fewer. The
+16-bit output's rounding is gone; e4m3's (relative <= 2^-4, absolute <= 2^-10 / out_inv_scale
+among its subnormals) takes its place.
 
 Contract (as FlashAttention's varlen API): ``max_seqlen`` must be at least every sequence's
 length (it sizes the grid; it is not checked against the device values, which would need a host
