@@ -33,6 +33,10 @@ pass (per layer: the sampled batches' mean times the plan's batch count).
 
     python scripts/kernel_bench.py --shape bert-large --only attention --from-run results/h200-large \
         --backend torch-compile-fp8all-graph-packed-triton-e4m3out-epilogue-autotune-2streams
+
+``--tiles`` also times, on each of those batches, every tile the Triton kernel's autotuner chooses
+among (e4m3 output), and adds a record comparing the one tile it tuned with the best single tile
+and with each batch taking its own best: what choosing a tile per batch could save.
 """
 from __future__ import annotations
 
@@ -187,29 +191,47 @@ def typical_first(batches: list[list[int]], chosen: list[int]) -> list[int]:
 
 def attention_over_plan(args, plan: tuple[list[list[int]], int], hidden, heads, emit) -> None:
     """The attention kernels on batches of a bench run's own plan (``plan_lengths``), then one
-    record per kernel: its estimated time over a whole pass, per layer."""
+    record per kernel estimating its time over a whole pass, per layer (``pass_records``), and with
+    ``--tiles`` one comparing the tuned tile with each batch's best (``tiles_summary``)."""
     batches, max_seq_len = plan
     args.seq_max = max_seq_len  # the kernels' max_seqlen as the run's (it sizes the launch grid)
     from bertqa_bench.record.schedule import spread
 
     chosen = typical_first(batches, spread(len(batches), args.plan_batches))
-    times: dict[str, list[float]] = {}
+    seen: list[dict] = []
 
     def collect(rec):
         emit(rec)
-        if "error" not in rec and "us_median" in rec.get("graph", {}):  # the CUDA graph replay, as the bench runs it
-            times.setdefault(rec["kernel"], []).append(rec["graph"]["us_median"])
+        seen.append(rec)
 
     for k, i in enumerate(chosen):
-        attention(args, hidden, heads, collect, lens=batches[i], tag={"plan_batch": i, "plan_batches": len(batches)},
-                  tuning_call=k == 0)
-    for name, ts in times.items():
-        mean = sum(ts) / len(ts)
-        emit({"what": "attention-pass", "kernel": name, "run": str(args.from_run), "plan_batches": len(batches),
-              "sampled": len(ts), "tuned_on_plan_batch": chosen[0], "mean_batch_us": round(mean, 1),
-              "pass_estimate_us": round(mean * len(batches), 1),
-              "note": "per layer: the sampled batches' mean median (CUDA graph replay) times the plan's batch "
-                      "count; the run's kernel also sees its token buckets' dummy sequences, left out here"})
+        attention(args, hidden, heads, collect, lens=batches[i],
+                  tag={"plan_batch": i, "plan_batches": len(batches)}, tuning_call=k == 0)
+    if args.tiles:
+        per_tile: dict[str, dict[int, float]] = {}
+        for rec in seen:
+            if rec.get("what") == "attention-tile" and "us_median" in rec.get("graph", {}):
+                per_tile.setdefault(rec["config"], {})[rec["plan_batch"]] = rec["graph"]["us_median"]
+        tuned = next((r["triton_config"] for r in seen if r.get("what") == "attention"
+                      and r.get("kernel") == "triton-e4m3" and r.get("triton_config")), None)
+        emit(tiles_summary(per_tile, tuned, len(batches)))
+    for rec in pass_records(seen, len(batches)):
+        emit({**rec, "run": str(args.from_run), "tuned_on_plan_batch": chosen[0]})
+
+
+def pass_records(records: list[dict], n_batches: int) -> list[dict]:
+    """Per kernel, from its ``attention`` records (the tile sweep's ``attention-tile`` records and
+    failed ones left out): the sampled batches' mean CUDA-graph time, as the bench replays it,
+    times the plan's batch count: its estimated time over one pass, per layer."""
+    times: dict[str, list[float]] = {}
+    for rec in records:
+        if rec.get("what") == "attention" and "error" not in rec and "us_median" in rec.get("graph", {}):
+            times.setdefault(rec["kernel"], []).append(rec["graph"]["us_median"])
+    return [{"what": "attention-pass", "kernel": name, "plan_batches": n_batches, "sampled": len(ts),
+             "mean_batch_us": round(sum(ts) / len(ts), 1), "pass_estimate_us": round(sum(ts) / len(ts) * n_batches, 1),
+             "note": "per layer: the sampled batches' mean median (CUDA graph replay) times the plan's batch "
+                     "count; the run's kernel also sees its token buckets' dummy sequences, left out here"}
+            for name, ts in times.items()]
 
 
 def attention(args, hidden, heads, emit, lens=None, tag=None, tuning_call: bool = True) -> None:
@@ -226,19 +248,25 @@ def attention(args, hidden, heads, emit, lens=None, tag=None, tuning_call: bool 
     qkv = torch.randn(t, 3, heads, d, device="cuda", dtype=torch.float16)
     q, k, v = qkv.unbind(1)
     scale = d ** -0.5
-    flash, cudnn_op = _varlen_kernel(), _cudnn_kernel()
-    kernels = {
-        "flash": lambda: flash(q, k, v, cu, cu, max_len, max_len, scale=scale),
-        "cudnn": lambda: cudnn_op(q, k, v, scale, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max_len,
-                                  max_seqlen_kv=max_len, return_lse=False)[0],
-    }
+
+    def wanted(name):  # cuDNN's kernels are set up only when timed: they need nvidia-cudnn-frontend
+        return not args.kernels or name in args.kernels
+
+    kernels = {}
+    flash = _varlen_kernel()
+    kernels["flash"] = lambda: flash(q, k, v, cu, cu, max_len, max_len, scale=scale)
+    if wanted("cudnn"):
+        cudnn_op = _cudnn_kernel()
+        kernels["cudnn"] = lambda: cudnn_op(q, k, v, scale, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max_len,
+                                            max_seqlen_kv=max_len, return_lse=False)[0]
     # cuDNN's FP8 attention on the same values in e4m3 (unit scales: the inputs are ~N(0, 1)), its
     # output in e4m3 at scale 1/16 (|O| <= max |V|)
-    from bertqa_bench.backends.cudnn_fp8_attention import fp8_varlen_attention
-
-    q8, k8, v8 = qkv.to(torch.float8_e4m3fn).unbind(1)
     one, o_inv = torch.ones((), device="cuda"), torch.tensor(16.0, device="cuda")
-    kernels["cudnn-fp8"] = lambda: fp8_varlen_attention(q8, k8, v8, cu, max_len, scale, one, o_inv)
+    if wanted("cudnn-fp8"):
+        from bertqa_bench.backends.cudnn_fp8_attention import fp8_varlen_attention
+
+        q8, k8, v8 = qkv.to(torch.float8_e4m3fn).unbind(1)
+        kernels["cudnn-fp8"] = lambda: fp8_varlen_attention(q8, k8, v8, cu, max_len, scale, one, o_inv)
     # the hand-written Triton varlen kernel; its first (eager) call below autotunes, before any
     # timing or graph capture
     from bertqa_bench.backends import triton_attention
@@ -255,7 +283,7 @@ def attention(args, hidden, heads, emit, lens=None, tag=None, tuning_call: bool 
     # torch's own FlexAttention (compiled Triton templates) with a document mask over the packed
     # tokens: the maintained library for exactly this masking, beside the hand-written kernel
     # (compiled for each batch's shape: leave it out of --kernels on many batches)
-    if not args.kernels or "flex" in args.kernels:
+    if wanted("flex"):
         try:
             from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -293,6 +321,43 @@ def attention(args, hidden, heads, emit, lens=None, tag=None, tuning_call: bool 
         except Exception as e:  # noqa: BLE001 - one kernel's failure is a result, the others still run
             rec["error"] = f"{type(e).__name__}: {e}"[:2000]
         emit(rec)
+    if args.tiles:
+        # every tile the autotuner chooses among, each timed on this batch with the e4m3 output:
+        # how far the one tuned tile is from each batch's best
+        for cfg in triton_attention.candidate_configs(d, max_len):
+            rec = {"what": "attention-tile", "kernel": "triton-e4m3", "config": str(cfg), "tokens": t,
+                   "sequences": len(lens), "seq_range": seq_range, **(tag or {})}
+            fn = (lambda c: lambda: triton_attention.launch(q, k, v, cu, max_len, scale, out_inv_scale=o_inv1,
+                                                            config=c))(cfg)
+            try:
+                out = fn()
+                rec["max_abs_err_vs_fp32_sdpa"] = float((out.float() / 16.0 - ref).abs().max())
+                rec.update(timed_eager_and_graphed(fn, out, args))
+            except Exception as e:  # noqa: BLE001 - a tile that fails to compile or launch is a result
+                rec["error"] = f"{type(e).__name__}: {e}"[:2000]
+            emit(rec)
+
+
+def tiles_summary(per_tile: dict[str, dict[int, float]], tuned: str | None, n_batches: int) -> dict:
+    """From each tile's CUDA-graph time on each sampled batch ({config: {plan batch: us}}): the
+    pass estimate (per layer, the sampled mean times the plan's batch count) of each tile, of the
+    tuned one, of the best single tile, and of each batch taking its own best tile (the bound a
+    choice of tile per batch could reach). Only batches every tile ran on count."""
+    batches = sorted(set.intersection(*(set(t) for t in per_tile.values()))) if per_tile else []
+    if not batches:
+        return {"what": "attention-tiles-pass", "error": "no batch on which every tile ran"}
+
+    def pass_us(times):
+        return round(sum(times) / len(times) * n_batches, 1)
+
+    each = {c: pass_us([t[b] for b in batches]) for c, t in per_tile.items()}
+    best = min(each, key=each.get)
+    per_batch_best = pass_us([min(t[b] for t in per_tile.values()) for b in batches])
+    return {"what": "attention-tiles-pass", "kernel": "triton-e4m3", "plan_batches": n_batches,
+            "sampled": batches, "tuned": tuned, "tuned_pass_us": each.get(tuned), "best_single": best,
+            "best_single_pass_us": each[best], "per_batch_best_pass_us": per_batch_best,
+            "best_by_batch": {b: min(per_tile, key=lambda c: per_tile[c][b]) for b in batches},
+            "pass_us_by_tile": each}
 
 
 def ffn_up(args, hidden, ffn, emit) -> None:
@@ -477,6 +542,9 @@ def main(argv=None) -> int:
     p.add_argument("--kernels", default=None, type=lambda v: [k for k in v.split(",") if k],
                    help=f"attention kernels to time, comma-separated (default all: {','.join(ATTENTION_KERNELS)}; "
                         "with --from-run all but flex)")
+    p.add_argument("--tiles", action="store_true",
+                   help="also time every tile the Triton kernel's autotuner chooses among (e4m3 output) on each "
+                        "batch; with --from-run, a record comparing the tuned tile with each batch's best")
     args = p.parse_args(argv)
     unknown = sorted(set(args.kernels or ()) - set(ATTENTION_KERNELS))
     if unknown:

@@ -93,3 +93,31 @@ def test_bad_arguments_are_refused_before_any_gpu_work(kb, tmp_path, capsys):
     assert e.value.code == 2 and "unknown --kernels warp; valid: flash" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="has no workers"):
         kb.main(["--only", "attention", "--from-run", str(tmp_path / "missing")])
+
+
+def test_tiles_summary_compares_the_tuned_tile_with_each_batchs_best(kb):
+    # three tiles on three sampled batches of a 10-batch plan; tile "b" is best on the long batch
+    # 0, tile "a" on the others; tile "c" timed on two batches only, so batch 5 drops out for all
+    per_tile = {"a": {0: 30.0, 5: 10.0, 9: 10.0}, "b": {0: 20.0, 5: 12.0, 9: 13.0}, "c": {0: 40.0, 9: 40.0}}
+    s = kb.tiles_summary(per_tile, "a", 10)
+    assert s["sampled"] == [0, 9]
+    assert s["pass_us_by_tile"] == {"a": 200.0, "b": 165.0, "c": 400.0}  # mean of batches 0, 9 times 10
+    assert s["tuned"] == "a" and s["tuned_pass_us"] == 200.0
+    assert s["best_single"] == "b" and s["best_single_pass_us"] == 165.0
+    assert s["best_by_batch"] == {0: "b", 9: "a"}
+    assert s["per_batch_best_pass_us"] == 150.0  # (20 + 10) / 2 * 10: no single tile reaches it
+    assert kb.tiles_summary({}, None, 10)["error"]
+    assert kb.tiles_summary({"a": {0: 1.0}}, "not-timed", 10)["tuned_pass_us"] is None
+
+
+def test_pass_records_count_only_the_kernels_own_timed_records(kb):
+    # the tile sweep's records carry the same kernel name; they and a failed record stay out
+    recs = [{"what": "attention", "kernel": "triton-e4m3", "plan_batch": 0, "graph": {"us_median": 10.0}},
+            {"what": "attention", "kernel": "triton-e4m3", "plan_batch": 5, "graph": {"us_median": 20.0}},
+            {"what": "attention-tile", "kernel": "triton-e4m3", "plan_batch": 0, "graph": {"us_median": 999.0}},
+            {"what": "attention", "kernel": "cudnn", "plan_batch": 0, "error": "RuntimeError: x"},
+            {"what": "attention", "kernel": "flash", "plan_batch": 0, "graph": {"us_median": 30.0}}]
+    out = {r["kernel"]: r for r in kb.pass_records(recs, 63)}
+    assert set(out) == {"triton-e4m3", "flash"}
+    assert out["triton-e4m3"]["sampled"] == 2 and out["triton-e4m3"]["mean_batch_us"] == 15.0
+    assert out["triton-e4m3"]["pass_estimate_us"] == 945.0 and out["flash"]["pass_estimate_us"] == 1890.0

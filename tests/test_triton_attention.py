@@ -129,6 +129,26 @@ q, k, v, cu, ref, out = check([1, bm, bm + 1, 0, long, bn, bn + 1], 2, 64, torch
 # the comparison detects a 1% error in the scale
 wrong = ta.launch(q, k, v, cu, long, 1.01 * 64 ** -0.5).double()
 assert float((wrong - ref).norm() / ref.norm()) > 2 * 2.0 ** -11
+# an explicit tile (config=, how the kernel bench times each tile): the other tiling (BLOCK_N
+# above BLOCK_M) within the same bounds, the grid sized by its own BLOCK_M, every row written;
+# the autotuner's choice untouched
+tuned_before, tuned = ta.best_config(), ta._tuned
+
+
+def _no_autotuner():
+    raise AssertionError("launch(config=...) went through the autotuner")
+
+
+ta._tuned = _no_autotuner  # launch looks it up at call time
+try:
+    tile = triton.Config({"BLOCK_M": 16, "BLOCK_N": 32}, num_warps=1, num_stages=1)
+    tiled = ta.launch(q, k, v, cu, long, 64 ** -0.5, out=torch.full_like(out, float("nan")), config=tile)
+finally:
+    ta._tuned = tuned
+assert not tiled.isnan().any(), f"unwritten elements with BLOCK_M 16: {int(tiled.isnan().sum())}"
+err = tiled.double() - ref
+assert float(err.norm() / ref.norm()) <= 2 * 2.0 ** -11 and float(err.abs().max()) <= 2 * 2.0 ** -11 * float(v.abs().max())
+assert ta.best_config() == tuned_before, (ta.best_config(), tuned_before)
 check([bm + 1, 7, 2 * bm], 2, 32, torch.float16, 2.0 ** -11)
 check([bm + 1, 7, 2 * bm], 1, 128, torch.float16, 2.0 ** -11)
 # the e4m3 output, at a scale c that puts a tenth of the values past 448 (saturated)
@@ -247,6 +267,10 @@ def test_the_autotuner_prunes_with_the_launch_arguments():
     assert pruned(384, 64) == {(m, n, w, s) for m in (64, 128) for n in (32, 64, 128) for w in (4, 8)
                                for s in (2, 3) if (m, n, w) != (128, 128, 4)}
     assert pruned(60, 64) == {(64, n, w, s) for n in (32, 64) for w in (4, 8) for s in (2, 3)}
+    # the kernel bench's list of tiles to time is the autotuner's own, pruned the same way
+    for max_seqlen, d in ((384, 64), (60, 64), (384, 128)):
+        assert {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
+                for c in ta.candidate_configs(d, max_seqlen)} == pruned(max_seqlen, d)
 
 
 def test_bad_inputs_raise_one_line_errors_naming_the_field():

@@ -94,6 +94,15 @@ def keep_config(block_m: int, block_n: int, num_warps: int, head_dim: int, bucke
     return block_m * (block_n + head_dim) <= 128 * 32 * num_warps
 
 
+def candidate_configs(head_dim: int, max_seqlen: int) -> list:
+    """The configurations the autotuner times for this head_dim and ``max_seqlen`` (its list after
+    ``keep_config``'s pruning, the first kept when none is)."""
+    configs = autotune_configs()
+    kept = [c for c in configs if keep_config(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, head_dim,
+                                              seq_bucket(max_seqlen))]
+    return kept or configs[:1]
+
+
 def _prune(configs, named_args, **kwargs):
     args = {**named_args, **kwargs}
     kept = [c for c in configs if keep_config(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps,
@@ -198,10 +207,13 @@ def _check(q, k, v, cu_seqlens, max_seqlen, scale, out_inv_scale=None) -> None:
                          f"{out_inv_scale.dtype} {tuple(out_inv_scale.shape)} on {out_inv_scale.device}")
 
 
-def launch(q, k, v, cu_seqlens, max_seqlen: int, scale: float, out=None, out_inv_scale=None) -> torch.Tensor:
+def launch(q, k, v, cu_seqlens, max_seqlen: int, scale: float, out=None, out_inv_scale=None,
+           config=None) -> torch.Tensor:
     """Run the (autotuned) kernel; on CPU tensors under TRITON_INTERPRET=1 as well as on CUDA.
     ``out``: a [T, heads, head_dim] tensor to write (a new one when None), of q's dtype, or
-    float8_e4m3fn when ``out_inv_scale`` (a 1-element fp32 tensor) is given."""
+    float8_e4m3fn when ``out_inv_scale`` (a 1-element fp32 tensor) is given. ``config``: one of
+    ``autotune_configs()`` to run instead of the autotuner's choice (the kernel bench times each
+    tile on a run's own batches this way); it neither tunes nor changes the autotuner's cache."""
     import triton
 
     _check(q, k, v, cu_seqlens, max_seqlen, scale, out_inv_scale)
@@ -216,9 +228,10 @@ def launch(q, k, v, cu_seqlens, max_seqlen: int, scale: float, out=None, out_inv
     def grid(meta):
         return (triton.cdiv(int(max_seqlen), meta["BLOCK_M"]), heads, batch)
 
-    _tuned()[grid](q, k, v, out, cu_seqlens, out_inv_scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-                   v.stride(0), v.stride(1), out.stride(0), out.stride(1), float(scale) * LOG2E,
-                   seq_bucket(max_seqlen), HEAD_DIM=d, E4M3_OUT=out_inv_scale is not None)
+    kernel, tile = (_tuned(), {}) if config is None else (_kernel(), config.all_kwargs())
+    kernel[grid](q, k, v, out, cu_seqlens, out_inv_scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                 v.stride(0), v.stride(1), out.stride(0), out.stride(1), float(scale) * LOG2E,
+                 seq_bucket(max_seqlen), HEAD_DIM=d, E4M3_OUT=out_inv_scale is not None, **tile)
     return out
 
 
