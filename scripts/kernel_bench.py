@@ -35,8 +35,9 @@ pass (per layer: the sampled batches' mean times the plan's batch count).
         --backend torch-compile-fp8all-graph-packed-triton-e4m3out-epilogue-autotune-2streams
 
 ``--tiles`` also times, on each of those batches, every tile the Triton kernel's autotuner chooses
-among (e4m3 output), and adds a record comparing the one tile it tuned with the best single tile
-and with each batch taking its own best: what choosing a tile per batch could save.
+among (e4m3 output, each checked against its numerics bound), and adds a record comparing the tile
+the autotuner picked on the typical batch, as the run's backend does, with the best single tile and
+with each batch taking its own best: what choosing a tile per batch could save.
 """
 from __future__ import annotations
 
@@ -208,15 +209,19 @@ def attention_over_plan(args, plan: tuple[list[list[int]], int], hidden, heads, 
         attention(args, hidden, heads, collect, lens=batches[i],
                   tag={"plan_batch": i, "plan_batches": len(batches)}, tuning_call=k == 0)
     if args.tiles:
-        per_tile: dict[str, dict[int, float]] = {}
-        for rec in seen:
-            if rec.get("what") == "attention-tile" and "us_median" in rec.get("graph", {}):
-                per_tile.setdefault(rec["config"], {})[rec["plan_batch"]] = rec["graph"]["us_median"]
+        # the tile the kernel bench's own autotuner chose on the typical batch, as the run's backend
+        # does (the run's own tile where Triton's cache holds it: see triton_attention.tuning_source)
         tuned = next((r["triton_config"] for r in seen if r.get("what") == "attention"
                       and r.get("kernel") == "triton-e4m3" and r.get("triton_config")), None)
-        emit(tiles_summary(per_tile, tuned, len(batches)))
+        emit({**tiles_summary(seen, tuned, len(batches)), "tuning_source": _tuning_source()})
     for rec in pass_records(seen, len(batches)):
         emit({**rec, "run": str(args.from_run), "tuned_on_plan_batch": chosen[0]})
+
+
+def _tuning_source():
+    from bertqa_bench.backends import triton_attention
+
+    return triton_attention.tuning_source()
 
 
 def pass_records(records: list[dict], n_batches: int) -> list[dict]:
@@ -324,6 +329,7 @@ def attention(args, hidden, heads, emit, lens=None, tag=None, tuning_call: bool 
     if args.tiles:
         # every tile the autotuner chooses among, each timed on this batch with the e4m3 output:
         # how far the one tuned tile is from each batch's best
+        vmax = float(v.abs().max())
         for cfg in triton_attention.candidate_configs(d, max_len):
             rec = {"what": "attention-tile", "kernel": "triton-e4m3", "config": str(cfg), "tokens": t,
                    "sequences": len(lens), "seq_range": seq_range, **(tag or {})}
@@ -331,33 +337,57 @@ def attention(args, hidden, heads, emit, lens=None, tag=None, tuning_call: bool 
                                                             config=c))(cfg)
             try:
                 out = fn()
-                rec["max_abs_err_vs_fp32_sdpa"] = float((out.float() / 16.0 - ref).abs().max())
+                rec["max_abs_err_vs_fp32_sdpa"] = err = float((out.float() / 16.0 - ref).abs().max())
+                # e4m3's rounding of the output (relative 2^-4, 2^-10 absolute among subnormals, at
+                # scale 1/16) and P's and the fp32 reference's (2^-11 relative each) of |O| <= max|V|
+                rec["within_bound"] = err <= (2.0 ** -4 + 2 * 2.0 ** -11) * vmax + 2.0 ** -10 / 16.0
                 rec.update(timed_eager_and_graphed(fn, out, args))
             except Exception as e:  # noqa: BLE001 - a tile that fails to compile or launch is a result
                 rec["error"] = f"{type(e).__name__}: {e}"[:2000]
             emit(rec)
 
 
-def tiles_summary(per_tile: dict[str, dict[int, float]], tuned: str | None, n_batches: int) -> dict:
-    """From each tile's CUDA-graph time on each sampled batch ({config: {plan batch: us}}): the
-    pass estimate (per layer, the sampled mean times the plan's batch count) of each tile, of the
-    tuned one, of the best single tile, and of each batch taking its own best tile (the bound a
-    choice of tile per batch could reach). Only batches every tile ran on count."""
-    batches = sorted(set.intersection(*(set(t) for t in per_tile.values()))) if per_tile else []
-    if not batches:
-        return {"what": "attention-tiles-pass", "error": "no batch on which every tile ran"}
+def tiles_summary(records: list[dict], tuned: str | None, n_batches: int) -> dict:
+    """From the tile sweep's ``attention-tile`` records (one per tile and sampled plan batch): the
+    pass estimate (per layer, the sampled mean CUDA-graph time times the plan's batch count) of each
+    tile, of the tuned one, of the best single tile, and of each batch taking its own best tile (the
+    bound a choice of tile per batch could reach).
+
+    A tile counts only if it ran on every sampled batch within its numerics bound and its graph
+    replay wrote the eager call's bytes; the others are listed under ``failed`` with their batches,
+    so the counted and the failed tiles together are every tile timed. Without the tuned tile among
+    the counted ones there is nothing to compare: the record says so in ``error``."""
+    tiles = [r for r in records if r.get("what") == "attention-tile"]
+    sampled = sorted({r["plan_batch"] for r in tiles})
+    ok: dict[str, dict[int, float]] = {}
+    failed: dict[str, list[int]] = {}
+    for r in tiles:
+        good = ("error" not in r and r.get("within_bound") is True and r.get("graph_replay_equals_eager") is True
+                and "us_median" in r.get("graph", {}))
+        if good:
+            ok.setdefault(r["config"], {})[r["plan_batch"]] = r["graph"]["us_median"]
+        else:
+            failed.setdefault(r["config"], []).append(r["plan_batch"])
+    for c in list(ok):  # a tile that could not run everywhere is no single choice
+        if c in failed or set(ok[c]) != set(sampled):
+            ran = ok.pop(c)
+            failed.setdefault(c, sorted(set(sampled) - set(ran)))
+    out = {"what": "attention-tiles-pass", "kernel": "triton-e4m3", "plan_batches": n_batches, "sampled": sampled,
+           "tuned": tuned, "failed": failed}
+    if not ok:
+        return {**out, "error": "no tile ran within its bound on every sampled batch"}
 
     def pass_us(times):
         return round(sum(times) / len(times) * n_batches, 1)
 
-    each = {c: pass_us([t[b] for b in batches]) for c, t in per_tile.items()}
+    each = {c: pass_us(list(t.values())) for c, t in ok.items()}
     best = min(each, key=each.get)
-    per_batch_best = pass_us([min(t[b] for t in per_tile.values()) for b in batches])
-    return {"what": "attention-tiles-pass", "kernel": "triton-e4m3", "plan_batches": n_batches,
-            "sampled": batches, "tuned": tuned, "tuned_pass_us": each.get(tuned), "best_single": best,
-            "best_single_pass_us": each[best], "per_batch_best_pass_us": per_batch_best,
-            "best_by_batch": {b: min(per_tile, key=lambda c: per_tile[c][b]) for b in batches},
-            "pass_us_by_tile": each}
+    out.update(tuned_pass_us=each.get(tuned), best_single=best, best_single_pass_us=each[best],
+               per_batch_best_pass_us=pass_us([min(t[b] for t in ok.values()) for b in sampled]),
+               best_by_batch={b: min(ok, key=lambda c: ok[c][b]) for b in sampled}, pass_us_by_tile=each)
+    if tuned not in each:
+        out["error"] = f"the tuned tile ({tuned}) is not among the tiles counted: no comparison with it"
+    return out
 
 
 def ffn_up(args, hidden, ffn, emit) -> None:
@@ -549,6 +579,10 @@ def main(argv=None) -> int:
     unknown = sorted(set(args.kernels or ()) - set(ATTENTION_KERNELS))
     if unknown:
         p.error(f"unknown --kernels {','.join(unknown)}; valid: {','.join(ATTENTION_KERNELS)}")
+    if args.tiles and args.only not in (None, "attention"):
+        p.error(f"--tiles times the attention kernel's tiles: not with --only {args.only}")
+    if args.tiles and args.kernels and "triton-e4m3" not in args.kernels:
+        p.error("--tiles compares each tile with triton-e4m3's tuned one: add triton-e4m3 to --kernels")
     # the run's plan and evaluation set are read first: a wrong path fails before any GPU work
     plan_batches = plan_lengths(args.from_run, args.backend, args.evalset) if args.from_run else None
     if plan_batches is not None and args.kernels is None:

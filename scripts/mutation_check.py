@@ -332,6 +332,11 @@ MUTANTS = [
       '        if "error" not in rec and "us_median" in rec.get("graph", {}):',
       ("tests/test_kernel_bench.py", "-k", "pass_records"),
       "the kernel's pass estimate averages in every tile the sweep timed, not the tuned one alone"),
+    M("tile-sweep-counts-a-wrong-tile", "scripts/kernel_bench.py",
+      '        good = ("error" not in r and r.get("within_bound") is True and r.get("graph_replay_equals_eager") is True',
+      '        good = ("error" not in r and r.get("graph_replay_equals_eager") is True',
+      ("tests/test_kernel_bench.py", "-k", "ran_right_everywhere"),
+      "a fast tile that computes the wrong attention is recommended as the best"),
     # --- training
     M("graphed-layers-share-one-static-input", "bertqa_bench/training/graphed_layers.py",
       "                        for _ in calls)", "                        for _ in calls)[:1] * len(calls)",

@@ -93,21 +93,47 @@ def test_bad_arguments_are_refused_before_any_gpu_work(kb, tmp_path, capsys):
     assert e.value.code == 2 and "unknown --kernels warp; valid: flash" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="has no workers"):
         kb.main(["--only", "attention", "--from-run", str(tmp_path / "missing")])
+    # the tile sweep needs the attention kernel and its tuned tile to compare with
+    with pytest.raises(SystemExit) as e:
+        kb.main(["--tiles", "--only", "gemms"])
+    assert e.value.code == 2 and "--tiles times the attention kernel's tiles: not with --only gemms" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        kb.main(["--tiles", "--kernels", "flash,cudnn"])
+    assert e.value.code == 2 and "add triton-e4m3 to --kernels" in capsys.readouterr().err
+
+
+def _tile(config, batch, us, **kw):
+    return {"what": "attention-tile", "kernel": "triton-e4m3", "config": config, "plan_batch": batch,
+            "within_bound": True, "graph_replay_equals_eager": True, "graph": {"us_median": us}, **kw}
 
 
 def test_tiles_summary_compares_the_tuned_tile_with_each_batchs_best(kb):
-    # three tiles on three sampled batches of a 10-batch plan; tile "b" is best on the long batch
-    # 0, tile "a" on the others; tile "c" timed on two batches only, so batch 5 drops out for all
-    per_tile = {"a": {0: 30.0, 5: 10.0, 9: 10.0}, "b": {0: 20.0, 5: 12.0, 9: 13.0}, "c": {0: 40.0, 9: 40.0}}
-    s = kb.tiles_summary(per_tile, "a", 10)
-    assert s["sampled"] == [0, 9]
-    assert s["pass_us_by_tile"] == {"a": 200.0, "b": 165.0, "c": 400.0}  # mean of batches 0, 9 times 10
-    assert s["tuned"] == "a" and s["tuned_pass_us"] == 200.0
-    assert s["best_single"] == "b" and s["best_single_pass_us"] == 165.0
-    assert s["best_by_batch"] == {0: "b", 9: "a"}
-    assert s["per_batch_best_pass_us"] == 150.0  # (20 + 10) / 2 * 10: no single tile reaches it
-    assert kb.tiles_summary({}, None, 10)["error"]
-    assert kb.tiles_summary({"a": {0: 1.0}}, "not-timed", 10)["tuned_pass_us"] is None
+    # three sampled batches of a 10-batch plan: tile "b" is best on the long batch 0, tile "a" on
+    # the others; every other record kind is ignored
+    recs = [_tile("a", 0, 30.0), _tile("a", 5, 10.0), _tile("a", 9, 10.0),
+            _tile("b", 0, 20.0), _tile("b", 5, 12.0), _tile("b", 9, 13.0),
+            {"what": "attention", "kernel": "triton-e4m3", "plan_batch": 0, "graph": {"us_median": 1.0}}]
+    s = kb.tiles_summary(recs, "a", 10)
+    assert s["sampled"] == [0, 5, 9] and s["failed"] == {} and "error" not in s
+    assert s["pass_us_by_tile"] == {"a": 166.7, "b": 150.0}  # the mean of the three batches times 10
+    assert s["tuned"] == "a" and s["tuned_pass_us"] == 166.7
+    assert s["best_single"] == "b" and s["best_single_pass_us"] == 150.0
+    assert s["best_by_batch"] == {0: "b", 5: "a", 9: "a"}
+    assert s["per_batch_best_pass_us"] == 133.3  # (20 + 10 + 10) / 3 * 10: no single tile reaches it
+
+
+def test_tiles_summary_counts_only_tiles_that_ran_right_everywhere_and_names_the_others(kb):
+    recs = [_tile("a", 0, 30.0), _tile("a", 9, 10.0),
+            _tile("fast-but-wrong", 0, 1.0, within_bound=False), _tile("fast-but-wrong", 9, 1.0),
+            _tile("replay-differs", 0, 2.0, graph_replay_equals_eager=False), _tile("replay-differs", 9, 2.0),
+            _tile("no-launch", 0, 0.0, error="OutOfResources: shared memory"), _tile("no-launch", 9, 3.0),
+            _tile("one-batch-only", 0, 3.0)]
+    s = kb.tiles_summary(recs, "a", 10)
+    assert set(s["pass_us_by_tile"]) == {"a"} and s["best_single"] == "a"
+    assert s["failed"] == {"fast-but-wrong": [0], "replay-differs": [0], "no-launch": [0], "one-batch-only": [9]}
+    # the tuned tile among the failed ones, or none at all: said, not a silent None
+    assert "not among the tiles counted" in kb.tiles_summary(recs, "fast-but-wrong", 10)["error"]
+    assert kb.tiles_summary([], None, 10)["error"].startswith("no tile ran")
 
 
 def test_pass_records_count_only_the_kernels_own_timed_records(kb):

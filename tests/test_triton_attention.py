@@ -295,6 +295,9 @@ def test_bad_inputs_raise_one_line_errors_naming_the_field():
     with pytest.raises(ValueError, match="cu_seqlens must be contiguous"):
         ta._check(q, k, v, torch.tensor([0, 9, 4, 9, 10], dtype=torch.int32)[::2], 6, 0.125)
     ta._check(q, k, v, cu, 6, 0.125)  # the valid call passes
+    if ta.HAS_TRITON:  # an explicit tile without its block sizes, refused before any launch
+        with pytest.raises(ValueError, match="config must be a triton.Config with BLOCK_M and BLOCK_N, got"):
+            ta.launch(q, k, v, cu, 6, 0.125, config={"BLOCK_M": 64, "BLOCK_N": 32})
 
 
 def test_packed_encoder_refuses_a_head_size_the_kernel_does_not_take_before_any_work():

@@ -211,12 +211,15 @@ def launch(q, k, v, cu_seqlens, max_seqlen: int, scale: float, out=None, out_inv
            config=None) -> torch.Tensor:
     """Run the (autotuned) kernel; on CPU tensors under TRITON_INTERPRET=1 as well as on CUDA.
     ``out``: a [T, heads, head_dim] tensor to write (a new one when None), of q's dtype, or
-    float8_e4m3fn when ``out_inv_scale`` (a 1-element fp32 tensor) is given. ``config``: one of
-    ``autotune_configs()`` to run instead of the autotuner's choice (the kernel bench times each
-    tile on a run's own batches this way); it neither tunes nor changes the autotuner's cache."""
+    float8_e4m3fn when ``out_inv_scale`` (a 1-element fp32 tensor) is given. ``config``: a
+    ``triton.Config`` with BLOCK_M and BLOCK_N (and its warps and stages) to run instead of the
+    autotuner's choice, as the kernel bench times each of ``candidate_configs()`` on a run's own
+    batches; it neither tunes nor changes the autotuner's cache."""
     import triton
 
     _check(q, k, v, cu_seqlens, max_seqlen, scale, out_inv_scale)
+    if config is not None and not {"BLOCK_M", "BLOCK_N"} <= set(getattr(config, "kwargs", None) or ()):
+        raise ValueError(f"varlen_attention: config must be a triton.Config with BLOCK_M and BLOCK_N, got {config!r}")
     t, heads, d = q.shape
     out_dtype = q.dtype if out_inv_scale is None else torch.float8_e4m3fn
     if out is None:
