@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 
 from . import exit_codes
-from .errors import BenchError
+from .errors import BenchError, ConfigError
 
 
 def _suite_args(p: argparse.ArgumentParser) -> None:
@@ -51,6 +51,15 @@ def _model_args(p: argparse.ArgumentParser, where: str = "") -> None:
 
 def _suite(a) -> str:
     return a.suite or "default"
+
+
+def _positive_ints(text: str, flag: str, example: str) -> list[int]:
+    """A comma-separated list of whole numbers >= 1 given to ``flag``, or a one-line error."""
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [x for x in items if not (x.isdigit() and int(x) >= 1)]
+    if bad or not items:
+        raise ConfigError(f"{flag} takes whole numbers >= 1, comma-separated (e.g. {example}); got {text!r}")
+    return [int(x) for x in items]
 
 
 def load_resume(target: str, suite: str | None = None, overrides=()):
@@ -87,7 +96,13 @@ def load_resume(target: str, suite: str | None = None, overrides=()):
 
 
 def _backend_list(s: str | None):
-    return [b.strip() for b in s.split(",") if b.strip()] if s else None
+    if s is None:
+        return None
+    names = [b.strip() for b in s.split(",") if b.strip()]
+    if not names:  # `--backends ,` or `--backends ''` would quietly run the suite's whole list
+        raise ConfigError(f"--backends {s!r} names no backend; give comma-separated names "
+                          "(`bertqa-bench backends` lists them)")
+    return names
 
 
 def _threads(cfg) -> None:
@@ -232,6 +247,8 @@ def _model_overrides(a) -> list[str]:
     as it is (no training), named after X. Values go through JSON, which YAML reads back as the
     same string whatever it looks like."""
     out = []
+    if getattr(a, "model", None) is not None and not a.model.strip():
+        raise ConfigError("--model is empty; give a checkpoint folder or a hub name")
     if getattr(a, "model", None):
         from .config import checkpoint_model_name
 
@@ -255,7 +272,7 @@ def cmd_loadgen(a) -> int:
     from .suite import load_suite
     from .reporting.tracking import Tracker
 
-    cfg = load_suite(a.suite, a.overrides)
+    cfg = load_suite(_suite(a), a.overrides)
     _threads(cfg)
     tracker = Tracker(cfg.results_root, enabled=not a.no_mlflow)
     out = run_loadgen(cfg, a.scenario, backends=_backend_list(a.backends), find_peak_qps=a.find_peak_qps,
@@ -282,10 +299,10 @@ def cmd_sweep(a) -> int:
         names = None
     else:
         resume, cfg = None, load_suite(_suite(a), a.overrides)
-        ints = [int(x) for x in a.batch_sizes.split(",") if x.strip()]
         names = expand(cfg, _backend_list(a.backends) or [b for b in cfg.bench.backends if b != cfg.bench.reference],
-                       ints, [x.strip() for x in a.batchings.split(",") if x.strip()],
-                       [int(x) for x in a.devices.split(",") if x.strip()])
+                       _positive_ints(a.batch_sizes, "--batch-sizes", "4,16,64"),
+                       [x.strip() for x in a.batchings.split(",") if x.strip()],
+                       _positive_ints(a.devices, "--devices", "1,2,4"))
     _threads(cfg)
     tracker = Tracker(cfg.results_root, enabled=not a.no_mlflow)
     out = run_bench(cfg, backends=names, run_id=a.run_id, tracker=tracker, progress=not a.no_progress,
@@ -357,6 +374,8 @@ def cmd_profile(a) -> int:
     from .suite import load_suite
     from .commands.profile import profile_backend
 
+    if a.batches < 1 or a.top < 1:
+        raise ConfigError(f"--batches and --top must be >= 1, not {a.batches} and {a.top}")
     cfg = load_suite(_suite(a), a.overrides)
     _threads(cfg)
     out = profile_backend(cfg, a.backend, n_batches=a.batches, top=a.top)
@@ -387,6 +406,10 @@ def cmd_track(a) -> int:
     from .config import resolve_path
     from .reporting.tracking import default_tracking_uri, import_bundle
 
+    from .record.results import RunBundle
+
+    for d in a.run_dirs:  # every bundle read first: a damaged one is named before any is logged
+        RunBundle.load(Path(d)).env()
     for d in a.run_dirs:
         rid = import_bundle(Path(d), resolve_path("results"))
         print(f"{d}: logged as MLflow run {rid} in {default_tracking_uri(resolve_path('results'))}")
@@ -398,7 +421,7 @@ def cmd_backends(a) -> int:
     from .backends.variants import VariantTable
 
     cfg = None
-    if a.suite:
+    if a.suite or a.overrides:  # --set alone applies to the default suite, as everywhere else
         from .suite import load_suite
 
         cfg = load_suite(_suite(a), a.overrides)
@@ -611,6 +634,10 @@ def main(argv=None) -> int:
         return exit_codes.BAD_INPUT
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
+        return exit_codes.BAD_INPUT
+    except (IsADirectoryError, NotADirectoryError) as e:  # a folder given where a file goes, or the reverse
+        what = "a folder, where a file was expected" if isinstance(e, IsADirectoryError) else "not a folder"
+        print(f"error: {e.filename}: {what}", file=sys.stderr)
         return exit_codes.BAD_INPUT
     except Exception:  # noqa: BLE001 - a bug: its traceback, and a code no verdict uses
         import traceback

@@ -114,6 +114,10 @@ class DataConfig:
             raise ConfigError("data.doc_stride must be in (0, max_seq_len)")
         if not 0 < self.max_query_len < self.max_seq_len:
             raise ConfigError("data.max_query_len must be in (0, max_seq_len)")
+        for k in ("max_eval_examples", "max_train_examples", "target_eval_features"):
+            v = getattr(self, k)
+            if v is not None and v < 1:  # a slice by 0 or a negative count would drop questions silently
+                raise ConfigError(f"data.{k} must be >= 1 (or null: all of them), not {v}")
 
 
 DEFAULT_MODEL_NAME = "minilm-squad-synthetic"
@@ -275,6 +279,12 @@ class TrainConfig:
             setattr(self, k, _number(getattr(self, k), f"train.{k}"))
         if self.epochs <= 0 or self.learning_rate <= 0 or self.batch_size < 1:
             raise ConfigError("train: epochs, learning_rate and batch_size must be positive")
+        if self.grad_accum < 1:
+            raise ConfigError(f"train.grad_accum must be >= 1 (micro-steps per optimizer step), not {self.grad_accum}")
+        if not 0 <= self.warmup_ratio <= 1:
+            raise ConfigError(f"train.warmup_ratio must be in [0, 1] (a share of the steps), not {self.warmup_ratio}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ConfigError(f"train.num_threads must be >= 1 (or null: torch's default), not {self.num_threads}")
         if self.mixed_precision not in ("auto", "fp16", "bf16", "no"):
             raise ConfigError("train.mixed_precision must be auto, fp16, bf16 or no")
         if self.seq_bucket < 0 or self.profile_steps < 0:
@@ -352,6 +362,10 @@ class BenchConfig:
             raise ConfigError("bench.min_passes must be >= 1")
         if self.seq_multiple < 1:
             raise ConfigError("bench.seq_multiple must be >= 1")
+        for k in ("tokens_per_batch", "max_batch_rows", "num_threads"):
+            v = getattr(self, k)
+            if v is not None and v < 1:  # the plans would fall back to one-row batches without a word
+                raise ConfigError(f"bench.{k} must be >= 1 (or null: the default), not {v}")
         self.min_duration_s = _number(self.min_duration_s, "bench.min_duration_s")
         self.timeout_s = _number(self.timeout_s, "bench.timeout_s")
         # `not >`: YAML's .nan passes every `<=` check, and a NaN limit never kills a hung child
@@ -522,6 +536,11 @@ class ParityConfig:
             self.reduced = Tolerance(**self.reduced)
         self.overrides = {k: (v if isinstance(v, Tolerance) else build(Tolerance, v, f"parity.overrides.{k}"))
                           for k, v in (self.overrides or {}).items()}
+        if not self.expected_tolerance >= 0:  # `not >=`: a NaN would pass every score
+            raise ConfigError(f"parity.expected_tolerance must be >= 0 points, not {self.expected_tolerance}")
+        if self.expected_tolerance_questions is not None and self.expected_tolerance_questions < 0:
+            raise ConfigError("parity.expected_tolerance_questions must be >= 0 (or null: use expected_tolerance), "
+                              f"not {self.expected_tolerance_questions}")
 
 
 # Later-added fields -> their defaults (user checkpoints, SQuAD v2.0, the padding-masked loss). At the default they

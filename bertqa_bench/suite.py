@@ -57,11 +57,19 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
         key, value = item.split("=", 1)
         node = raw
         parts = key.strip().split(".")
+        if not all(parts):
+            raise ConfigError(f"override '{item}': '{key.strip()}' is not a field name; it must look like "
+                              "section.field=value")
         for part in parts[:-1]:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override '{item}': '{part}' is not a section")
-        node[parts[-1]] = _parse_value(value)
+        try:
+            node[parts[-1]] = _parse_value(value)
+        except yaml.YAMLError as e:
+            problem = str(getattr(e, "problem", "") or e).splitlines()[0]
+            raise ConfigError(f"override '{item}': the value {value!r} is not valid YAML ({problem}); quote it to "
+                              "pass it as a string") from None
     return raw
 
 

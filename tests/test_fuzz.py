@@ -643,6 +643,13 @@ def assert_sound(cfg) -> None:
     assert _finite_number(t.learning_rate) and t.learning_rate > 0 and t.epochs > 0 and t.batch_size > 0
     for tol in [cfg.parity.fp32, cfg.parity.reduced, *cfg.parity.overrides.values()]:
         assert 0.0 <= tol.min_f1_ratio <= 1.0 and 0.0 <= tol.min_agreement <= 1.0
+    # counts a run slices or plans by: null or at least one (0 or negative would drop work silently)
+    for v in (d.max_eval_examples, d.max_train_examples, d.target_eval_features, b.tokens_per_batch,
+              b.max_batch_rows, b.num_threads, t.num_threads):
+        assert v is None or v >= 1
+    assert t.grad_accum >= 1 and 0 <= t.warmup_ratio <= 1
+    assert cfg.parity.expected_tolerance >= 0
+    assert cfg.parity.expected_tolerance_questions is None or cfg.parity.expected_tolerance_questions >= 0
     assert cfg.task.name in TASKS
 
 

@@ -518,7 +518,9 @@ def canonicalize(cfg: SuiteConfig, note: Optional[Callable[[str], None]] = note_
     for name, tol in cfg.parity.overrides.items():
         try:
             renamed[table.canonical(name)] = tol
-        except (UnknownBackendError, ConfigError):  # a tolerance for a name this suite never runs
+        except UnknownBackendError as e:  # a typo'd name: its tolerance would never apply
+            raise ConfigError(f"parity.overrides: {e}") from None
+        except ConfigError:  # a tolerance for a name this suite never runs
             renamed[name] = tol
     cfg.parity.overrides = renamed
     return table

@@ -159,6 +159,9 @@ def inspect_folder(name: str, folder: Path, *, allow_pickle: bool = False) -> Ch
         config = json.loads(cfg_path.read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(name, f"{cfg_path} is not readable JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(name, f"{cfg_path} holds a JSON {type(config).__name__}, not the object "
+                                    "save_pretrained writes")
     model_type = config.get("model_type")
     if config.get("auto_map"):
         raise CheckpointError(name, f"its config maps to custom code (auto_map: {sorted(config['auto_map'])}), which "

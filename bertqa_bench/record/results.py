@@ -206,18 +206,26 @@ class BackendResult:
         # always held MiB, so the values carry over unchanged.
         row = {**{LEGACY_COLUMNS.get(k, k): v for k, v in row.items()}, **row}
         hints = typing.get_type_hints(cls)
+
+        def cell(column, convert):
+            # a damaged cell is named by its column and value (the caller adds the file and row)
+            try:
+                return convert(row[column])
+            except (ValueError, TypeError) as e:  # json.JSONDecodeError is a ValueError
+                raise ValueError(f"column {column}: {row[column]!r} is not a valid value ({e})") from None
+
         kwargs: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
             if f.name in _NESTED or f.name not in row:
                 continue
-            kwargs[f.name] = _parse(row[f.name], hints[f.name])
+            kwargs[f.name] = cell(f.name, lambda v, h=hints[f.name]: _parse(v, h))
         r = cls(**kwargs)
-        r.scores = {m: float(row[m]) for m in metric_names if row.get(m) not in (None, "")}
-        r.deltas = {m: float(row[f"{m}_delta"]) for m in metric_names if row.get(f"{m}_delta") not in (None, "")}
-        r.delta_ci = {m: (float(row[f"{m}_delta_low"]), float(row[f"{m}_delta_high"])) for m in metric_names
+        r.scores = {m: cell(m, float) for m in metric_names if row.get(m) not in (None, "")}
+        r.deltas = {m: cell(f"{m}_delta", float) for m in metric_names if row.get(f"{m}_delta") not in (None, "")}
+        r.delta_ci = {m: (cell(f"{m}_delta_low", float), cell(f"{m}_delta_high", float)) for m in metric_names
                       if row.get(f"{m}_delta_low") not in (None, "") and row.get(f"{m}_delta_high") not in (None, "")}
         if row.get("prepare_info"):
-            r.prepare_info = json.loads(row["prepare_info"])
+            r.prepare_info = cell("prepare_info", json.loads)
         return r
 
 
@@ -308,8 +316,26 @@ def rows_to_csv(rows: list[dict], columns: Optional[list[str]] = None) -> str:
 
 
 def read_csv(path: Path) -> list[dict]:
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
+    try:
+        with open(path, newline="") as f:
+            return list(csv.DictReader(f))
+    except (UnicodeDecodeError, IsADirectoryError, csv.Error) as e:
+        from ..errors import BenchError
+
+        raise BenchError(f"{path}: not a results table bertqa-bench can read ({type(e).__name__}: {e})") from None
+
+
+def read_json_object(path: Path) -> dict:
+    """A JSON object from one of a bundle's files, or a one-line error naming the file."""
+    from ..errors import BenchError
+
+    try:
+        value = json.loads(Path(path).read_text())
+    except (ValueError, IsADirectoryError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise BenchError(f"{path}: not valid JSON ({type(e).__name__}: {e})") from None
+    if not isinstance(value, dict):
+        raise BenchError(f"{path}: holds a JSON {type(value).__name__}, not an object")
+    return value
 
 
 class RunBundle:
@@ -358,11 +384,11 @@ class RunBundle:
 
     def env(self) -> dict:
         p = self.dir / "env.json"
-        return json.loads(p.read_text()) if p.exists() else {}
+        return read_json_object(p) if p.exists() else {}
 
     def config(self) -> dict:
         p = self.dir / "config.json"
-        return json.loads(p.read_text()) if p.exists() else {}
+        return read_json_object(p) if p.exists() else {}
 
     @classmethod
     def load(cls, run_dir: Path) -> "RunBundle":
@@ -372,8 +398,20 @@ class RunBundle:
             from ..errors import BenchError
 
             raise BenchError(f"{run_dir}: no run.json; pass a results/<run-id> folder written by bertqa-bench")
-        raw = json.loads(meta_path.read_text())
-        known = {f.name for f in dataclasses.fields(RunMeta)}
-        meta = RunMeta(**{k: v for k, v in raw.items() if k in known})
-        rows = read_csv(run_dir / "results.csv") if (run_dir / "results.csv").exists() else []
-        return cls(run_dir, meta, [BackendResult.from_row(r, meta.metric_names) for r in rows])
+        from ..errors import BenchError
+
+        raw = read_json_object(meta_path)
+        fields = dataclasses.fields(RunMeta)
+        missing = [f.name for f in fields if f.name not in raw and f.default is dataclasses.MISSING
+                   and f.default_factory is dataclasses.MISSING]
+        if missing:
+            raise BenchError(f"{meta_path}: no {', '.join(missing)}; the bundle is damaged")
+        meta = RunMeta(**{k: v for k, v in raw.items() if k in {f.name for f in fields}})
+        csv_path = run_dir / "results.csv"
+        results = []
+        for i, r in enumerate(read_csv(csv_path) if csv_path.exists() else []):
+            try:
+                results.append(BackendResult.from_row(r, meta.metric_names))
+            except ValueError as e:  # line i + 2: the header is line 1
+                raise BenchError(f"{csv_path}, line {i + 2} ({r.get('backend') or 'no backend'}): {e}") from None
+        return cls(run_dir, meta, results)

@@ -30,7 +30,7 @@ from typing import Optional
 from ..config import METRICS_FILE
 from ..errors import BenchError
 from ..io import atomic_write_text
-from ..record.results import RunBundle, rows_to_csv
+from ..record.results import RunBundle, read_json_object, rows_to_csv
 from .sweep import without_devices
 
 
@@ -195,7 +195,7 @@ def load_rows(sources: list[str], *, card: str = "", date: str = "", commands: O
         host, _, path = spec.partition(":") if ":" in spec else ("", "", spec)
         host, p = host or "host", Path(path)
         if (p / METRICS_FILE).exists():
-            metrics = json.loads((p / METRICS_FILE).read_text())
+            metrics = read_json_object(p / METRICS_FILE)
             name = (metrics.get("recipe_fields") or {}).get("model.name", p.name)
             rows.append(train_row(metrics, host=host, source=str(p / METRICS_FILE), card=card, date=date,
                                   command=(commands or {}).get(name, "")))
