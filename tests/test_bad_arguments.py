@@ -5,6 +5,7 @@ import pytest
 
 from bertqa_bench import exit_codes
 from bertqa_bench.cli import main
+from bertqa_bench.commands.bench import run_bench as real_run_bench  # before no_work replaces it
 from bertqa_bench.errors import ConfigError
 from bertqa_bench.suite import load_suite
 
@@ -113,3 +114,27 @@ def test_the_boundaries_themselves_are_accepted():
                                  "min_agreement: 0.9}}"])
     assert cfg.train.grad_accum == 1 and cfg.data.max_eval_examples == 1 and "ort-fp32" in cfg.parity.overrides
     assert cfg.parity.expected_tolerance == 0 and cfg.parity.expected_tolerance_questions == 0
+
+
+def test_a_backend_this_machine_cannot_run_is_said_before_the_model_is_trained(tmp_path, monkeypatch):
+    import bertqa_bench.commands.bench as bench
+    from bertqa_bench.backends.variants import VariantTable
+
+    cfg = load_suite("default", [f"results_dir={tmp_path / 'r'}", f"models_dir={tmp_path / 'm'}",
+                                 f"cache_dir={tmp_path / 'c'}"])
+    table = VariantTable.for_suite(cfg)
+    cannot = next((n for n in table.names() if table.get(n).unavailable_reason()), None)
+    if cannot is None:
+        pytest.skip("every backend can run on this machine")
+    said = []
+
+    class Trained(Exception):
+        pass
+
+    def ensure_model(*a, **k):
+        raise Trained
+
+    monkeypatch.setattr(bench, "ensure_model", ensure_model)
+    with pytest.raises(Trained):
+        real_run_bench(cfg, backends=[cannot], log=said.append)
+    assert any(line.startswith(f"note: {cannot} cannot run here (") for line in said), said

@@ -186,6 +186,12 @@ def run_bench(cfg: SuiteConfig, *, backends: Optional[list[str]] = None, run_id:
                           f"{resume.meta.model_digest or '?'} and {mdir} is "
                           f"{model_digest(mdir) if mdir.is_dir() else 'missing'} "
                           "(retrained or replaced); start a new run")
+    # a backend this machine cannot run still gets its row ("not run", with the reason and what to
+    # install), but the user hears it now, before a model is trained for it
+    for v in variants[1:]:
+        reason = v.unavailable_reason()
+        if reason:
+            log(f"note: {v.name} cannot run here ({reason}); its row will say so")
     if cluster is not None:
         from ..measuring.ddp import without_dist_env
 
