@@ -247,9 +247,10 @@ def _model_overrides(a) -> list[str]:
     as it is (no training), named after X. Values go through JSON, which YAML reads back as the
     same string whatever it looks like."""
     out = []
-    if getattr(a, "model", None) is not None and not a.model.strip():
+    model = getattr(a, "model", None)
+    if model is not None and not model.strip():
         raise ConfigError("--model is empty; give a checkpoint folder or a hub name")
-    if getattr(a, "model", None):
+    if model:
         from .config import checkpoint_model_name
 
         out += [f"model.checkpoint={json.dumps(a.model)}", f"model.name={json.dumps(checkpoint_model_name(a.model))}",
@@ -404,14 +405,15 @@ def cmd_scaling(a) -> int:
 
 def cmd_track(a) -> int:
     from .config import resolve_path
+    from .record.results import RunBundle
     from .reporting.tracking import default_tracking_uri, import_bundle
 
-    from .record.results import RunBundle
-
-    for d in a.run_dirs:  # every bundle read first: a damaged one is named before any is logged
-        RunBundle.load(Path(d)).env()
-    for d in a.run_dirs:
-        rid = import_bundle(Path(d), resolve_path("results"))
+    # every bundle read first (its environment too): a damaged one is named before any is logged
+    bundles = [RunBundle.load(Path(d)) for d in a.run_dirs]
+    for b in bundles:
+        b.env()
+    for d, b in zip(a.run_dirs, bundles):
+        rid = import_bundle(b, resolve_path("results"))
         print(f"{d}: logged as MLflow run {rid} in {default_tracking_uri(resolve_path('results'))}")
     return 0
 

@@ -213,15 +213,11 @@ def attention_over_plan(args, plan: tuple[list[list[int]], int], hidden, heads, 
         # does (the run's own tile where Triton's cache holds it: see triton_attention.tuning_source)
         tuned = next((r["triton_config"] for r in seen if r.get("what") == "attention"
                       and r.get("kernel") == "triton-e4m3" and r.get("triton_config")), None)
-        emit({**tiles_summary(seen, tuned, len(batches)), "tuning_source": _tuning_source()})
+        from bertqa_bench.backends import triton_attention
+
+        emit({**tiles_summary(seen, tuned, len(batches)), "tuning_source": triton_attention.tuning_source()})
     for rec in pass_records(seen, len(batches)):
         emit({**rec, "run": str(args.from_run), "tuned_on_plan_batch": chosen[0]})
-
-
-def _tuning_source():
-    from bertqa_bench.backends import triton_attention
-
-    return triton_attention.tuning_source()
 
 
 def pass_records(records: list[dict], n_batches: int) -> list[dict]:

@@ -326,13 +326,13 @@ def read_csv(path: Path) -> list[dict]:
 
 
 def read_json_object(path: Path) -> dict:
-    """A JSON object from one of a bundle's files, or a one-line error naming the file."""
+    """A JSON object from one of a bundle's files, or a one-line error naming the file: the
+    dataset reader's strict parse (encoding, syntax with line and column, nesting, huge numbers),
+    then the object check a bundle's files need."""
     from ..errors import BenchError
+    from ..tasks.squad.reader import read_json
 
-    try:
-        value = json.loads(Path(path).read_text())
-    except (ValueError, IsADirectoryError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise BenchError(f"{path}: not valid JSON ({type(e).__name__}: {e})") from None
+    value = read_json(path)
     if not isinstance(value, dict):
         raise BenchError(f"{path}: holds a JSON {type(value).__name__}, not an object")
     return value

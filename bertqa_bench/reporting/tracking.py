@@ -441,17 +441,16 @@ def ui_links(results_root: Path, base: str = DEFAULT_UI) -> list[str]:
     return lines
 
 
-def import_bundle(run_dir: Path, results_root: Path) -> str:
+def import_bundle(bundle: RunBundle, results_root: Path) -> str:
     """Log a result bundle written without MLflow (e.g. on a GPU machine) as a parent run with one
     child per backend, exactly as a live ``bench`` would have."""
     from ..record.parity import Verdict
 
-    bundle = RunBundle.load(run_dir)
     tracker = Tracker(results_root)
     if not tracker.active:
         raise RuntimeError("MLflow is not available")
     env_tags = {f"env.{k}": v for k, v in bundle.env().items()}
-    tracker.start_bench(bundle.meta, tags=env_tags | {"results_dir": str(bundle.dir), "imported_from": str(run_dir)})
+    tracker.start_bench(bundle.meta, tags=env_tags | {"results_dir": str(bundle.dir), "imported_from": str(bundle.dir)})
     for r in bundle.results:
         preds = bundle.path("predictions", f"{r.backend}.json")
         tracker.log_backend(bundle.meta, r, env_tags, [preds] if preds.exists() else [],
