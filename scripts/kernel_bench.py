@@ -220,6 +220,11 @@ def attention_over_plan(args, plan: tuple[list[list[int]], int], hidden, heads, 
         emit({**rec, "run": str(args.from_run), "tuned_on_plan_batch": chosen[0]})
 
 
+def pass_estimate(times: list[float], n_batches: int) -> float:
+    """A kernel's time over one pass, per layer: the sampled batches' mean times the plan's batch count."""
+    return round(sum(times) / len(times) * n_batches, 1)
+
+
 def pass_records(records: list[dict], n_batches: int) -> list[dict]:
     """Per kernel, from its ``attention`` records (the tile sweep's ``attention-tile`` records and
     failed ones left out): the sampled batches' mean CUDA-graph time, as the bench replays it,
@@ -229,7 +234,7 @@ def pass_records(records: list[dict], n_batches: int) -> list[dict]:
         if rec.get("what") == "attention" and "error" not in rec and "us_median" in rec.get("graph", {}):
             times.setdefault(rec["kernel"], []).append(rec["graph"]["us_median"])
     return [{"what": "attention-pass", "kernel": name, "plan_batches": n_batches, "sampled": len(ts),
-             "mean_batch_us": round(sum(ts) / len(ts), 1), "pass_estimate_us": round(sum(ts) / len(ts) * n_batches, 1),
+             "mean_batch_us": round(sum(ts) / len(ts), 1), "pass_estimate_us": pass_estimate(ts, n_batches),
              "note": "per layer: the sampled batches' mean median (CUDA graph replay) times the plan's batch "
                      "count; the run's kernel also sees its token buckets' dummy sequences, left out here"}
             for name, ts in times.items()]
@@ -373,13 +378,10 @@ def tiles_summary(records: list[dict], tuned: str | None, n_batches: int) -> dic
     if not ok:
         return {**out, "error": "no tile ran within its bound on every sampled batch"}
 
-    def pass_us(times):
-        return round(sum(times) / len(times) * n_batches, 1)
-
-    each = {c: pass_us(list(t.values())) for c, t in ok.items()}
+    each = {c: pass_estimate(list(t.values()), n_batches) for c, t in ok.items()}
     best = min(each, key=each.get)
     out.update(tuned_pass_us=each.get(tuned), best_single=best, best_single_pass_us=each[best],
-               per_batch_best_pass_us=pass_us([min(t[b] for t in ok.values()) for b in sampled]),
+               per_batch_best_pass_us=pass_estimate([min(t[b] for t in ok.values()) for b in sampled], n_batches),
                best_by_batch={b: min(ok, key=lambda c: ok[c][b]) for b in sampled}, pass_us_by_tile=each)
     if tuned not in each:
         out["error"] = f"the tuned tile ({tuned}) is not among the tiles counted: no comparison with it"

@@ -94,20 +94,20 @@ def keep_config(block_m: int, block_n: int, num_warps: int, head_dim: int, bucke
     return block_m * (block_n + head_dim) <= 128 * 32 * num_warps
 
 
-def candidate_configs(head_dim: int, max_seqlen: int) -> list:
-    """The configurations the autotuner times for this head_dim and ``max_seqlen`` (its list after
-    ``keep_config``'s pruning, the first kept when none is)."""
-    configs = autotune_configs()
-    kept = [c for c in configs if keep_config(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, head_dim,
-                                              seq_bucket(max_seqlen))]
+def _kept(configs, head_dim: int, bucket: int) -> list:
+    """``configs`` after ``keep_config``'s pruning; the first of them when none is kept."""
+    kept = [c for c in configs if keep_config(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, head_dim, bucket)]
     return kept or configs[:1]
+
+
+def candidate_configs(head_dim: int, max_seqlen: int) -> list:
+    """The configurations the autotuner times for this head_dim and ``max_seqlen``."""
+    return _kept(autotune_configs(), head_dim, seq_bucket(max_seqlen))
 
 
 def _prune(configs, named_args, **kwargs):
     args = {**named_args, **kwargs}
-    kept = [c for c in configs if keep_config(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps,
-                                              args["HEAD_DIM"], args["seq_bucket"])]
-    return kept or configs[:1]
+    return _kept(configs, args["HEAD_DIM"], args["seq_bucket"])
 
 
 @functools.lru_cache(maxsize=None)

@@ -24,6 +24,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Optional
 
+from ..errors import BenchError
 from ..io import atomic_write_json, atomic_write_text
 from .parity import ParityResult
 
@@ -320,8 +321,6 @@ def read_csv(path: Path) -> list[dict]:
         with open(path, newline="") as f:
             return list(csv.DictReader(f))
     except (UnicodeDecodeError, IsADirectoryError, csv.Error) as e:
-        from ..errors import BenchError
-
         raise BenchError(f"{path}: not a results table bertqa-bench can read ({type(e).__name__}: {e})") from None
 
 
@@ -329,7 +328,6 @@ def read_json_object(path: Path) -> dict:
     """A JSON object from one of a bundle's files, or a one-line error naming the file: the
     dataset reader's strict parse (encoding, syntax with line and column, nesting, huge numbers),
     then the object check a bundle's files need."""
-    from ..errors import BenchError
     from ..tasks.squad.reader import read_json
 
     value = read_json(path)
@@ -395,11 +393,7 @@ class RunBundle:
         run_dir = Path(run_dir)
         meta_path = run_dir / "run.json"
         if not meta_path.exists():
-            from ..errors import BenchError
-
             raise BenchError(f"{run_dir}: no run.json; pass a results/<run-id> folder written by bertqa-bench")
-        from ..errors import BenchError
-
         raw = read_json_object(meta_path)
         fields = dataclasses.fields(RunMeta)
         missing = [f.name for f in fields if f.name not in raw and f.default is dataclasses.MISSING
