@@ -180,6 +180,11 @@ def _timing_line(results) -> None:
         print(f"timing: unreliable for {len(bad)} of {sum(r.ok for r in results)} rows, timed on a busy machine ("
               + "; ".join(f"{r.backend}: {r.timing_note.removeprefix('unreliable ').strip('()')}" for r in bad[:3])
               + (f"; +{len(bad) - 3} more" if len(bad) > 3 else "") + "): see the table's ⚠")
+    noisy = next((r for r in results if r.ok and r.timing_noisy), None)
+    if noisy is not None:
+        print(f"timing: noisy host: the calibration workload varied {noisy.calibration_cv_pct:.1f}% over the rounds "
+              "(see the table's ~); speedups are paired per round, but an interval that straddles 1.0 cannot be "
+              "told apart here")
 
 
 def _verdict_exit(a, verdict) -> int:

@@ -31,6 +31,7 @@ DATA_SOURCES = ("synthetic", "squad-json", "hf", "nq-jsonl", "nq-synthetic")
 # for backends that compute no padding at all). See schedule.py.
 BATCHINGS = ("padded", "trimmed", "sorted", "packed")
 ISOLATIONS = ("process", "inprocess")
+TIMINGS = ("rounds", "block")
 
 
 @dataclass
@@ -331,9 +332,21 @@ class BenchConfig:
     tokens_per_batch: Optional[int] = None
     max_batch_rows: Optional[int] = None
     warmup_batches: int = 3
-    # The timed prediction repeats until both are reached; the median pass is reported.
+    # rounds: every row's process stays alive and the rows are timed one pass each per round, in
+    # a rotating order, each row's speedup taken against the reference's pass of the same round
+    # (measuring/rounds.py); block: each row's passes in one block, one row after the other.
+    timing: str = "rounds"
+    # block: passes repeat until both are reached. rounds: min_passes is the fewest rounds.
     min_passes: int = 3
     min_duration_s: float = 1.0
+    # rounds go on until every row's interval is within +-target_halfwidth_pct, or one more round
+    # would pass rounds_budget_s (seconds of rounds), or max_rounds
+    max_rounds: int = 20
+    rounds_budget_s: float = 600.0
+    target_halfwidth_pct: float = 5.0
+    # a run whose calibration workload (timed each round) varied more than this, as a coefficient
+    # of variation in percent, is marked noisy
+    noise_cv_pct: float = 10.0
     num_threads: Optional[int] = None
     isolation: str = "process"  # process: each variant in its own spawned process; inprocess: debugging/tests
     timeout_s: float = 1800.0  # per variant (prepare + warm-up + timed passes); past it the child is killed
@@ -360,6 +373,14 @@ class BenchConfig:
             raise ConfigError("bench.warmup_batches must be >= 1: never time a cold backend")
         if self.min_passes < 1:
             raise ConfigError("bench.min_passes must be >= 1")
+        if self.timing not in TIMINGS:
+            raise ConfigError(f"bench.timing '{self.timing}' is not one of {', '.join(TIMINGS)}")
+        if self.max_rounds < self.min_passes:
+            raise ConfigError(f"bench.max_rounds ({self.max_rounds}) must be >= bench.min_passes ({self.min_passes})")
+        for k in ("rounds_budget_s", "target_halfwidth_pct", "noise_cv_pct"):
+            setattr(self, k, _number(getattr(self, k), f"bench.{k}"))
+            if not 0 < getattr(self, k) < float("inf"):
+                raise ConfigError(f"bench.{k} must be a positive number, not {getattr(self, k)}")
         if self.seq_multiple < 1:
             raise ConfigError("bench.seq_multiple must be >= 1")
         for k in ("tokens_per_batch", "max_batch_rows", "num_threads"):

@@ -58,8 +58,9 @@ def tiny_suite(tmp_path):
             "model": {"name": "tiny-qa", "base": "embedded:all-MiniLM-L6-v2", "random_init": True,
                       "config_overrides": dict(TINY_BERT)},
             "train": {"epochs": 1, "batch_size": 8, "learning_rate": 1e-3, "seed": 1},
+            # rounds of a tiny model's passes are milliseconds: 2 to 4 of them
             "bench": {"backends": list(backends), "batch_size": 8, "warmup_batches": 1, "min_passes": 2,
-                      "min_duration_s": 0},
+                      "min_duration_s": 0, "max_rounds": 4},
             "models_dir": str(tmp_path / "models"),
             "results_dir": str(tmp_path / "results"),
             "cache_dir": str(tmp_path / "cache"),

@@ -341,3 +341,57 @@ def test_resume_a_checkpoint_run_checks_the_checkpoints_own_files(family_checkpo
     cfg["layer_norm_eps"] = 1e-7  # the checkpoint replaced in place
     (folder / "config.json").write_text(json.dumps(cfg))
     assert main(["bench", "--resume", str(run), "--no-progress", "--no-mlflow"]) == 2
+
+
+def _short_positions(src, dst, positions: int):
+    """A copy of ``src`` whose position embeddings reach ``positions`` tokens (a real model of
+    that shape: the table cut, config.json saying so)."""
+    from transformers import AutoModelForQuestionAnswering
+
+    folder = _copy(src, dst)
+    model = AutoModelForQuestionAnswering.from_pretrained(folder)
+    emb = model.base_model.embeddings
+    emb.position_embeddings.weight.data = emb.position_embeddings.weight.data[:positions].clone()
+    emb.position_embeddings.num_embeddings = positions
+    emb.register_buffer("position_ids", emb.position_ids[:, :positions].clone(), persistent=False)
+    if hasattr(emb, "token_type_ids"):
+        emb.register_buffer("token_type_ids", emb.token_type_ids[:, :positions].clone(), persistent=False)
+    model.config.max_position_embeddings = positions
+    model.save_pretrained(folder)
+    return folder
+
+
+def test_a_checkpoint_shorter_than_the_windows_is_refused_before_any_work(family_checkpoints, corpus_dir, tmp_path,
+                                                                          capsys):
+    folder = _short_positions(family_checkpoints["bert"], tmp_path / "short", 32)
+    suite = _suite(tmp_path, corpus_dir, ["eager-fp32"])  # data.max_seq_len 64
+    assert _run(suite, folder) == 2
+    err = capsys.readouterr().err
+    assert "reach 32 tokens" in err and "data.max_seq_len 64" in err and "--set data.max_seq_len=32" in err
+    assert not list((tmp_path / "results").glob("*-ckpt"))  # no run folder
+    assert not (tmp_path / "cache" / "evalsets").exists()  # nothing tokenized either
+
+
+def test_usable_positions_by_family():
+    from bertqa_bench.model.checkpoint import usable_positions
+
+    assert usable_positions({"model_type": "bert", "max_position_embeddings": 512}) == 512
+    assert usable_positions({"model_type": "roberta", "max_position_embeddings": 514}) == 512
+    assert usable_positions({"model_type": "deberta-v2", "max_position_embeddings": 512,
+                             "position_biased_input": False}) is None
+    assert usable_positions({"model_type": "bert", "position_embedding_type": "relative_key",
+                             "max_position_embeddings": 64}) is None
+    assert usable_positions({"model_type": "bert"}) is None
+
+
+def test_empty_questions_are_kept_with_a_warning_and_their_count(family_checkpoints, corpus_dir, tmp_path, capsys):
+    d, _, dev = corpus_dir
+    data = json.loads(dev.read_text())
+    qas = [qa for a in data["data"] for p in a["paragraphs"] for qa in p["qas"]]
+    qas[0]["question"], qas[1]["question"] = "", "   \t"
+    bad = tmp_path / "dev-empty.json"
+    bad.write_text(json.dumps(data))
+    suite = _suite(tmp_path, corpus_dir, ["eager-fp32"])
+    assert _run(suite, family_checkpoints["bert"], "--dev-file", str(bad)) in (0, 1)
+    out = capsys.readouterr()
+    assert f"2 of {len(qas)} questions are empty or whitespace only" in out.out + out.err

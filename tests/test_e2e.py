@@ -1,6 +1,7 @@
 """End to end on a tiny model: data -> train -> every variant in its own process -> results,
 report and MLflow; crashes, hangs and exceptions cost only their own row."""
 import json
+import statistics
 import os
 import sys
 
@@ -49,11 +50,17 @@ def test_end_to_end_cpu(tiny_suite, tmp_path):
     for col in ("prepare_s", "predict_s", "latency_p50_ms", "latency_p99_ms", "features_per_s", "questions_per_s",
                 "speedup", "answer_agreement", "max_abs_logit_diff", "end_to_end_s", "predict_host_peak_mib"):
         assert getattr(ort, col) is not None, col
-    assert ort.n_passes == 2 and ort.predict_min_s <= ort.predict_s <= ort.predict_max_s
+    # interleaved rounds: one pass a round, at least min_passes (2), at most max_rounds (4)
+    assert ort.timing_mode == "rounds" and 2 <= ort.n_passes == ort.rounds <= 4
+    assert ort.predict_min_s <= ort.predict_s <= ort.predict_max_s
     assert set(ort.scores) == {"exact_match", "f1"} and ort.n_compared == ref.n_questions
-    # speedup = the reference's median pass over the backend's, both from this run (not 1.0 by construction)
-    # (read back from results.csv, which keeps 6 significant digits of each of the three numbers)
-    assert ort.speedup == pytest.approx(ref.predict_s / ort.predict_s, rel=2e-5)
+    # speedup = the median over rounds of the reference's pass / the backend's pass of the same
+    # round, both from this run (not 1.0 by construction); run.json keeps every pass of every round
+    passes = bundle.meta.rounds["passes"]
+    assert len(passes["ort-fp32"]) == len(passes["eager-fp32"]) == ort.rounds
+    assert len(bundle.meta.rounds["calibration_s"]) == ort.rounds and bundle.meta.calibration_cv_pct is not None
+    ratios = [a / b for a, b in zip(passes["eager-fp32"], passes["ort-fp32"])]
+    assert ort.speedup == pytest.approx(statistics.median(ratios), rel=2e-5)
     assert ort.speedup_low <= ort.speedup <= ort.speedup_high and ref.model_params > 0
     assert ref.n_features >= ref.n_questions > 0
     assert ort.parity == "pass", ort.parity_failures

@@ -26,11 +26,15 @@ ACCURACY = ("status", "parity", "parity_failures", "primary_ratio", "primary_rat
             "end_argmax_agreement")
 
 
+VARIANTS = {"slow": {"implementation": f"{PLUGINS}:Slow", "device": "cpu"},
+            "sorted-eager": {"base": "eager-fp32", "batching": "sorted"}}
+
+
 @pytest.fixture
 def suite(tiny_suite):
-    return tiny_suite(backends=BACKENDS,
-                      variants={"slow": {"implementation": f"{PLUGINS}:Slow", "device": "cpu"},
-                                "sorted-eager": {"base": "eager-fp32", "batching": "sorted"}})
+    # rows in blocks, one after the other: the reference has finished (and is kept) when the
+    # second row's worker is interrupted
+    return tiny_suite(backends=BACKENDS, variants=VARIANTS, bench={"timing": "block"})
 
 
 def _env(tmp_path, slow_s):
@@ -164,3 +168,19 @@ def test_kill_9_of_the_bench_leaves_no_worker_and_resume_finishes_it(suite, tmp_
     assert list(rows) == BACKENDS and all(r.ok and r.parity == "pass" for r in rows.values())
     for name in ("slow", "sorted-eager"):
         assert rows[name].max_abs_logit_diff == pytest.approx(0.5, abs=1e-3), name
+
+
+def test_sigterm_during_the_rounds_kills_every_live_worker_and_resume_runs_them_all(tiny_suite, tmp_path):
+    suite = tiny_suite(backends=BACKENDS, variants=VARIANTS)  # interleaved rounds: every row's worker alive
+    rc, out, worker, run_dir = _interrupt(suite, tmp_path, "rounds", signal.SIGTERM)
+    assert rc == 143, out
+    pids = [int(p.read_text()) for p in (run_dir / "workers").glob("*.pid")]
+    assert len(pids) >= 2 and all(_gone(pid) for pid in pids), "a row's worker outlived the interrupted bench"
+    meta = json.loads((run_dir / "run.json").read_text())
+    assert meta["status"] == "interrupted" and RunBundle.load(run_dir).results == []  # no row had finished
+    rc, out = _run(["bench", "--resume", str(run_dir)], tmp_path)
+    assert rc == 0, out
+    rows = RunBundle.load(run_dir).results
+    assert [r.backend for r in rows] == BACKENDS and all(r.ok for r in rows)
+    assert all(r.timing_mode == "block" for r in rows[1:])  # a resumed run's rows: blocks, said so
+    assert "resumed run" in rows[1].timing_mode_note

@@ -128,9 +128,10 @@ def test_a_cpu_bench_beside_a_cpu_hog_has_its_rows_marked(setup, tmp_path, capsy
     raw = {"name": "busy",
            "data": {"source": "synthetic", "data_dir": str(root / "data"), "max_seq_len": 64, "doc_stride": 24,
                     "max_query_len": 24, "synthetic": dict(SYN)},
-           # a second of timed passes each: long enough for /proc/stat's 10 ms ticks
+           # a second of timed passes each, in a block: long enough for /proc/stat's 10 ms ticks (a
+           # round's one pass of this tiny model is a few of them)
            "bench": {"backends": ["eager-fp32", "onnxruntime"], "batch_size": 8, "warmup_batches": 1,
-                     "min_passes": 2, "min_duration_s": 1.0, "isolation": "inprocess"},
+                     "min_passes": 2, "min_duration_s": 1.0, "isolation": "inprocess", "timing": "block"},
            "variants": {"onnxruntime": {"base": "onnxruntime", "options": {"exporter": "torchscript"}}},
            "models_dir": str(tmp_path / "models"), "results_dir": str(tmp_path / "results"),
            "cache_dir": str(tmp_path / "cache")}
@@ -205,6 +206,7 @@ def test_a_recommendation_names_the_rows_timed_on_a_busy_machine():
     def row(name, speedup, reliable, cls="fp32"):
         return BackendResult(backend=name, precision="fp32", parity_class=cls, speedup=speedup, parity="pass",
                              parity_within_noise=False, predict_min_s=1 / speedup, predict_max_s=1 / speedup,
+                             speedup_low=0.99 * speedup, speedup_high=1.01 * speedup,
                              n_features=10, timing_reliable=reliable)
 
     quiet = recommend([row("eager-fp32", 1.0, True), row("onnxruntime", 2.0, True)], "eager-fp32")
@@ -215,3 +217,21 @@ def test_a_recommendation_names_the_rows_timed_on_a_busy_machine():
     assert busy.best.backend == "onnxruntime" and busy.busy == ("eager-fp32",)
     assert "- ⚠ Timed on a busy machine: eager-fp32; this ranking by speed may not hold" in busy.text()
     assert busy.headline().endswith("(timing unreliable)") and busy.tags()["recommendation"] == busy.headline()
+
+
+def test_the_benchs_own_processes_are_not_other_users_of_the_gpu():
+    """In rounds the other rows' workers hold CUDA contexts while one row is timed: a process
+    descended from the worker's parent is this run's own, never 'another process on the GPU'."""
+    import subprocess
+    import sys
+
+    from bertqa_bench.measuring.machine_state import same_run
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert same_run(child.pid)  # a child of this process, which descends from its own parent
+    finally:
+        child.kill()
+        child.wait()
+    assert not same_run(1) and not same_run(os.getppid())
+    assert not same_run(2 ** 22 + 12345)  # no such process

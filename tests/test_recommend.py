@@ -53,7 +53,7 @@ def test_rows_whose_passes_overlap_the_fastest_are_named_as_tied():
     rows = [ref(), row("a", 2.97, spread=0.02), row("b", 3.00, spread=0.02), row("c", 2.50, spread=0.02)]
     rec = recommend(rows, "eager-fp32")
     assert rec.best.backend == "b" and rec.best.ties == ("a",)
-    assert "within noise of it (timed passes overlap): a" in rec.text()
+    assert "within noise of it (speedup intervals overlap): a" in rec.text()
     # tight passes: not tied any more
     rows = [ref(), row("a", 2.97, spread=0.001), row("b", 3.00, spread=0.001)]
     assert recommend(rows, "eager-fp32").best.ties == ()
@@ -117,11 +117,19 @@ def test_timing_only_rows_and_a_run_problem_recommend_nothing():
     assert rec.best is None and "not deterministic" in rec.why_none[0]
 
 
-def test_a_slower_row_at_parity_is_still_named_but_said_to_be_slower():
+def test_a_row_not_decidedly_faster_is_not_recommended_stay_on_the_reference():
     rows = [ref(), row("slow", 0.98, spread=0.05)]
     rec = recommend(rows, "eager-fp32")
-    assert rec.best.backend == "slow" and rec.best.speedup_within_noise
-    assert "(within the spread of passes: not distinguishable)" in rec.text()
+    assert rec.best is None and rec.stay.backend == "slow" and rec.stay.speedup_within_noise
+    assert rec.text().splitlines()[1].startswith("- Stay on eager-fp32 here: no row that keeps parity is decidedly faster")
+    assert "(its interval straddles 1.0: not distinguishable)" in rec.text()
+    # a faster median whose interval still reaches 1.0 is named, with why it is not recommended
+    rows = [ref(), row("maybe", 1.04, spread=0.05), row("int8", 3.0)]
+    rec = recommend(rows, "eager-fp32")
+    assert rec.best.backend == "int8"
+    rows = [ref(), row("maybe", 1.04, spread=0.05)]
+    rec = recommend(rows, "eager-fp32")
+    assert rec.best is None and rec.stay.backend == "maybe"
 
 
 def test_data_parallel_rows_are_left_out_of_a_one_device_comparison():

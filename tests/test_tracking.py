@@ -205,7 +205,8 @@ def _bundle(tmp_path):
     bundle = RunBundle.create(tmp_path / "results", meta, {}, {})
     ref = BackendResult("eager-fp32", predict_s=1.0, features_per_s=300.0, speedup=1.0, scores={"f1": 80.0,
                         "exact_match": 70.0}, parity="pass")
-    ort = BackendResult("onnxruntime", predict_s=0.25, features_per_s=1200.123456, speedup=4.0,
+    ort = BackendResult("onnxruntime", predict_s=0.25, features_per_s=1200.123456, speedup=4.0, speedup_low=3.9,
+                        speedup_high=4.1,
                         scores={"f1": 80.0, "exact_match": 70.0}, parity="pass", max_abs_logit_diff=float("nan"))
     failed = BackendResult("eager-fp16", status="not run", error="needs CUDA")
     for r in (ref, ort, failed):

@@ -75,6 +75,9 @@ class OvOptions:
     precision: str = "fp32"  # fp32 | bf16 (CPU inference precision) | int8 (NNCF static INT8, fp32 elsewhere)
     num_threads: Optional[int] = None  # default: torch's thread count (the reference's cores)
     performance_hint: str = "LATENCY"  # one stream, all threads on one batch (the runner's call pattern)
+    # ENABLE_CPU_PINNING: OpenVINO's CPU plugin binds its compute threads to cores by default on
+    # Linux; None leaves its default, true/false set it (what is in force is read back into prepare_info)
+    cpu_pinning: Optional[bool] = None
     int8: Optional[OvInt8Options] = None  # int8 only: calibration and what stays fp32
     validate_atol: Optional[float] = None  # default: 1e-3 fp32, measure only for bf16 / int8
 
@@ -196,8 +199,11 @@ class OpenVinoBackend(Backend):
         core = ov.Core()
         threads = int(o.num_threads or torch.get_num_threads())
         hint = "bf16" if o.precision == "bf16" else "f32"  # int8: the non-quantized ops in fp32
-        self.compiled = core.compile_model(core.read_model(str(path)), "CPU", {
-            "INFERENCE_PRECISION_HINT": hint, "INFERENCE_NUM_THREADS": threads, "PERFORMANCE_HINT": o.performance_hint})
+        config = {"INFERENCE_PRECISION_HINT": hint, "INFERENCE_NUM_THREADS": threads,
+                  "PERFORMANCE_HINT": o.performance_hint}
+        if o.cpu_pinning is not None:
+            config["ENABLE_CPU_PINNING"] = bool(o.cpu_pinning)
+        self.compiled = core.compile_model(core.read_model(str(path)), "CPU", config)
         ran = _type_name(self.compiled.get_property("INFERENCE_PRECISION_HINT"))
         if o.precision == "bf16" and ran != "bf16":
             raise BackendUnavailableError(f"{self.name}: OpenVINO compiled the model in {ran}, not bf16: this CPU has "
@@ -209,7 +215,8 @@ class OpenVinoBackend(Backend):
         self.prepare_info = {
             **export.info(), "device": "cpu", "openvino": ov.__version__, "model_file": Path(path).name,
             "inference_precision": ran, "num_threads": threads, "performance_hint": o.performance_hint,
-            "cpu_model": cpu["cpu_model"], "cpu_flags": cpu["cpu_flags"], "cpu_vnni": cpu["vnni"], **meta}
+            "cpu_model": cpu["cpu_model"], "cpu_flags": cpu["cpu_flags"], "cpu_vnni": cpu["vnni"],
+            **_threading(self.compiled), **meta}
         atol = o.validate_atol if o.validate_atol is not None else (FP32_ATOL if o.precision == "fp32" else None)
         diffs = check_against_reference(self.predict, export.batches, export.references, atol,
                                         f"{self.name} ({Path(path).name})")
@@ -226,6 +233,18 @@ class OpenVinoBackend(Backend):
     def close(self) -> None:
         self._request = None
         self.compiled = None
+
+
+def _threading(compiled) -> dict:
+    """What the compiled model's threading is, as OpenVINO reports it (pinning, streams, threads)."""
+    out = {}
+    for key, prop in (("cpu_pinning", "ENABLE_CPU_PINNING"), ("streams", "NUM_STREAMS"),
+                      ("ov_threads", "INFERENCE_NUM_THREADS"), ("hyper_threading", "ENABLE_HYPER_THREADING")):
+        try:
+            out[key] = str(compiled.get_property(prop))
+        except Exception:  # noqa: BLE001 - an older plugin without the property: not reported
+            pass
+    return out
 
 
 __all__ = ["OpenVinoBackend", "OvOptions", "OvInt8Options", "PRECISIONS"]

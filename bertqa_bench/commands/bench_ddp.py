@@ -12,8 +12,19 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Optional
 
-from ..measuring.ddp import PHASES, free_port, rank_env, read_phase, without_dist_env
+from ..envinfo import cuda_visible_devices
 from ..errors import ConfigError
+from ..measuring.ddp import PHASES, free_port, rank_env, read_phase, without_dist_env
+
+
+def visible_gpus(n: int) -> list[str]:
+    """The first ``n`` GPUs this process may use, as CUDA_VISIBLE_DEVICES entries: the parent's
+    own list when it was given one (a share of a host), else indices 0..n-1."""
+    given = cuda_visible_devices()
+    if given and len(given) < n:
+        raise ConfigError(f"data-parallel prediction on {n} GPUs, but CUDA_VISIBLE_DEVICES={','.join(given)} "
+                          f"names only {len(given)}")
+    return given[:n] if given else [str(i) for i in range(n)]
 
 
 def first_failure(recs: list, n: int, timeout_s: float) -> dict:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ..config import METRICS_FILE, SuiteConfig
+from ..errors import ConfigError
 from ..io import atomic_dir, atomic_write_json
 from ..model.modeling import build_model, count_parameters, load_tokenizer
 from ..tasks import get_task
@@ -36,6 +37,9 @@ def checkpoint_model(cfg: SuiteConfig, log: Callable[[str], None] = print) -> Mo
     from ..model.checkpoint import resolve_checkpoint
 
     ck = resolve_checkpoint(cfg.model.checkpoint, allow_pickle=cfg.model.allow_pickle)
+    why = ck.position_reason(cfg.data.max_seq_len)
+    if why:  # refused here, before any work: its reference would crash in its worker
+        raise ConfigError(why)
     log(f"model: checkpoint {ck.name} ({ck.model_type}, {ck.weights}, {ck.digest}) from {ck.path}, "
         "benchmarked as it is (no training)")
     note = (f"checkpoint {ck.name} ({ck.model_type}, {ck.digest}), benchmarked as it is"

@@ -102,7 +102,9 @@ def load_evalset(cfg: SuiteConfig, task: Task, tokenizer_source: str, *, split: 
     path = cfg.cache_root / "evalsets" / f"{task.name}-{split}-{key}"
     if (path / "meta.json").exists():
         if json.loads((path / "meta.json").read_text()).get("n_features"):
-            return _read(path, key, split)
+            evalset = _read(path, key, split)
+            warn_empty_questions(evalset.examples, _source_name(cfg, task, split), log)
+            return evalset
         import shutil  # an empty entry an older version cached: removed, and the set is refused below
 
         shutil.rmtree(path, ignore_errors=True)
@@ -113,6 +115,7 @@ def load_evalset(cfg: SuiteConfig, task: Task, tokenizer_source: str, *, split: 
     if not examples:  # refused before anything is tokenized or cached: an empty entry would be reused
         raise BenchError(f"{_source_name(cfg, task, split)}: the {split} set has no questions; nothing to "
                          f"{'train on' if train else 'evaluate'} (give a file with at least one question)")
+    warn_empty_questions(examples, _source_name(cfg, task, split), log)
     features = task.featurize(examples, load_tokenizer(tokenizer_source), cfg, train=train)
     if not len(features):
         raise BenchError(f"{_source_name(cfg, task, split)}: its {len(examples)} {split} questions gave no "
@@ -132,6 +135,20 @@ def load_evalset(cfg: SuiteConfig, task: Task, tokenizer_source: str, *, split: 
                                                     "n_questions": len(examples), "n_features": len(features),
                                                     "max_seq_len": features.seq_len, "build_s": build_s}))
     return EvalSet(key, path, split, examples, features, build_s, cache_hit=False)
+
+
+def empty_questions(examples) -> list:
+    """The examples whose question is empty or only whitespace (a missing one is refused by the reader)."""
+    return [ex for ex in examples if isinstance(getattr(ex, "question", None), str) and not ex.question.strip()]
+
+
+def warn_empty_questions(examples, source: str, log: Optional[Callable[[str], None]]) -> None:
+    """Said, not refused: such a question is valid JSON and the model still reads its context,
+    but its answer comes from the context alone, so a user should know how many there are."""
+    empty = empty_questions(examples)
+    if empty and log:
+        log(f"warning: {source}: {len(empty)} of {len(examples)} questions are empty or whitespace only "
+            f"(first: id '{empty[0].id}'); they are kept, and their answers come from the context alone")
 
 
 def _source_name(cfg: SuiteConfig, task: Task, split: str) -> str:

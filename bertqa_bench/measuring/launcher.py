@@ -84,7 +84,8 @@ def _pump(stream, log_path: Path, echo) -> None:
 class _Child:
     """One worker process: started with its job file, its log pumped, its end explained."""
 
-    def __init__(self, job: "Job", log_path: Path, echo: bool, env: Optional[dict] = None):
+    def __init__(self, job: "Job", log_path: Path, echo: bool, env: Optional[dict] = None, stdin=subprocess.DEVNULL,
+                 pass_fds: tuple = ()):
         self.job, self.log_path = job, Path(log_path)
         self.result_path = Path(job.result)
         job_path = self.result_path.with_suffix(".job.json")
@@ -96,9 +97,9 @@ class _Child:
         from .interrupt import PARENT_ENV
 
         self.proc = subprocess.Popen([sys.executable, "-m", "bertqa_bench.measuring.worker", str(job_path)],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=stdin,
                                      env=child_env({**(env or {}), PARENT_ENV: str(os.getpid())}),
-                                     start_new_session=True)
+                                     start_new_session=True, pass_fds=pass_fds)
         # The worker's pid beside its job: what a supervisor (or a test) checks after a kill.
         self.result_path.with_suffix(".pid").write_text(str(self.proc.pid))
         self.pump = threading.Thread(target=_pump, args=(self.proc.stdout, self.log_path, sys.stderr if echo else None),

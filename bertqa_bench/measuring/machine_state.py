@@ -157,22 +157,43 @@ class MachineState:
         self.cores = usable_cores()
         self.values: dict = {}
         self._t0 = self._stat0 = self._self0 = None
+        self._busy = self._steal = self._own = self._wall = 0.0
+        self._complete = True
         self._mhz: list[float] = []
 
     def start(self) -> None:
         self._mhz = _cpu_mhz(self.cpus)
+        self._busy = self._steal = self._own = self._wall = 0.0
+        self._complete = True
+        self.resume()
+
+    def resume(self) -> None:
+        """Start (again) counting: interleaved rounds time a row pass by pass, and what the other
+        rows' processes do between its passes is not its machine's state."""
         self._stat0, self._self0, self._t0 = _proc_stat(self.cpus), _self_cpu(), time.monotonic()
 
-    def stop(self) -> dict:
-        wall = time.monotonic() - self._t0 if self._t0 is not None else 0.0
+    def pause(self) -> None:
+        """Stop counting until the next ``resume``; the lap's counts are added up."""
+        if self._t0 is None:
+            return
         stat1, self1 = _proc_stat(self.cpus), _self_cpu()
+        self._wall += time.monotonic() - self._t0
+        if self._stat0 and stat1 and self._self0 is not None and self1 is not None:
+            self._busy += stat1[0] - self._stat0[0]
+            self._steal += stat1[1] - self._stat0[1]
+            self._own += self1 - self._self0
+        else:
+            self._complete = False
+        self._t0 = None
+
+    def stop(self) -> dict:
+        self.pause()
+        wall = self._wall
         v: dict = {"threads": self.threads, "usable_cores": self.cores, "load_avg_1m": _loadavg()}
-        if wall > 0 and self._stat0 and stat1 and self._self0 is not None and self1 is not None:
-            busy = stat1[0] - self._stat0[0]
-            own = self1 - self._self0
+        if wall > 0 and self._complete:
             # clock ticks are 10 ms: a short region's estimate is rounded, never below zero
-            v["other_cpu_cores"] = max(0.0, (busy - own) / wall)
-            v["cpu_steal_pct"] = 100.0 * max(0.0, stat1[1] - self._stat0[1]) / (wall * max(1, len(self.cpus)))
+            v["other_cpu_cores"] = max(0.0, (self._busy - self._own) / wall)
+            v["cpu_steal_pct"] = 100.0 * max(0.0, self._steal) / (wall * max(1, len(self.cpus)))
             v["timed_wall_s"] = wall
         mhz = self._mhz + _cpu_mhz(self.cpus)
         if mhz:
@@ -202,11 +223,34 @@ def gpu_state(nvml, handle) -> dict:
         pass
     try:
         pids = {p.pid for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle)}
-        others = sorted(pids - {os.getpid()})
+        others = sorted(p for p in pids - {os.getpid()} if not same_run(p))
         out["gpu_other_processes"] = len(others)
     except Exception:  # noqa: BLE001
         pass
     return out
+
+
+def _ppid(pid: int) -> Optional[int]:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def same_run(pid: int, depth: int = 6) -> bool:
+    """The process is another of this bench's own: a descendant of this worker's parent (the
+    bench), such as another row's worker waiting for its turn in the rounds with its CUDA context
+    open, or a compile worker. Idle while this row is timed, so not another user of the GPU."""
+    parent = os.getppid()
+    if parent <= 1:
+        return False
+    for _ in range(depth):
+        pid = _ppid(pid)
+        if pid is None or pid <= 1:
+            return False
+        if pid == parent:
+            return True
+    return False
 
 
 def judge(v: dict, demand: Optional[int] = None) -> tuple[Optional[bool], str]:

@@ -102,31 +102,60 @@ class Probe:
 
         self._machine = MachineState(threads, cuda=self.cuda, nvml=self._nvml, handle=self._handle)
         self._machine.start()
+        self._energy_sum, self._rapl_sum = 0.0, 0.0
+        self._energy_ok = self._rapl_ok = True
+        self._read_energy()
+
+    def _read_energy(self) -> None:
+        self._energy0 = self._rapl0 = None
         if self._handle is not None:
             try:
                 self._energy0 = self._nvml.nvmlDeviceGetTotalEnergyConsumption(self._handle)
             except Exception:  # noqa: BLE001 - older GPUs have no energy counter
-                self._energy0 = None
+                self._energy_ok = False
         elif not self.cuda and _RAPL.exists():
             try:
                 self._rapl0 = int(_RAPL.read_text())
             except (OSError, ValueError):
-                self._rapl0 = None
+                self._rapl_ok = False
+        else:
+            self._rapl_ok = False
 
-    def end_timed(self, seconds: float, n_rows: int) -> None:
-        if getattr(self, "_machine", None) is not None:
-            self.values.update(self._machine.stop())
-        joules, note = None, ""
+    def pause_timed(self) -> None:
+        """Between two passes of interleaved rounds: what follows until ``resume_timed`` (other
+        rows' passes) is not this row's energy or machine state."""
+        if getattr(self, "_machine", None) is None:
+            return
+        self._machine.pause()
         if self._energy0 is not None:
-            joules = (self._nvml.nvmlDeviceGetTotalEnergyConsumption(self._handle) - self._energy0) / 1000.0
-            note = "NVML total-energy counter of the GPU"
+            self._energy_sum += (self._nvml.nvmlDeviceGetTotalEnergyConsumption(self._handle) - self._energy0) / 1000.0
         elif self._rapl0 is not None:
             try:
                 end = int(_RAPL.read_text())
-                joules = (end - self._rapl0) / 1e6 if end >= self._rapl0 else None
-                note = "RAPL package counter (whole CPU socket, other processes included)"
+                if end >= self._rapl0:
+                    self._rapl_sum += (end - self._rapl0) / 1e6
+                else:  # the counter wrapped: this lap cannot be counted
+                    self._rapl_ok = False
             except (OSError, ValueError):
-                joules = None
+                self._rapl_ok = False
+        self._energy0 = self._rapl0 = None
+
+    def resume_timed(self) -> None:
+        if getattr(self, "_machine", None) is None:
+            return
+        self._machine.resume()
+        self._read_energy()
+
+    def end_timed(self, seconds: float, n_rows: int) -> None:
+        if getattr(self, "_machine", None) is None:
+            return
+        self.pause_timed()
+        self.values.update(self._machine.stop())
+        joules, note = None, ""
+        if self._handle is not None and self._energy_ok:
+            joules, note = self._energy_sum, "NVML total-energy counter of the GPU"
+        elif not self.cuda and self._rapl_ok:
+            joules, note = self._rapl_sum, "RAPL package counter (whole CPU socket, other processes included)"
         if joules is None:
             why = ("no NVML (pip install nvidia-ml-py) or no energy counter on this GPU" if self.cuda
                    else "no readable RAPL counter on this CPU")

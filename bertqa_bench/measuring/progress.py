@@ -68,7 +68,7 @@ def rows_eta(done_s: list, rows_left: int) -> Optional[float]:
 
 
 def rows_line(index: int, total: int, name: str, done_s: list, elapsed_s: float) -> str:
-    """``rows: 2 of 3 (openvino-fp32) after 1:42; about 1:10 left``: what a run prints before each row."""
+    """``rows: 2 of 3 (openvino-fp32) after 1:42; about 1:10 left``: what a run prints before each block-timed row."""
     eta = rows_eta(done_s, total - index)
     return (f"rows: {index + 1} of {total} ({name}) after {clock(elapsed_s)}; "
             + ("an estimate of what is left follows the first row" if eta is None else f"about {clock(eta)} left"))

@@ -33,6 +33,7 @@ import numpy as np
 
 from ..backends.base import Backend, BackendContext
 from ..errors import BenchError
+from .machine_state import runtime_threads
 from .progress import Progress
 from ..record.schedule import Plan, batch_inputs, empty_outputs, scatter, spread
 
@@ -184,39 +185,63 @@ def stream(backend: Backend, batches: list, clock: Callable[[], float] = time.pe
         yield i, out, (clock() - t0) * 1e3
 
 
+class PassTimer:
+    """Timed whole passes over the plan, one at a time (a block of passes, or one a round): each
+    pass's time and batch latencies, the outputs of the last pass, and whether the first and
+    last gave bit-identical outputs.
+
+    ``clock``: seconds, monotonic (tests pass a simulated one, so the loop's logic is checked
+    without sleeping or depending on how busy the machine is)."""
+
+    def __init__(self, backend: Backend, plan: Plan, batches: list, output_names: tuple, token_outputs: tuple,
+                 max_seq_len: int, flops: tuple[float, float] = (0.0, 0.0),
+                 clock: Callable[[], float] = time.perf_counter):
+        self.backend, self.plan, self.batches = backend, plan, batches
+        self.output_names, self.token_outputs, self.max_seq_len = output_names, token_outputs, max_seq_len
+        self.flops, self.clock = flops, clock
+        self.pass_s: list[float] = []
+        self._lat: list[np.ndarray] = []
+        self._first: Optional[dict] = None
+        self.outputs: dict = {}
+
+    def run_pass(self) -> float:
+        """One pass over the whole plan; returns its seconds."""
+        outputs: dict = {}
+        ms = np.empty(len(self.batches))
+        t_pass = self.clock()
+        for i, out, dt_ms in stream(self.backend, self.batches, self.clock):
+            ms[i] = dt_ms
+            out = {n: out[n] for n in self.output_names}
+            if not outputs:
+                outputs = empty_outputs(out, self.plan.n_features, self.max_seq_len, self.token_outputs)
+            scatter(outputs, self.plan.batches[i], out)
+        seconds = self.clock() - t_pass
+        self.pass_s.append(seconds)
+        self._lat.append(ms)
+        self.outputs = outputs
+        if self._first is None:
+            self._first = {k: v.copy() for k, v in outputs.items()}
+        return seconds
+
+    def timing(self) -> Timing:
+        identical = all(np.array_equal(self._first[k], self.outputs[k], equal_nan=True) for k in self.outputs)
+        return Timing(list(self.pass_s), np.concatenate(self._lat), self.plan.n_rows, len(self.batches),
+                      self.flops[0], self.flops[1], identical)
+
+
 def timed_passes(backend: Backend, plan: Plan, batches: list, output_names: tuple, token_outputs: tuple,
                  max_seq_len: int, *, min_passes: int = 1, min_duration_s: float = 0.0,
                  flops: tuple[float, float] = (0.0, 0.0), progress: bool = False,
                  clock: Callable[[], float] = time.perf_counter) -> tuple[dict, Timing]:
-    """Whole passes over the plan until both minimums are reached; outputs of the last pass.
-
-    ``clock``: seconds, monotonic (tests pass a simulated one, so the loop's logic is checked
-    without sleeping or depending on how busy the machine is)."""
-    pass_s: list[float] = []
-    lat: list[np.ndarray] = []
-    first_out: Optional[dict] = None
-    outputs: dict = {}
+    """Whole passes over the plan until both minimums are reached (a block); outputs of the last pass."""
+    timer = PassTimer(backend, plan, batches, output_names, token_outputs, max_seq_len, flops, clock)
     started = clock()
     bar = Progress(min_passes * len(batches), f"predict {backend.name}", enabled=progress, unit="batch")
-    while len(pass_s) < min_passes or clock() - started < min_duration_s:
-        outputs = {}
-        ms = np.empty(len(batches))
-        t_pass = clock()
-        for i, out, dt_ms in stream(backend, batches, clock):
-            ms[i] = dt_ms
-            out = {n: out[n] for n in output_names}
-            if not outputs:
-                outputs = empty_outputs(out, plan.n_features, max_seq_len, token_outputs)
-            scatter(outputs, plan.batches[i], out)
-        pass_s.append(clock() - t_pass)
-        lat.append(ms)
+    while len(timer.pass_s) < min_passes or clock() - started < min_duration_s:
+        timer.run_pass()
         bar.update(len(batches))
-        if first_out is None:
-            first_out = {k: v.copy() for k, v in outputs.items()}
     bar.close()
-    identical = all(np.array_equal(first_out[k], outputs[k], equal_nan=True) for k in outputs)
-    timing = Timing(pass_s, np.concatenate(lat), plan.n_rows, len(batches), flops[0], flops[1], identical)
-    return outputs, timing
+    return timer.outputs, timer.timing()
 
 
 @dataclass
@@ -229,31 +254,73 @@ class RunOutput:
     measures: dict = field(default_factory=dict)
 
 
+class PreparedBackend:
+    """One backend through its lifecycle, a step at a time: ``prepare`` (prepare and warm-up),
+    then any number of ``run_pass`` (each its own timed region: the machine's state and energy
+    are read over the passes only, not over the time it waits while other rows are timed), then
+    ``finish``. A block of passes (``run_backend``) and interleaved rounds (a worker that waits
+    for its turn) both drive it."""
+
+    def __init__(self, backend: Backend, ctx: BackendContext, plan: Plan, batches: list, *, token_outputs: tuple,
+                 warmup_batches: int, flops: tuple[float, float] = (0.0, 0.0), probe=None, laps: bool = False):
+        self.backend, self.ctx, self.plan, self.batches = backend, ctx, plan, batches
+        self.token_outputs, self.warmup_batches, self.probe = token_outputs, warmup_batches, probe
+        self.timer = PassTimer(backend, plan, batches, ctx.output_names, token_outputs, ctx.max_seq_len, flops)
+        self.prepare_s, self.n_warm = 0.0, 0
+        # laps: the machine's state and energy are read over each pass alone (rounds: the other
+        # rows' passes between this row's are not its); a block is one region from first to last pass
+        self.laps = laps
+
+    def prepare(self, before_timing=None) -> None:
+        t0 = time.perf_counter()
+        self.backend.prepare(self.ctx)
+        self.prepare_s = time.perf_counter() - t0
+        if self.probe is not None:
+            self.probe.end_phase("prepare")
+        self.n_warm = warm_up(self.backend, self.plan, self.batches, self.warmup_batches, self.ctx.output_names,
+                              self.token_outputs)
+        if before_timing is not None:
+            before_timing()
+        if self.probe is not None:
+            self.probe.end_phase("warmup")
+            self.probe.start_timed(threads=runtime_threads(self.backend.prepare_info))
+
+    def run_pass(self) -> float:
+        lap = self.probe is not None and self.laps
+        if lap:
+            self.probe.resume_timed()
+        try:
+            return self.timer.run_pass()
+        finally:
+            if lap:
+                self.probe.pause_timed()
+
+    def finish(self) -> RunOutput:
+        timing = self.timer.timing()
+        if self.probe is not None:
+            self.probe.end_timed(sum(timing.pass_s), timing.n_rows * len(timing.pass_s))
+            self.probe.end_phase("predict")
+        return RunOutput(self.prepare_s, self.n_warm, timing, self.timer.outputs, dict(self.backend.prepare_info),
+                         dict(self.probe.values) if self.probe is not None else {})
+
+    def close(self) -> None:
+        self.backend.close()
+
+
 def run_backend(backend: Backend, ctx: BackendContext, plan: Plan, batches: list, *, token_outputs: tuple,
                 warmup_batches: int, min_passes: int, min_duration_s: float, flops: tuple[float, float] = (0.0, 0.0),
                 progress: bool = False, probe=None, before_timing=None) -> RunOutput:
-    """Prepare, warm up and time one backend (already created); closes it either way."""
+    """Prepare, warm up and time one backend (already created) in one block of passes; closes it either way."""
+    run = PreparedBackend(backend, ctx, plan, batches, token_outputs=token_outputs, warmup_batches=warmup_batches,
+                          flops=flops, probe=probe)
     try:
-        t0 = time.perf_counter()
-        backend.prepare(ctx)
-        prepare_s = time.perf_counter() - t0
-        if probe is not None:
-            probe.end_phase("prepare")
-        n_warm = warm_up(backend, plan, batches, warmup_batches, ctx.output_names, token_outputs)
-        if before_timing is not None:
-            before_timing()
-        if probe is not None:
-            probe.end_phase("warmup")
-            from .machine_state import runtime_threads
-
-            probe.start_timed(threads=runtime_threads(backend.prepare_info))
-        outputs, timing = timed_passes(backend, plan, batches, ctx.output_names, token_outputs, ctx.max_seq_len,
-                                       min_passes=min_passes, min_duration_s=min_duration_s, flops=flops,
-                                       progress=progress)
-        if probe is not None:
-            probe.end_timed(sum(timing.pass_s), timing.n_rows * len(timing.pass_s))
-            probe.end_phase("predict")
-        return RunOutput(prepare_s, n_warm, timing, outputs, dict(backend.prepare_info),
-                         dict(probe.values) if probe is not None else {})
+        run.prepare(before_timing)
+        bar = Progress(min_passes * len(batches), f"predict {backend.name}", enabled=progress, unit="batch")
+        started = time.perf_counter()
+        while len(run.timer.pass_s) < min_passes or time.perf_counter() - started < min_duration_s:
+            run.run_pass()
+            bar.update(len(batches))
+        bar.close()
+        return run.finish()
     finally:
-        backend.close()
+        run.close()

@@ -19,10 +19,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+import time
+
 import numpy as np
 
-from ..errors import BackendUnavailableError, format_error  # noqa: F401 - format_error: worker's callers
+from ..errors import BackendUnavailableError, BenchError, format_error  # noqa: F401 - format_error: worker's callers
 from ..io import atomic_write_json, atomic_write_with
+from ..record.schedule import shard_plan
+from .flops import model_dims, plan_flops
+from .job_setup import load_job
+from .measure import Probe
+from .progress import Progress
+from .runner import PreparedBackend, RunOutput, make_context, materialize
 
 
 @dataclass
@@ -48,8 +56,9 @@ class Job:
     shard_index: int = 0
     shard_count: int = 1
     dist_timeout_s: float = 1800.0
-    # "bench" (execute below) or "loadgen": the variant as MLPerf LoadGen's system under test
-    # (loadgen_job.execute); ``loadgen`` holds the scenario and its settings
+    # "bench" (execute below: passes in one block), "rounds" (serve_rounds: one timed pass each
+    # time the parent asks, interleaved with the other rows') or "loadgen": the variant as MLPerf
+    # LoadGen's system under test (loadgen_job.execute); ``loadgen`` holds the scenario and its settings
     kind: str = "bench"
     loadgen: dict = dataclasses.field(default_factory=dict)
 
@@ -61,37 +70,99 @@ class Job:
         return dataclasses.asdict(self)
 
 
-def execute(job: Job, plan=None, inputs=None, shard: Optional[tuple[int, int]] = None,
-            before_timing=None) -> tuple[dict, Optional[dict]]:
-    """Run one job in this process: (result record, dataset-order outputs or None). ``shard``
-    (rank, world): only that rank's length-balanced share of the plan; ``before_timing`` runs
-    between warm-up and the timed passes (the data-parallel barrier)."""
-    from .flops import model_dims, plan_flops
-    from .job_setup import load_job
-    from .measure import Probe
-    from .runner import make_context, materialize, run_backend
-    from ..record.schedule import shard_plan
-
+def prepared(job: Job, plan=None, inputs=None, shard: Optional[tuple[int, int]] = None, laps: bool = False):
+    """The job's backend created and wrapped for its lifecycle (runner.PreparedBackend), not yet
+    prepared: (PreparedBackend, plan) or (None, reason it cannot run here). ``shard`` (rank,
+    world): only that rank's length-balanced share of the plan."""
     # N CPU ranks side by side: one thread each unless the suite says how many
     variant, why, inputs, plan = load_job(job, plan, inputs, threads=1 if shard else 0)
     if why:
-        return {"status": "not run", "error": why}, None
+        return None, why
     if shard is not None and shard[1] > 1:
         plan = shard_plan(plan, shard[1])[shard[0]]
     batches = materialize(inputs, plan)
     lengths = np.asarray(inputs["attention_mask"]).sum(axis=1)
     ctx = make_context(job.model_dir, job.task, job.artifacts_dir, job.output_names, plan, batches, job.max_seq_len)
-    probe = Probe(cuda=variant.device == "cuda")
-    run = run_backend(variant.create(), ctx, plan, batches, token_outputs=tuple(job.token_outputs),
-                      warmup_batches=job.warmup_batches, min_passes=job.min_passes, min_duration_s=job.min_duration_s,
-                      flops=plan_flops(model_dims(ctx.model_dir), plan, lengths), progress=job.progress, probe=probe,
-                      before_timing=before_timing)
-    record = {"status": "ok", "prepare_s": run.prepare_s, "warmup_batches": run.warmup_batches,
-              "prepare_info": run.prepare_info, "timing": run.timing.summary(), "pass_s": run.timing.pass_s,
-              "batch_ms": run.timing.batch_ms.tolist(), "measures": run.measures, "outputs": job.outputs,
-              "rows": sorted({int(r) for b in plan.batches for r in b.rows}), "pid": os.getpid(),
-              "host": socket.gethostname()}
-    return record, run.outputs
+    return PreparedBackend(variant.create(), ctx, plan, batches, token_outputs=tuple(job.token_outputs),
+                           warmup_batches=job.warmup_batches, flops=plan_flops(model_dims(ctx.model_dir), plan, lengths),
+                           probe=Probe(cuda=variant.device == "cuda"), laps=laps), plan
+
+
+def record_of(run: RunOutput, job: Job, plan) -> dict:
+    """The result record the parent reads (bench.py): timing, memory, prepare facts."""
+    return {"status": "ok", "prepare_s": run.prepare_s, "warmup_batches": run.warmup_batches,
+            "prepare_info": run.prepare_info, "timing": run.timing.summary(), "pass_s": run.timing.pass_s,
+            "batch_ms": run.timing.batch_ms.tolist(), "measures": run.measures, "outputs": job.outputs,
+            "rows": sorted({int(r) for b in plan.batches for r in b.rows}), "pid": os.getpid(),
+            "host": socket.gethostname()}
+
+
+def execute(job: Job, plan=None, inputs=None, shard: Optional[tuple[int, int]] = None,
+            before_timing=None) -> tuple[dict, Optional[dict]]:
+    """Run one job in this process, its passes in one block: (result record, dataset-order
+    outputs or None). ``before_timing`` runs between warm-up and the timed passes (the
+    data-parallel barrier)."""
+    run, plan = prepared(job, plan, inputs, shard)
+    if run is None:
+        return {"status": "not run", "error": plan}, None
+    try:
+        run.prepare(before_timing)
+        bar = Progress(job.min_passes * len(run.batches), f"predict {run.backend.name}", enabled=job.progress,
+                       unit="batch")
+        started = time.perf_counter()
+        while len(run.timer.pass_s) < job.min_passes or time.perf_counter() - started < job.min_duration_s:
+            run.run_pass()
+            bar.update(len(run.batches))
+        bar.close()
+        out = run.finish()
+    finally:
+        run.close()
+    return record_of(out, job, plan), out.outputs
+
+
+def ready_facts(run: PreparedBackend) -> dict:
+    """What the parent needs to decide whether another row's process fits beside this one:
+    this process's peak host memory while it prepared, and on a GPU its memory and the card's
+    free memory now."""
+    facts = {"prepare_s": run.prepare_s}
+    values = run.probe.values if run.probe is not None else {}
+    facts["host_peak_mib"] = max((v for k, v in values.items() if k.endswith("_host_peak_mib")), default=None)
+    if run.probe is not None and run.probe.cuda:
+        import torch  # a CUDA row's process has it loaded already
+
+        free, _ = torch.cuda.mem_get_info()
+        facts["device_free_mib"] = free / 2**20
+        facts["device_reserved_mib"] = max((v for k, v in values.items() if k.endswith("_cuda_reserved_peak_mib")),
+                                           default=0.0)
+    return facts
+
+
+def serve_rounds(job: Job, commands, replies) -> tuple[dict, Optional[dict]]:
+    """A worker of interleaved rounds (rounds.py): prepare and warm up, say ``ready``, then one
+    timed pass each time the parent says ``pass``, until it says ``finish`` (or closes the
+    pipe: the parent is gone). ``commands``: lines in; ``replies``: a callable taking a dict."""
+    run, plan = prepared(job, laps=True)
+    if run is None:
+        return {"status": "not run", "error": plan}, None
+    try:
+        run.prepare()
+        replies({"event": "ready", **ready_facts(run)})
+        for line in commands:
+            what = line.strip()
+            if what == "pass":
+                replies({"event": "pass", "seconds": run.run_pass()})
+            elif what == "finish":
+                break
+            else:
+                raise BenchError(f"worker {job.name}: unknown command {what!r} from the parent")
+        else:
+            raise BenchError(f"worker {job.name}: the parent closed the command pipe before finish")
+        if not run.timer.pass_s:
+            raise BenchError(f"worker {job.name}: finished before any timed pass")
+        out = run.finish()
+    finally:
+        run.close()
+    return record_of(out, job, plan), out.outputs
 
 
 def save_outputs(path: str | Path, outputs: dict) -> None:
@@ -107,11 +178,14 @@ def load_outputs(path: str | Path) -> dict[str, np.ndarray]:
         return {k: z[k] for k in z.files}
 
 
-def run_job_safely(job: Job) -> dict:
+def run_job_safely(job: Job, channel=None) -> dict:
     """Execute and save the outputs; exceptions become a failed (or not-run) record. What both
-    the child process and the in-process mode report."""
+    the child process and the in-process mode report. ``channel`` (commands, replies): a rounds
+    job's pipe to the parent."""
     try:
-        if job.kind == "loadgen":
+        if job.kind == "rounds":
+            record, outputs = serve_rounds(job, *channel)
+        elif job.kind == "loadgen":
             from .loadgen_job import execute as execute_loadgen
 
             record, outputs = execute_loadgen(job)
@@ -131,6 +205,20 @@ def run_job_safely(job: Job) -> dict:
         return {"status": "failed", "error": format_error(e)}
 
 
+REPLY_FD_ENV = "BERTQA_REPLY_FD"
+
+
+def rounds_channel():
+    """A rounds worker's pipe to the parent: commands on standard input, one JSON line per reply
+    on the file descriptor the parent passed (standard output is the row's log)."""
+    out = os.fdopen(int(os.environ[REPLY_FD_ENV]), "w", buffering=1)
+
+    def reply(message: dict) -> None:
+        out.write(json.dumps(message) + "\n")
+
+    return sys.stdin, reply
+
+
 def main(argv=None) -> int:
     from .interrupt import watch_parent
     from .progress import quiet_library_bars
@@ -139,7 +227,7 @@ def main(argv=None) -> int:
     quiet_library_bars()  # the parent keeps this process's output in a log file
     argv = sys.argv[1:] if argv is None else argv
     job = Job(**json.loads(Path(argv[0]).read_text()))
-    result = run_job_safely(job)
+    result = run_job_safely(job, rounds_channel() if job.kind == "rounds" else None)
     atomic_write_json(job.result, result)
     return 0 if result["status"] != "failed" else 1
 

@@ -84,6 +84,15 @@ class Checkpoint:
     weights: str  # "safetensors" | "pickle"
     architectures: list = field(default_factory=list)
     files: list = field(default_factory=list)  # the files the digest covers
+    max_positions: Optional[int] = None  # the longest window its position embeddings can read
+
+    def position_reason(self, max_seq_len: int) -> str:
+        """Why this checkpoint cannot read windows of ``max_seq_len`` tokens ('' when it can)."""
+        if self.max_positions is None or max_seq_len <= self.max_positions:
+            return ""
+        return (f"model.checkpoint {self.name}: its position embeddings reach {self.max_positions} tokens "
+                f"(max_position_embeddings in config.json), below data.max_seq_len {max_seq_len}; run it with "
+                f"--set data.max_seq_len={self.max_positions} (and a data.doc_stride below that)")
 
     @property
     def identity(self) -> str:
@@ -214,7 +223,25 @@ def inspect_folder(name: str, folder: Path, *, allow_pickle: bool = False) -> Ch
     check_model_fits(folder, entries)
     digest = model_digest(folder)
     return Checkpoint(name=name, path=folder, model_type=model_type, digest=digest, weights=weights,
-                      architectures=architectures, files=[CONFIG_FILE] + weight_files + tok_files)
+                      architectures=architectures, files=[CONFIG_FILE] + weight_files + tok_files,
+                      max_positions=usable_positions(config))
+
+
+# RoBERTa's family numbers positions from padding_idx + 1 (2), so two of its embeddings are never
+# a token's: a 514-position RoBERTa reads 512 tokens.
+_POSITION_OFFSET = {"roberta": 2, "xlm-roberta": 2, "camembert": 2}
+
+
+def usable_positions(config: dict) -> Optional[int]:
+    """The longest window a checkpoint's absolute position embeddings can read, from its config."""
+    n = config.get("max_position_embeddings")
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        return None
+    if config.get("position_embedding_type", "absolute") != "absolute":
+        return None  # relative positions: no table to run off the end of
+    if config.get("model_type") == "deberta-v2" and not config.get("position_biased_input", True):
+        return None  # DeBERTa-v3: relative attention only
+    return n - _POSITION_OFFSET.get(config.get("model_type"), 0)
 
 
 def check_model_fits(folder: Path, entries: dict) -> None:

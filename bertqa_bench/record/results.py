@@ -83,10 +83,19 @@ class BackendResult:
     tokenize_s: Optional[float] = None
     postprocess_s: Optional[float] = None
     end_to_end_s: Optional[float] = None  # tokenize + predict + postprocess
-    speedup: Optional[float] = None  # reference median pass / this median pass
-    speedup_low: Optional[float] = None  # reference fastest / this slowest pass
-    speedup_high: Optional[float] = None  # reference slowest / this fastest pass
-    speedup_within_noise: Optional[bool] = None  # the spread of passes straddles 1.0
+    # rounds (timing_mode "rounds", record/rounds.py): the median over rounds of the reference's
+    # pass / this row's pass of the same round, and a 95 % interval for what a rerun shows;
+    # block-timed rows: median pass / median pass, and the extremes of the passes
+    speedup: Optional[float] = None
+    speedup_low: Optional[float] = None
+    speedup_high: Optional[float] = None
+    speedup_within_noise: Optional[bool] = None  # the interval straddles 1.0
+    speedup_halfwidth_pct: Optional[float] = None  # half the interval's width, in percent
+    timing_mode: str = ""  # rounds | block (and why it was block-timed, in timing_mode_note)
+    timing_mode_note: str = ""
+    rounds: Optional[int] = None  # rounds paired with the reference
+    calibration_cv_pct: Optional[float] = None  # the run's noise sensor (the same on every row of a run)
+    timing_noisy: Optional[bool] = None  # True: the calibration varied more than bench.noise_cv_pct
     pct_change_vs_ref: Optional[float] = None
     identical_passes: Optional[bool] = None
     # --- memory and energy (measure.py); memory in MiB (2**20 bytes), as the kernel and torch count it
@@ -292,6 +301,12 @@ class RunMeta:
     mlflow_children: dict = field(default_factory=dict)  # {backend: MLflow run id}
     resumes: list = field(default_factory=list)  # [{date, command, ran: [...]}] one per --resume
     problems: list = field(default_factory=list)  # run-level problems found so far (e.g. a non-deterministic reference)
+    # --- how the rows were timed (measuring/rounds.py): the rounds' log (each row's pass per
+    # round, the calibration, the order), the calibration's spread and whether it was too noisy
+    rounds: dict = field(default_factory=dict)
+    calibration_cv_pct: Optional[float] = None
+    timing_noisy: Optional[bool] = None
+    noise_cv_pct: Optional[float] = None
 
 
 def _fmt(v):

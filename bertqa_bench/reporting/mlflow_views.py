@@ -57,7 +57,8 @@ def child_metrics(r: BackendResult, metric_names: Iterable[str] = (), primary: s
               "features_per_s": r.features_per_s, **{m: r.scores.get(m) for m in names},
               "latency_p50_ms": r.latency_p50_ms, "latency_p99_ms": r.latency_p99_ms, "prepare_s": r.prepare_s,
               "peak_host_mib": max(host) if host else None, "peak_gpu_mib": gpu,
-              "energy_j_per_1k_features": r.energy_j_per_1k_features}
+              "energy_j_per_1k_features": r.energy_j_per_1k_features,
+              "speedup_low": r.speedup_low, "speedup_high": r.speedup_high, "calibration_cv_pct": r.calibration_cv_pct}
     if getattr(r, "scenario", ""):  # a LoadGen row: its load numbers are the comparison too
         values.update({"achieved_qps": r.achieved_qps, "target_qps": r.target_qps,
                        "sample_latency_p90_ms": r.sample_latency_p90_ms,
@@ -75,6 +76,11 @@ def result_view(r: BackendResult, metric_names: Iterable[str] = (), primary: str
     tags = {k: row[k] for k in TAG_FIELDS if row.get(k)}
     if r.timing_reliable is not None:  # what the machine was doing while it was timed (machine_state.py)
         tags["timing"] = r.timing_note if r.timing_reliable is False else "reliable"
+    if r.timing_noisy:  # the run's calibration wandered (measuring/rounds.py)
+        tags["timing"] = (tags.get("timing", "") + "; " if tags.get("timing") not in (None, "reliable") else "") + (
+            f"noisy host (calibration spread {r.calibration_cv_pct:.1f}%)")
+    if r.timing_mode:
+        tags["timing_mode"] = r.timing_mode + (f" ({r.rounds} rounds)" if r.rounds else "")
     if r.parity and r.parity_within_noise:
         # beside the status, not in it: `tags.parity = 'FAIL'` keeps finding every FAIL
         tags["parity_within_noise"] = f"{r.questions_to_decide or '?'} questions would decide it"

@@ -9,12 +9,15 @@ The rules:
   noise of the questions). The reference is the yardstick, never a candidate; rows on another
   number of devices than the reference (data-parallel) are another amount of hardware and are
   left out;
-* bench and sweep: the fastest candidate by its speedup over the reference (median pass against
-  median pass, same run). Other candidates whose timed passes overlap its passes are named as
-  within noise of it; between equal speedups, the FP32-class row wins, then the lower peak
-  memory, then the run's order. Beside it, the fastest FP32-class candidate (fp32, tf32: held to
-  the FP32 tolerance, answers unchanged) when that is another row. A sweep's best is a
-  configuration (batch size and batching of a backend);
+* bench and sweep: the fastest candidate by its speedup over the reference (paired rounds, same
+  run) among those **decidedly faster** than the reference: the low end of its speedup interval
+  above 1.0. Other such candidates whose intervals overlap its interval are named as within
+  noise of it; between equal speedups, the FP32-class row wins, then the lower peak memory, then
+  the run's order. Beside it, the fastest decidedly faster FP32-class candidate (fp32, tf32: held
+  to the FP32 tolerance, answers unchanged) when that is another row. When no candidate of a
+  class is decidedly faster, the recommendation for that class is to stay on the reference, with
+  the closest row and its interval. A sweep's best is a configuration (batch size and batching
+  of a backend);
 * LoadGen: the highest QPS among candidates LoadGen called VALID (in Server, VALID means the
   latency bound held); SingleStream: the lowest 90th-percentile latency;
 * rows faster than the recommended one that are not candidates are named with the reason;
@@ -31,6 +34,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from ..backends.base import FP32_CLASS
+from ..record.parity import noise_note
 
 
 @dataclass(frozen=True)
@@ -75,21 +79,35 @@ class Recommendation:
     why_none: tuple = ()  # why nothing is recommended: one line each
     left_out: tuple = ()  # data-parallel rows, not compared with one-device rows
     busy: tuple = ()  # the reference and candidates timed on a busy machine: the ranking may not hold
+    # no candidate decidedly faster than the reference: the closest of them (stay on the reference)
+    stay: Optional[Choice] = None
+    fp32_stay: Optional[Choice] = None  # the same within the FP32 class
+    noisy: bool = False  # the run's calibration wandered (measuring/rounds.py)
 
     # --- views --------------------------------------------------------------------------------
     def lines(self) -> list[str]:
         """The recommendation as a heading and bullet lines (console and summary.md alike)."""
         head = f"Recommendation (from this run, against {self.reference}; only decided parity passes count):"
+        if self.best is None and self.stay is not None:
+            return [head, f"- Stay on {self.reference} here: no row that keeps parity is decidedly faster (its "
+                          f"speedup interval above 1.0); closest: {self._describe(self.stay)}", *self._tail()]
         if self.best is None:
             return [head, "- None: no backend passed parity decidedly."] + [f"  - {w}" for w in self.why_none]
         lead = {"sweep": "Best configuration", "loadgen": self._loadgen_lead()}.get(self.kind, "Fastest")
         out = [head, f"- {lead}: {self._describe(self.best)}"]
         if self.best.ties:
-            out.append(f"  - within noise of it (timed passes overlap): {', '.join(self.best.ties)}")
+            out.append(f"  - within noise of it (speedup intervals overlap): {', '.join(self.best.ties)}")
         if self.fp32 is not None:
             out.append(f"- FP32 class (answers unchanged): {self._describe(self.fp32)}")
         elif self.best.parity_class == FP32_CLASS:
             out.append("- Its answers are unchanged: it is FP32 class.")
+        elif self.fp32_stay is not None:
+            out.append(f"- FP32 class (answers unchanged): stay on {self.reference} here; no FP32-class row is "
+                       f"decidedly faster; closest: {self._describe(self.fp32_stay)}")
+        return out + self._tail()
+
+    def _tail(self) -> list[str]:
+        out = []
         for name, why in self.passed_over:
             out.append(f"- Faster but not recommended: {name}: {why}")
         if self.left_out:
@@ -97,6 +115,9 @@ class Recommendation:
         if self.busy:
             out.append(f"- ⚠ Timed on a busy machine: {', '.join(self.busy)}; this ranking by speed may not hold, "
                        "rerun on an idle machine")
+        if self.noisy:
+            out.append("- ~ The host was noisy (its calibration wandered): the intervals above are paired per round, "
+                       "and a row whose interval straddles 1.0 cannot be told apart from the reference here")
         return out
 
     def text(self) -> str:
@@ -104,6 +125,9 @@ class Recommendation:
 
     def headline(self) -> str:
         """One line (the MLflow parent's ``recommendation`` tag)."""
+        if self.best is None and self.stay is not None:
+            return (f"stay on {self.reference}: no row decidedly faster (closest {self.stay.backend}: "
+                    f"{_speedup(self.stay, self.reference)})")
         if self.best is None:
             return "none: " + (self.why_none[0] if self.why_none else "no backend passed parity decidedly")
         b = self.best
@@ -115,8 +139,9 @@ class Recommendation:
     def tags(self) -> dict:
         """The MLflow parent run's tags (the runs table can show them as columns)."""
         fp32 = self.fp32 or (self.best if self.best is not None and self.best.parity_class == FP32_CLASS else None)
-        return {"recommendation": self.headline(), "recommended_backend": self.best.backend if self.best else "",
-                "recommended_fp32_backend": fp32.backend if fp32 else ""}
+        best = self.best.backend if self.best else (self.reference if self.stay is not None else "")
+        fp32_name = fp32.backend if fp32 else (self.reference if self.stay is not None or self.fp32_stay else "")
+        return {"recommendation": self.headline(), "recommended_backend": best, "recommended_fp32_backend": fp32_name}
 
     # --- pieces -------------------------------------------------------------------------------
     def _loadgen_lead(self) -> str:
@@ -139,7 +164,7 @@ class Recommendation:
             if c.speedup is not None:
                 parts.append(f"{c.speedup:.2f}× {self.reference}'s")
         else:
-            parts.append(_speedup(c, self.reference) + (" (within the spread of passes: not distinguishable)"
+            parts.append(_speedup(c, self.reference) + (" (its interval straddles 1.0: not distinguishable)"
                                                         if c.speedup_within_noise else ""))
             if c.features_per_s is not None:
                 parts.append(f"{c.features_per_s:,.0f} features/s")
@@ -163,7 +188,7 @@ def _f(v, fmt: str) -> str:
 
 
 def _speedup(c: Choice, reference: str) -> str:
-    """``4.62× eager-fp32 [4.53–4.71]``: the median ratio and the range over the timed passes."""
+    """``4.62× eager-fp32 [4.53–4.71]``: the median ratio and its interval (rounds: what a rerun shows)."""
     if c.speedup is None:
         return f"— (no speedup against {reference})"
     ci = f" [{c.speedup_low:.2f}–{c.speedup_high:.2f}]" if c.speedup_low is not None and c.speedup_high is not None else ""
@@ -177,8 +202,6 @@ def decided_pass(r) -> bool:
 
 def why_not(r) -> str:
     """Why a row is not a candidate, in a few words."""
-    from ..record.parity import noise_note
-
     if r.status != "ok":
         return f"{r.status}: {_short(r.error)}"
     if getattr(r, "scenario", "") and r.loadgen_result != "VALID":
@@ -223,10 +246,20 @@ def _score(r) -> Optional[float]:
     return r.speedup if r.speedup is not None else r.features_per_s
 
 
+def decidedly_faster(r) -> bool:
+    """The low end of the row's speedup interval is above 1.0: faster than the reference beyond
+    what a rerun would undo. A row with no interval (one round) is not."""
+    return r.speedup_low is not None and r.speedup_low > 1.0
+
+
 def _overlap(a, b) -> bool:
-    """The timed passes of two rows overlap (their speed is not told apart by this run)."""
+    """The speedup intervals (else the timed passes) of two rows overlap: this run does not tell them apart."""
     if getattr(a, "scenario", ""):
         return _score(a) == _score(b)
+    bounds = [getattr(x, k, None) for x in (a, b) for k in ("speedup_low", "speedup_high")]
+    if None not in bounds:
+        a_low, a_high, b_low, b_high = bounds
+        return a_low <= b_high and b_low <= a_high
     if None in (a.predict_min_s, a.predict_max_s, b.predict_min_s, b.predict_max_s) or a.n_features != b.n_features:
         return a.speedup == b.speedup
     return a.predict_min_s <= b.predict_max_s and b.predict_min_s <= a.predict_max_s
@@ -267,6 +300,10 @@ def recommend(results: Sequence, reference: str, *, primary_metric: str = "f1", 
         return (-_score(r), r.parity_class != FP32_CLASS, mem if mem is not None else float("inf"), order[r.backend])
 
     candidates.sort(key=rank)
+    busy = tuple(r.backend for r in [ref, *candidates] if getattr(r, "timing_reliable", None) is False)
+    noisy = any(getattr(r, "timing_noisy", None) for r in [ref, *candidates])
+    if kind != "loadgen":  # a bench or sweep names only rows decidedly faster than the reference
+        return _by_speedup(base, others, candidates, primary_metric, left_out, busy, noisy)
     best = candidates[0]
     ties = [r.backend for r in candidates[1:] if _overlap(best, r)]
     fp32 = next((r for r in candidates if r.parity_class == FP32_CLASS), None)
@@ -274,10 +311,35 @@ def recommend(results: Sequence, reference: str, *, primary_metric: str = "f1", 
                  and _overlap(fp32, r)]
     passed_over = tuple((r.backend, why_not(r)) for r in others
                         if r not in candidates and _score(r) is not None and _score(r) > _score(best))
-    busy = tuple(r.backend for r in [ref, *candidates] if getattr(r, "timing_reliable", None) is False)
     return Recommendation(**base, best=_choice(best, primary_metric, ties),
                           fp32=_choice(fp32, primary_metric, fp32_ties) if fp32 is not None and fp32 is not best else None,
                           passed_over=passed_over, left_out=left_out, busy=busy)
+
+
+def _by_speedup(base: dict, others: list, candidates: list, primary: str, left_out: tuple, busy: tuple,
+                noisy: bool) -> Recommendation:
+    """A bench's or sweep's recommendation: the fastest candidate decidedly faster than the
+    reference, and the fastest such FP32-class one; where a class has none, the closest row to
+    stay beside (``candidates`` sorted fastest first)."""
+    faster = [r for r in candidates if decidedly_faster(r)]
+    fp32_all = [r for r in candidates if r.parity_class == FP32_CLASS]
+    fp32 = next((r for r in faster if r.parity_class == FP32_CLASS), None)
+    best = faster[0] if faster else None
+    floor = _score(best) if best is not None else 1.0
+    passed_over = tuple((r.backend, why_not(r) if r not in candidates else
+                         f"not decidedly faster than the reference (its interval "
+                         f"[{_f(r.speedup_low, '.2f')}–{_f(r.speedup_high, '.2f')}] reaches 1.0)")
+                        for r in others if r not in faster and _score(r) is not None and _score(r) > floor)
+    common = dict(passed_over=passed_over, left_out=left_out, busy=busy, noisy=noisy)
+    if best is None:
+        return Recommendation(**base, stay=_choice(candidates[0], primary), **common)
+    ties = [r.backend for r in faster[1:] if _overlap(best, r)]
+    fp32_ties = [r.backend for r in faster if fp32 is not None and r is not fp32 and r.parity_class == FP32_CLASS
+                 and _overlap(fp32, r)]
+    fp32_stay = fp32_all[0] if fp32 is None and fp32_all and best.parity_class != FP32_CLASS else None
+    return Recommendation(**base, best=_choice(best, primary, ties),
+                          fp32=_choice(fp32, primary, fp32_ties) if fp32 is not None and fp32 is not best else None,
+                          fp32_stay=_choice(fp32_stay, primary) if fp32_stay is not None else None, **common)
 
 
 def for_run(results: Sequence, meta) -> Recommendation:
@@ -290,4 +352,4 @@ def for_run(results: Sequence, meta) -> Recommendation:
                      metric_label=(meta.metric_labels or {}).get(primary, primary), problems=own)
 
 
-__all__ = ["Choice", "Recommendation", "decided_pass", "for_run", "recommend", "why_not"]
+__all__ = ["Choice", "Recommendation", "decided_pass", "decidedly_faster", "for_run", "recommend", "why_not"]

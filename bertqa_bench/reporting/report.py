@@ -9,7 +9,11 @@ from pathlib import Path
 from typing import Optional
 
 from ..io import atomic_write_text
+from ..record.parity import noise_note
 from ..record.results import BackendResult, RunBundle, RunMeta, rows_to_csv
+from .loadgen_results import loadgen_table
+from .recommend import for_run
+
 
 def _f(v, fmt: str, empty: str = "—") -> str:
     return empty if v is None else format(v, fmt)
@@ -22,6 +26,7 @@ def _time(r: BackendResult) -> str:
 
 
 BUSY = "⚠"  # timed while other processes needed the cores (machine_state.py): not the backend's time
+NOISY = "~"  # the run's calibration workload wandered more than bench.noise_cv_pct (measuring/rounds.py)
 
 
 def busy(r: Optional[BackendResult]) -> bool:
@@ -31,10 +36,42 @@ def busy(r: Optional[BackendResult]) -> bool:
 def _speedup(r: BackendResult, ref: Optional[BackendResult] = None) -> str:
     if r.speedup is None:
         return "—"
-    # "≈": the spread of timed passes straddles 1.0 — not distinguishable from the reference.
+    # [low–high]: the interval (rounds: what a rerun shows, 95 %; a block: the extremes of passes).
+    # "≈": the interval straddles 1.0 — not distinguishable from the reference.
     # ⚠: this row or the reference was timed on a busy machine, so the ratio is not the backends'.
-    return (f"{r.speedup:.2f}×" + (" ≈" if r.speedup_within_noise and r.pct_change_vs_ref != 0.0 else "")
-            + (f" {BUSY}" if busy(r) or busy(ref) else ""))
+    # ~: the run's calibration wandered (a noisy host); B: timed in a block, not in the rounds.
+    ci = f" [{r.speedup_low:.2f}–{r.speedup_high:.2f}]" if r.speedup_low is not None and r is not ref else ""
+    return (f"{r.speedup:.2f}×{ci}" + (" ≈" if r.speedup_within_noise and r is not ref else "")
+            + (" B" if r.timing_mode == "block" and r is not ref else "")
+            + (f" {BUSY}" if busy(r) or busy(ref) else "") + (f" {NOISY}" if r.timing_noisy else ""))
+
+
+def rounds_lines(results: list[BackendResult], meta: RunMeta) -> list[str]:
+    """How the rows were timed: rounds, the interval each row reached, the calibration's spread,
+    the rows timed in blocks and why; a noisy host said plainly."""
+    log = meta.rounds or {}
+    lines = []
+    if log.get("calibration_s"):
+        n = len(log["calibration_s"])
+        widths = ", ".join(f"`{r.backend}` ±{r.speedup_halfwidth_pct:.1f}%" for r in results
+                           if r.ok and r.timing_mode == "rounds" and r.speedup_halfwidth_pct is not None
+                           and r.backend != meta.reference)
+        lines.append(f"Timing: {n} interleaved round{'s' if n != 1 else ''} ({log.get('stop_reason', '')}); "
+                     "each speedup is the median over rounds of the reference's pass / the row's pass of the same "
+                     "round, its interval [95 %] what a rerun with as many rounds shows"
+                     + (f"; intervals reached: {widths}" if widths else "") + ".")
+        cv = meta.calibration_cv_pct
+        if cv is not None:
+            lines.append(f"Calibration (a fixed matrix workload timed at the start of each round): {cv:.1f}% spread "
+                         f"(coefficient of variation) over {n} rounds" + (
+                             f" — {NOISY} **noisy host**: above the {meta.noise_cv_pct:g}% threshold; the paired "
+                             "ratios move with the host, but a ratio whose interval straddles 1.0 cannot be told here"
+                             if meta.timing_noisy else f", within the {meta.noise_cv_pct:g}% threshold") + ".")
+    for r in results:
+        if r.ok and r.timing_mode == "block" and r.timing_mode_note and r.backend != meta.reference:
+            lines.append(f"- `{r.backend}` (B): {r.timing_mode_note}; its ratio is of two blocks timed at different "
+                         "times, its range the extremes of the passes.")
+    return lines
 
 
 def timing_lines(results: list[BackendResult], meta: RunMeta) -> list[str]:
@@ -68,8 +105,6 @@ def _delta(r: BackendResult, metric: str) -> str:
 
 
 def _parity(r: BackendResult) -> str:
-    from ..record.parity import noise_note
-
     if not r.parity:
         return "—"
     note = noise_note(r)
@@ -134,8 +169,9 @@ def header_lines(meta: RunMeta, env: dict, results: tuple = ()) -> list[str]:
                  f"{meta.n_features} features per pass, {meta.n_questions} questions")
     lines.append(f"- Prediction time: every feature, after warm-up, first batch in to last logits on the host; the "
                  f"median of the timed passes (min–max in brackets). Speedup and % change are against "
-                 f"`{meta.reference}` from this same run; ≈ marks a difference inside the spread of passes, "
-                 f"{BUSY} a time (or a ratio with one) taken while other processes needed the cores.")
+                 f"`{meta.reference}` from this same run, paired round by round [95 % interval]; ≈ marks an "
+                 f"interval that straddles 1.0, B a row timed in a block of its own, {BUSY} a time (or a ratio "
+                 f"with one) taken while other processes needed the cores, {NOISY} a run on a noisy host.")
     if threads_line(list(results)):
         lines.append(threads_line(list(results)))
     if meta.command:
@@ -174,16 +210,12 @@ def threads_line(results: list[BackendResult]) -> str:
 def results_table(results: list[BackendResult], meta: RunMeta) -> str:
     """The bench table, or for a `bertqa-bench loadgen` bundle its scenario table."""
     if any(r.scenario for r in results):
-        from .loadgen_results import loadgen_table
-
         return loadgen_table(results, meta)
     return markdown_table(results, meta)
 
 
 def recommendation(bundle: RunBundle):
     """The run's recommendation (recommend.py) from its records."""
-    from .recommend import for_run
-
     return for_run(bundle.results, bundle.meta)
 
 
@@ -206,6 +238,8 @@ def console_summary(bundle: RunBundle) -> str:
 def _table_and_notes(bundle: RunBundle) -> list[str]:
     meta, results = bundle.meta, bundle.results
     lines = [results_table(results, meta), ""]
+    if rounds_lines(results, meta):
+        lines += [*rounds_lines(results, meta), ""]
     if timing_lines(results, meta):  # the rows timed on a busy machine, right under the table
         lines += [*timing_lines(results, meta), ""]
     notes = [r for r in results if not r.ok]

@@ -344,6 +344,14 @@ class Tracker:
             if any(r.timing_reliable is not None for r in ok):
                 tags["timing"] = (f"unreliable: {', '.join(unreliable)} timed on a busy machine" if unreliable
                                   else "reliable")
+            meta = bundle.meta
+            if meta.timing_noisy:
+                tags["timing"] = ("" if tags.get("timing") in (None, "reliable") else tags["timing"] + "; ") + (
+                    f"noisy host: calibration spread {meta.calibration_cv_pct:.1f}% over "
+                    f"{len(meta.rounds.get('calibration_s', []))} rounds (threshold {meta.noise_cv_pct:g}%)")
+            if meta.calibration_cv_pct is not None:
+                metrics["calibration_cv_pct"] = meta.calibration_cv_pct
+                metrics["timing_rounds"] = len(meta.rounds.get("calibration_s", []))
             self.log(self.parent_id, metrics, {}, tags)
             # The verdict first in the name too: the one column every runs table shows, even cut short.
             self._client.update_run(self.parent_id, name=f"{verdict.status} {bundle.meta.run_id}")

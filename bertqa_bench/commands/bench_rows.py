@@ -1,0 +1,321 @@
+"""How a bench run's rows are timed, scored and recorded: interleaved rounds, or blocks.
+
+**Rounds** (``bench.timing: rounds``, the default): every row's worker is started and prepared
+one after the other and stays alive; then measuring/rounds.py times them one pass each per
+round, in a rotating order, with the calibration workload first; then each worker writes its
+outputs and record, and each row is scored here, reference first, its speedup paired round by
+round (record/rounds.py). A row whose process would not fit beside those already alive (host
+memory, or the GPU's) is timed after the rounds in a block of its own, and its row says so.
+
+**Blocks** (``bench.timing: block``; a resumed run, whose reference passes are saved; data-parallel
+rows): one row after the other, each its passes in one block, as a row that cannot stay alive
+must be; its speedup is the ratio of two blocks timed at different times.
+
+A row that crashes, hangs or cannot run here is recorded as such; the rest run.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+from ..backends.variants import Variant
+from ..config import SuiteConfig
+from ..data.evalset import EvalSet
+from ..errors import format_error
+from ..io import atomic_write_json
+from ..measuring.jobs import make_job, plan_key
+from ..measuring.launcher import launch, time_limit
+from ..measuring.progress import rows_line
+from ..measuring.rounds import RoundsLog, RoundsSettings, run_rounds
+from ..measuring.sessions import InProcessSession, WorkerSession
+from ..measuring.worker import load_outputs
+from ..record.judging import Reference, apply_speedup, fill_timing, identity, judge
+from ..record.parity import determinism
+from ..record.results import BackendResult, RunBundle
+from ..record.rounds import block_speedup
+from ..record.schedule import mask_padding
+from ..reporting.tracking import Tracker
+from ..tasks import Task
+from .bench_ddp import run_local_ranks, visible_gpus
+
+# Another row's process is started beside those alive only when this much more than the largest
+# peak seen so far is free: a second copy of a model must not push the first into swap.
+MEMORY_MARGIN = 1.5
+# A CUDA context and the allocator's first blocks, beside a row's own reserved memory.
+CUDA_CONTEXT_MIB = 1024
+
+
+def rounds_settings(cfg: SuiteConfig) -> RoundsSettings:
+    b = cfg.bench
+    return RoundsSettings(min_rounds=b.min_passes, max_rounds=b.max_rounds, budget_s=b.rounds_budget_s,
+                          target_halfwidth_pct=b.target_halfwidth_pct, noise_cv_pct=b.noise_cv_pct)
+
+
+def mem_available_mib() -> Optional[float]:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 1024.0
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def room_for_another(readies: list, available_mib: Optional[float]) -> str:
+    """'' when one more row's process fits beside the ready ones, else why not. A row's own need
+    is not known before it prepares, so the largest peak seen so far stands for it."""
+    host = max((r.get("host_peak_mib") or 0.0 for r in readies), default=0.0)
+    if available_mib is not None and host and available_mib < MEMORY_MARGIN * host:
+        return (f"{available_mib:,.0f} MiB of host memory free beside {len(readies)} live row process(es), "
+                f"each up to {host:,.0f} MiB")
+    gpu = [r for r in readies if r.get("device_free_mib") is not None]
+    if gpu:
+        need = max(r.get("device_reserved_mib") or 0.0 for r in gpu) + CUDA_CONTEXT_MIB
+        free = gpu[-1]["device_free_mib"]
+        if free < MEMORY_MARGIN * need:
+            return (f"{free:,.0f} MiB free on the GPU beside {len(gpu)} live row process(es), "
+                    f"each up to {need:,.0f} MiB")
+    return ""
+
+
+@dataclass
+class RowRunner:
+    """The run's rows: started, timed, scored and recorded (the bundle, MLflow, the console)."""
+
+    cfg: SuiteConfig
+    task: Task
+    model: object  # commands/provision.ModelInfo
+    evalset: EvalSet
+    bundle: RunBundle
+    plans: dict
+    tracker: Tracker
+    env_tags: dict
+    names: list
+    tiling: float = 1.0  # rows per feature of the reference's plan (windows predicted per pass)
+    progress: bool = True
+    log: Callable[[str], None] = print
+    cluster: object = None
+    check_determinism: bool = False
+    ref: Optional[Reference] = None
+    problems: list = field(default_factory=list)
+
+    @property
+    def reference(self) -> str:
+        return self.cfg.bench.reference
+
+    # --- the two ways -------------------------------------------------------------------------
+    def run(self, variants: list, *, block_reason: str = "") -> None:
+        """Time, score and record ``variants`` (reference first): in rounds unless ``block_reason``
+        (or the suite's bench.timing) says blocks; data-parallel rows always in blocks."""
+        if self.cfg.bench.timing == "block" and not block_reason:
+            block_reason = "bench.timing: block"
+        runnable, blocks = [], []
+        for v in variants:
+            r, why = self._not_run(v)
+            if why:
+                r.status, r.error = "not run", why
+                self.record(r, v)
+            elif block_reason or self.cluster is not None or (v.devices or 1) > 1:
+                blocks.append((v, block_reason or "data-parallel: its ranks are timed together, in a block"))
+            else:
+                runnable.append(v)
+        blocks = self._interleaved(runnable) + blocks
+        t0, row_s = time.perf_counter(), []
+        for i, (v, why) in enumerate(blocks):
+            self.log(rows_line(i, len(blocks), v.name, row_s, time.perf_counter() - t0))
+            t_row = time.perf_counter()
+            self._block(v, why)
+            row_s.append(time.perf_counter() - t_row)
+
+    def _interleaved(self, variants: list) -> list:
+        """Start each row's process, time them in rounds, finish and score each; returns the rows
+        left for blocks (those that would not fit beside the others), with why."""
+        sessions, readies, left = [], [], []
+        try:
+            for v in variants:
+                why = room_for_another(readies, mem_available_mib()) if sessions else ""
+                if why:
+                    left.append((v, f"timed in a block after the rounds: {why}"))
+                    continue
+                self.log(f"[{v.name}] prepare and warm-up ({len(sessions) + 1} of {len(variants)} rows alive) ...")
+                s = self._session(v)
+                ready = s.start()
+                sessions.append((v, s))
+                if ready is not None:
+                    readies.append(ready)
+            alive = [s for _, s in sessions if s.ready is not None]
+            if alive:
+                self.log(f"rounds: {len(alive)} row(s), one timed pass of each a round in a rotating order, "
+                         f"at least {self.cfg.bench.min_passes} rounds ...")
+            rounds = run_rounds(alive, self.reference, rounds_settings(self.cfg), log=self.log) if alive else None
+            self._note_rounds(rounds, left)
+            for v, s in sessions:
+                self._finish(v, s, rounds)
+        except BaseException:
+            for _, s in sessions:
+                s.kill()
+            raise
+        return left
+
+    def _session(self, v: Variant):
+        job = make_job(self.cfg, self.task, v, self.model, self.evalset, self.bundle, progress=False, kind="rounds")
+        if self.cfg.bench.isolation == "inprocess":
+            return InProcessSession(job)
+        return WorkerSession(job, self.bundle.path("logs", f"{v.name}.log"), time_limit(v, self.cfg.bench.timeout_s),
+                             echo=self.progress)
+
+    def _finish(self, v: Variant, s, rounds: Optional[RoundsLog]) -> None:
+        rec = s.finish() if s.ready is not None else s.result()
+        r = self._row(v)
+        self._score(v, r, rec)
+        if r.ok and rounds is not None:
+            apply_speedup(r, rounds.speedup(v.name) if self.ref is not None else None, "rounds")
+            r.calibration_cv_pct = rounds.calibration_cv_pct
+            r.timing_noisy = rounds.noisy(self.cfg.bench.noise_cv_pct)
+        self.record(r, v)
+
+    def _block(self, v: Variant, why: str) -> None:
+        """One row, its passes in one block (today's way for what cannot stay alive)."""
+        r = self._row(v)
+        r.n_devices = self.cluster.world if self.cluster is not None else (v.devices or 1)
+        self.log(f"[{v.name}] prepare, warm-up and {self.cfg.bench.min_passes}+ timed passes in a block"
+                 + (f" on {r.n_devices} {'GPUs' if v.device == 'cuda' else 'CPU ranks'}" if r.n_devices > 1 else "")
+                 + f" ({why}) ...")
+        rec = self._launch_block(v)
+        self._score(v, r, rec)
+        if r.ok and self.ref is not None:
+            apply_speedup(r, block_speedup(self.ref.pass_s, rec["pass_s"]), "block", why)
+        elif r.ok:
+            r.timing_mode, r.timing_mode_note = "block", why
+        self.record(r, v)
+
+    def _launch_block(self, v: Variant) -> dict:
+        job = make_job(self.cfg, self.task, v, self.model, self.evalset, self.bundle, progress=self.progress)
+        timeout = time_limit(v, self.cfg.bench.timeout_s)  # its message names the setting that applied
+        if self.cluster is not None:  # bench-ddp: every torchrun rank predicts its share
+            return self.cluster.run(job, timeout, self.bundle.path("logs"))
+        if (v.devices or 1) > 1:
+            gpus = visible_gpus(v.devices) if v.device == "cuda" else None
+            return run_local_ranks(job, v.devices, timeout, self.bundle.path("logs"), gpus)
+        return launch(job, timeout_s=timeout, log_path=self.bundle.path("logs", f"{v.name}.log"), echo=self.progress,
+                      isolation=self.cfg.bench.isolation)
+
+    # --- one row --------------------------------------------------------------------------------
+    def _row(self, v: Variant) -> BackendResult:
+        return identity(self.cfg, self.task, v, self.model, self.evalset, self.plans[plan_key(self.cfg, v)])
+
+    def _not_run(self, v: Variant) -> tuple[BackendResult, str]:
+        r = self._row(v)
+        why = (v.backend_class.batching_reason(v.options, r.batching)
+               or v.backend_class.family_reason(v.options, self.model.family))
+        return r, why
+
+    def _score(self, v: Variant, r: BackendResult, rec: dict) -> None:
+        """The worker's record into the row: postprocess, score, compare with the reference."""
+        r.status, r.error = rec["status"], rec.get("error", "")
+        if not r.ok:
+            return
+        features = self.evalset.features
+        try:
+            outputs = mask_padding(load_outputs(rec["outputs"]), features.attention_mask, self.task.token_outputs)
+            fill_timing(r, rec, self.tiling, self.evalset.n_questions)
+            t0 = time.perf_counter()
+            predictions = self.task.postprocess(self.evalset.examples, features, outputs, self.cfg)
+            r.postprocess_s = (time.perf_counter() - t0) * self.tiling
+            r.tokenize_s = self.evalset.build_s * self.tiling
+            r.end_to_end_s = r.tokenize_s + r.predict_s + r.postprocess_s
+            r.scores = {k: float(x) for k, x in self.task.score(self.evalset.examples, predictions, self.cfg).items()}
+            per_question = self.task.question_scores(self.evalset.examples, predictions, self.cfg)
+            self.bundle.write_predictions(v.name, predictions)
+            for suffix, obj in self.task.side_files(predictions).items():  # e.g. SQuAD v2.0's na-prob file
+                atomic_write_json(self.bundle.path("predictions", f"{v.name}.{suffix}.json"), obj, indent=None)
+            if v.name == self.reference:
+                self.ref = Reference(outputs, predictions, r.scores, rec["pass_s"], per_question)
+                if self.check_determinism:
+                    self.problems += self._determinism(v)
+            if self.ref is not None:
+                judge(self.cfg, self.task, v, self.ref, r, predictions, per_question, outputs,
+                      features.attention_mask, judged=not self.model.timing_only)
+            if v.name != self.reference and not self.cfg.bench.keep_outputs:
+                Path(rec["outputs"]).unlink(missing_ok=True)
+        except Exception as e:  # noqa: BLE001 - scoring one backend must not lose the others
+            r.status, r.error = "failed", f"while scoring: {format_error(e)}"
+
+    def record(self, r: BackendResult, v: Variant) -> None:
+        """The row into the bundle (results.csv, run.json), MLflow and the console."""
+        meta = self.bundle.meta
+        meta.problems = list(self.problems)
+        _log_row(self.log, self.task, r)
+        self.bundle.put(r, order=self.names)
+        child = self.tracker.log_backend(meta, r, self.env_tags, [self.bundle.path("predictions", f"{r.backend}.json")]
+                                         if r.ok else [], self.bundle.path("logs", f"{v.name}.log"))
+        if child:
+            meta.mlflow_children[r.backend] = child
+        self.bundle.write_meta()
+
+    def _note_rounds(self, rounds: Optional[RoundsLog], left: list) -> None:
+        meta = self.bundle.meta
+        if rounds is not None:
+            meta.rounds = rounds.to_dict()
+            meta.calibration_cv_pct = rounds.calibration_cv_pct
+            meta.timing_noisy = rounds.noisy(self.cfg.bench.noise_cv_pct)
+            meta.noise_cv_pct = self.cfg.bench.noise_cv_pct
+            meta.notes.append(f"timing: {rounds.n_rounds} interleaved rounds ({rounds.stop_reason})")
+        for v, why in left:
+            meta.notes.append(f"{v.name}: {why}")
+        self.bundle.write_meta()
+
+    def _determinism(self, v: Variant) -> list[str]:
+        """The reference a second time, in a fresh process: identical logits and answers, or the
+        differences of every backend below that noise are not the backend's fault."""
+        job = make_job(self.cfg, self.task, v, self.model, self.evalset, self.bundle, tag="-again")
+        rec = launch(job, timeout_s=self.cfg.bench.timeout_s, log_path=self.bundle.path("logs", f"{v.name}-again.log"),
+                     isolation=self.cfg.bench.isolation)
+        if rec["status"] != "ok":
+            return [f"reference {v.name} failed on its second run: {rec.get('error')}"]
+        features = self.evalset.features
+        again = mask_padding(load_outputs(rec["outputs"]), features.attention_mask, self.task.token_outputs)
+        Path(rec["outputs"]).unlink(missing_ok=True)
+        preds = self.task.postprocess(self.evalset.examples, features, again, self.cfg)
+        det = determinism(self.ref.outputs, again, features.attention_mask, self.ref.predictions, preds)
+        self.bundle.meta.notes.append(f"determinism of {v.name} (two processes): max |Δ logit| "
+                                      f"{det['max_abs_logit_diff']:.2e}, identical answers: {det['identical_answers']}")
+        self.log(self.bundle.meta.notes[-1])
+        if not det["identical_answers"]:
+            return [f"reference {v.name} is not deterministic (answers changed between two runs, max |Δ logit| "
+                    f"{det['max_abs_logit_diff']:.2e}): fix that before judging backends"]
+        return []
+
+
+def saved_reference(cfg: SuiteConfig, task: Task, evalset: EvalSet, bundle: RunBundle,
+                    reference: str) -> Optional[Reference]:
+    """The reference as the interrupted run measured it: its kept outputs, its saved predictions,
+    its scores and timed passes. None when it did not finish (it then runs first)."""
+    row = next((r for r in bundle.results if r.backend == reference and r.ok), None)
+    outputs_file, worker_file = bundle.path("outputs", f"{reference}.npz"), bundle.path("workers", f"{reference}.json")
+    preds_file = bundle.path("predictions", f"{reference}.json")
+    if row is None or not (outputs_file.exists() and worker_file.exists() and preds_file.exists()):
+        return None
+    outputs = mask_padding(load_outputs(outputs_file), evalset.features.attention_mask, task.token_outputs)
+    predictions = json.loads(preds_file.read_text())
+    # Scores recomputed from the saved predictions: results.csv keeps 6 significant digits, and a
+    # delta against a rounded reference would differ from an uninterrupted run's.
+    scores = {k: float(v) for k, v in task.score(evalset.examples, predictions, cfg).items()}
+    return Reference(outputs, predictions, scores, json.loads(worker_file.read_text())["pass_s"],
+                     task.question_scores(evalset.examples, predictions, cfg))
+
+
+def _log_row(log, task: Task, r: BackendResult) -> None:
+    if not r.ok:
+        log(f"[{r.backend}] {r.status.upper()}: {r.error}")
+        return
+    scores = "  ".join(f"{k}={r.scores.get(k, float('nan')):.2f}" for k in task.metric_names)
+    speed = ""
+    if r.speedup is not None:
+        ci = f" [{r.speedup_low:.2f}–{r.speedup_high:.2f}]" if r.speedup_low is not None else ""
+        speed = f"  {r.speedup:.2f}×{ci} ({r.timing_mode}" + (f", {r.rounds} rounds" if r.rounds else "") + ")"
+    log(f"[{r.backend}] {r.predict_s:.3f}s (median of {r.n_passes}){speed}  {r.features_per_s:,.1f} features/s  "
+        f"{scores}  parity={r.parity or '—'}")

@@ -1,0 +1,72 @@
+#!/usr/bin/env python3
+"""Reruns of one suite side by side: each row's speedup and interval per run, and whether every
+run's interval holds the other runs' medians (what results/reference/cpu-2core-reproducibility.md
+shows).
+
+    python scripts/rerun_table.py results/RUN1 results/RUN2 results/RUN3 [--title "..."]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bertqa_bench.record.results import RunBundle  # noqa: E402
+from bertqa_bench.reporting.recommend import for_run  # noqa: E402
+
+
+def _cell(r) -> str:
+    if r is None or r.speedup is None:
+        return "—"
+    ci = f" [{r.speedup_low:.2f}–{r.speedup_high:.2f}]" if r.speedup_low is not None else ""
+    return f"{r.speedup:.2f}×{ci}"
+
+
+def covers(rows: list) -> bool:
+    """Every run's interval holds every other run's median."""
+    ok = [r for r in rows if r is not None and r.speedup_low is not None]
+    return len(ok) == len(rows) and all(a.speedup_low <= b.speedup <= a.speedup_high for a in ok for b in ok)
+
+
+def table(bundles: list) -> str:
+    names = list(dict.fromkeys(r.backend for b in bundles for r in b.results))
+    ref = bundles[0].meta.reference
+    head = ["row"] + [f"run {i + 1}" for i in range(len(bundles))] + ["each interval holds the others' medians"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    ref_cells = []
+    for b in bundles:
+        r = next((x for x in b.results if x.backend == ref), None)
+        ref_cells.append(f"{r.predict_s:.1f} s a pass" if r is not None and r.ok else "—")
+    lines.append(f"| {ref} (reference) | " + " | ".join(ref_cells) + " | |")
+    for n in names:
+        if n == ref:
+            continue
+        rows = [next((x for x in b.results if x.backend == n and x.ok), None) for b in bundles]
+        lines.append(f"| {n} | " + " | ".join(_cell(r) for r in rows) + f" | {'yes' if covers(rows) else '**no**'} |")
+    recs = [for_run(b.results, b.meta) for b in bundles]
+    lines.append("| recommendation | " + " | ".join(r.headline() for r in recs) + " | "
+                 + ("same" if len({r.tags()['recommended_backend'] for r in recs}) == 1 else "**differs**") + " |")
+    lines.append("| FP32 class | " + " | ".join(r.tags()["recommended_fp32_backend"] or "—" for r in recs) + " | "
+                 + ("same" if len({r.tags()['recommended_fp32_backend'] for r in recs}) == 1 else "**differs**") + " |")
+    timing = []
+    for b in bundles:
+        m = b.meta
+        n = len((m.rounds or {}).get("calibration_s", []))
+        timing.append(f"{n} rounds, calibration {m.calibration_cv_pct:.1f}%" + (" (noisy)" if m.timing_noisy else "")
+                      if n else "blocks")
+    lines.append("| timing | " + " | ".join(timing) + " | |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("runs", nargs="+", type=Path)
+    a = p.parse_args(argv)
+    print(table([RunBundle.load(d) for d in a.runs]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
