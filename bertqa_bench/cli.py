@@ -28,6 +28,7 @@ from pathlib import Path
 
 from . import exit_codes
 from .errors import BenchError, ConfigError
+from .tasks import get_task
 
 
 def _suite_args(p: argparse.ArgumentParser) -> None:
@@ -352,27 +353,16 @@ def cmd_parity(a) -> int:
 
 
 def cmd_score(a) -> int:
-    from .tasks.squad.metrics import score_files
-    from .tasks.squad.reader import is_v2, read_json
-
-    if is_v2(read_json(a.dataset)):
-        from .tasks.squad.metrics_v2 import score_v2_files
-
-        # the official v2.0 script's keys, printed as it prints them
-        print(json.dumps(score_v2_files(a.dataset, a.predictions, na_prob_file=a.na_prob_file,
-                                        na_prob_thresh=a.na_prob_thresh), indent=2))
-        return 0
-    if a.na_prob_file:
-        raise BenchError(f"{a.dataset} is a SQuAD v1.1 file: --na-prob-file applies to v2.0 files only")
-    print(json.dumps(score_files(a.dataset, a.predictions)))
+    # the official v2.0 script's keys for a v2.0 file, printed as it prints them
+    out = get_task("squad").score_files(a.dataset, a.predictions, na_prob_file=a.na_prob_file,
+                                        na_prob_thresh=a.na_prob_thresh)
+    print(json.dumps(out, indent=2) if "HasAns_total" in out or "exact" in out else json.dumps(out))
     return 0
 
 
 def cmd_score_nq(a) -> int:
-    from .tasks.nq.metrics import score_nq_files
-
-    print(json.dumps(score_nq_files(a.gold, a.predictions, long_non_null_threshold=a.long_non_null_threshold,
-                                    short_non_null_threshold=a.short_non_null_threshold), indent=2))
+    print(json.dumps(get_task("nq").score_files(a.gold, a.predictions, long_non_null_threshold=a.long_non_null_threshold,
+                                                short_non_null_threshold=a.short_non_null_threshold), indent=2))
     return 0
 
 
@@ -424,7 +414,7 @@ def cmd_track(a) -> int:
 
 
 def cmd_backends(a) -> int:
-    from .backends.catalogue import listing
+    from .backends.catalogue import listing, show
     from .backends.variants import VariantTable
 
     cfg = None
@@ -432,7 +422,8 @@ def cmd_backends(a) -> int:
         from .suite import load_suite
 
         cfg = load_suite(_suite(a), a.overrides)
-    print(listing(VariantTable.for_suite(cfg), show_all=a.all))
+    table = VariantTable.for_suite(cfg)
+    print(show(table, a.show) if a.show else listing(table, show_all=a.all))
     return 0
 
 
@@ -617,6 +608,7 @@ def build_parser() -> argparse.ArgumentParser:
     lb.add_argument("--suite", help="also list the variants this suite declares")
     lb.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     lb.add_argument("--all", action="store_true", help="also list the research variants (benchmarks/experiments.yaml)")
+    lb.add_argument("--show", metavar="NAME", help="one variant's every option (catalogue, research or old name)")
     lb.set_defaults(fn=cmd_backends)
     return p
 

@@ -137,12 +137,31 @@ def load_suite(name_or_path: str = "default", overrides: Optional[list[str]] = N
         raw["task"] = task = {"name": task}
     if isinstance(task, dict):  # the task's own options sit beside its name
         raw["task"] = {"name": task.get("name", "squad"), "options": {k: v for k, v in task.items() if k != "name"}}
-    cfg = build(SuiteConfig, raw, str(path))
+    try:
+        cfg = build(SuiteConfig, raw, str(path))
+    except ConfigError as e:
+        raise _from_override(e, path, overrides or []) from None
     resolve_task(cfg)
     from .backends.variants import canonicalize
 
     canonicalize(cfg)  # old names -> the catalogue's (a note each); unknown names fail before any work
     return cfg
+
+
+def _from_override(e: ConfigError, path: Path, overrides: list[str]) -> ConfigError:
+    """An error in a field the user set with ``--set`` names the ``--set``, not the suite file it
+    never wrote that field in (``default.yaml.bench.batch_size must be int``)."""
+    message, prefix = str(e), f"{path}."
+    if not message.startswith(prefix):
+        return e
+    rest = message[len(prefix):]
+    for item in reversed(overrides):  # the last --set of a field is the one in force
+        key = item.split("=", 1)[0].strip()
+        section, _, field_name = key.rpartition(".")
+        if rest.startswith((key + " ", key + ":")) or (
+                section and rest.startswith(section + ": unknown field") and field_name in rest):
+            return ConfigError(f"--set {item}: {rest}")
+    return e
 
 
 def suite_from_dict(raw: dict, where: str = "<saved config>") -> SuiteConfig:

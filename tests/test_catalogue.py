@@ -71,11 +71,11 @@ def _passes(r):
 
 
 def _fastest_measured(batching):
-    """The fastest row of the BERT-base GPU suite in the committed H100 tables at a decided parity
+    """The fastest row of the BERT-base GPU suite in the committed H100 and H200 tables at a decided parity
     pass, one GPU, a variant (not a sweep point), by features/s; with the rows of its run that are
     as fast within the noise of the timed passes (they overlap: the recommendation's ties)."""
     best, rows = None, []
-    for path in REFERENCE.glob("h100-*.csv"):
+    for path in sorted(REFERENCE.glob("h100-*.csv")) + sorted(REFERENCE.glob("h200-*.csv")):
         for r in csv.DictReader(open(path, newline="")):
             if (r.get("suite") != "gpu-bert-base" or r.get("status") != "ok" or r.get("parity") != "pass"
                     or r.get("parity_within_noise", "").lower() == "true" or r.get("batching") != batching
@@ -145,7 +145,12 @@ def test_a_suite_naming_old_names_runs_the_new_ones(tmp_path):
     gpu = load_suite("gpu-bert-base", ["bench.reference=eager-fp32-cuda", "bench.backends=[eager-fp32-cuda, "
                                        "torch-compile-fp8-packed-ffn8-tanh-head, torch-compile-fp8-cudnn-ffn8-tanh]"])
     assert gpu.bench.reference == "eager-fp32"
-    assert gpu.bench.backends == ["eager-fp32", "torch-compile-fp8-graph-packed", "torch-compile-fp8-graph"]
+    # the old names of the catalogue rows' previous meanings: those rows, now research rows
+    assert gpu.bench.backends == ["eager-fp32", "torch-compile-fp8-graph-packed+plain", "torch-compile-fp8-graph+plain"]
+    # the fastest path's research name: the catalogue row it became
+    long = load_suite("gpu-bert-base", ["bench.backends=[torch-compile-fp8all-graph-packed-triton-e4m3out-epilogue-"
+                                        "autotune-2streams, torch-compile-fp8-graph-gelu-epilogue-autotune-2streams]"])
+    assert long.bench.backends == ["eager-fp32", "torch-compile-fp8-graph-packed", "torch-compile-fp8-graph"]
 
 
 def test_every_backend_named_in_the_committed_reference_tables_still_resolves():
@@ -164,15 +169,46 @@ def test_every_backend_named_in_the_committed_reference_tables_still_resolves():
 def test_research_rows_are_declared_on_catalogue_variants_and_resolve_anywhere():
     t = default_table()
     research = {d["name"]: d for d in t.declarations("experiments")}
-    assert "torch-compile-fp8-packed-ffn8" in research and "onnxruntime-int8-static" in research
+    assert "torch-compile-fp8-graph-packed+ffn8" in research and "ort-int8+static" in research
     catalogue = {d["name"] for d in CATALOGUE}
     assert not catalogue & set(research)
-    v = t.get("torch-compile-fp8-packed-ffn8")
+    v = t.get("torch-compile-fp8-graph-packed+ffn8")
     assert v.device == "cuda" and v.batching == "packed" and v.options.fp8.ffn_hidden_fp8 and v.options.pipeline
     assert v.options.fp8.ffn_gelu == "exact" and not v.options.head_first  # what differs from the catalogue's row
     experiments = load_suite("experiments")
     assert set(experiments.bench.backends) <= set(research) | catalogue | {
         n for n in experiments.bench.backends if n.endswith(tuple(f"-{b}" for b in DERIVED_BATCHINGS))}
+
+
+RESEARCH_NAME = re.compile(GRAMMAR.pattern + r"(?:\+[a-z0-9]+(?:-[a-z0-9]+)*)?")
+
+
+def test_every_research_name_follows_the_grammar_and_no_standard_suite_names_one():
+    """A research row is a catalogue-grammar name plus one ``+what-differs`` suffix; the names it
+    was measured by still resolve, to it; the suites a user runs name catalogue rows only."""
+    t = default_table()
+    research = {d["name"] for d in t.declarations("experiments")}
+    assert len(research) >= 40
+    assert all(RESEARCH_NAME.fullmatch(n) for n in research), sorted(n for n in research if not RESEARCH_NAME.fullmatch(n))
+    for old, (new, _) in t.aliases.items():
+        assert t.get(old).name == t.get(new).name == new, old
+    for suite, _, rows in _suite_rows():
+        if suite != "experiments":
+            assert not {n for n, _ in rows} & research, suite
+
+
+def test_backends_show_prints_every_option_of_a_row(capsys):
+    from bertqa_bench.cli import main
+
+    assert main(["backends", "--show", "torch-compile-fp8all-graph-packed-triton-e4m3out-epilogue-autotune-2streams"]) == 0
+    out = capsys.readouterr().out
+    assert "is an old name: its row is 'torch-compile-fp8-graph-packed'" in out
+    for line in ("packed_attention: triton", "attention_output: e4m3", "ffn_gelu: epilogue", "cublaslt_autotune: 5",
+                 "streams: 2", "declared in: the catalogue"):
+        assert line in out, line
+    assert main(["backends", "--show", "torch-compile-fp8-graph-packed+plain"]) == 0
+    out = capsys.readouterr().out
+    assert "packed_attention: flash" in out and "streams: 1" in out and "declared in: research" in out
 
 
 def test_any_name_with_a_batching_suffix_runs_with_that_batching():

@@ -80,3 +80,18 @@ def test_unknown_suite_lists_known_ones():
 def test_bad_override_syntax():
     with pytest.raises(ConfigError, match="section.field=value"):
         load_suite("default", ["bench.batch_size"])
+
+
+def test_a_set_error_names_the_set_not_the_suite_file():
+    from bertqa_bench.errors import ConfigError
+    from bertqa_bench.suite import load_suite
+
+    with pytest.raises(ConfigError) as e:
+        load_suite("default", ["bench.batch_size=abc"])
+    assert str(e.value) == "--set bench.batch_size=abc: bench.batch_size must be int, not 'abc'"
+    with pytest.raises(ConfigError) as e:
+        load_suite("default", ["bench.batch_sise=3"])
+    assert str(e.value).startswith("--set bench.batch_sise=3: bench: unknown field(s) batch_sise; valid: ")
+    with pytest.raises(ConfigError) as e:  # a field the suite file itself got wrong still names the file
+        load_suite("default", ["bench.warmup_batches=2"] + ["data.max_seq_len=x"])
+    assert str(e.value).startswith("--set data.max_seq_len=x: data.max_seq_len must be int")

@@ -76,6 +76,23 @@ def test_a_taken_run_id_is_refused_before_any_work_and_overwrite_empties_it(setu
     assert _bench(setup, tmp_path, "--resume", str(run), "--overwrite") == exit_codes.BAD_INPUT
 
 
+def test_overwrite_deletes_the_old_runs_mlflow_parent_and_children(setup, tmp_path, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    assert _bench(setup, tmp_path, "--run-id", "again", mlflow=True) == 0
+    old = RunBundle.load(tmp_path / "results" / "again").meta
+    assert old.mlflow_parent_id and old.mlflow_children
+    assert _bench(setup, tmp_path, "--run-id", "again", "--overwrite", mlflow=True) == 0
+    new = RunBundle.load(tmp_path / "results" / "again").meta
+    client = MlflowClient(uri)
+    assert new.mlflow_parent_id != old.mlflow_parent_id
+    for rid in [old.mlflow_parent_id, *old.mlflow_children.values()]:
+        assert client.get_run(rid).info.lifecycle_stage == "deleted"
+    assert client.get_run(new.mlflow_parent_id).info.lifecycle_stage == "active"
+
+
 def test_overwrite_empties_only_run_folders_and_run_ids_are_names(setup, tmp_path, capsys):
     other = tmp_path / "results" / "notes"
     other.mkdir(parents=True)

@@ -1,7 +1,10 @@
 """``bertqa-bench backends``: the catalogue a user chooses from, grouped by device, each variant
 with its one line of when to use it and whether it can run on this machine; then the suite's own
-variants, the research rows (with ``--all``) and the old names that still resolve."""
+variants, the research rows (with ``--all``) and the old names that still resolve. ``--show NAME``:
+one variant's every option."""
 from __future__ import annotations
+
+import dataclasses
 
 from .variants import ALIASES, DERIVED_BATCHINGS, EXPERIMENTS_FILE, VariantTable
 
@@ -56,7 +59,34 @@ def listing(table: VariantTable, show_all: bool = False) -> str:
         lines.append(f"+ {len(research)} research and superseded variants ({EXPERIMENTS_FILE.name}, every suite can "
                      "name them): `bertqa-bench backends --all` lists them")
     lines.append("Old names, still accepted (a run names its row by the new one): "
-                 + ", ".join(f"{old} -> {new}" + (f" ({dev})" if dev else "") for old, (new, dev) in ALIASES.items()))
+                 + ", ".join(f"{old} -> {new}" + (f" ({dev})" if dev else "") for old, (new, dev) in ALIASES.items())
+                 + f"; and {len(table.aliases) - len(ALIASES)} names research rows were measured by "
+                 f"({EXPERIMENTS_FILE.name}, renamed:)")
     for name, why in table.broken().items():
         lines.append(f"{name}: invalid: {why}")
     return "\n".join(lines)
+
+
+def _option_lines(options, indent: str = "  ") -> list[str]:
+    out = []
+    for k, v in (dataclasses.asdict(options) if dataclasses.is_dataclass(options) else dict(options)).items():
+        if isinstance(v, dict):
+            out.append(f"{indent}{k}:")
+            out += _option_lines(v, indent + "  ")
+        else:
+            out.append(f"{indent}{k}: {v}")
+    return out
+
+
+def show(table: VariantTable, name: str) -> str:
+    """``bertqa-bench backends --show NAME``: what the name runs, every typed option, where it is
+    declared, and whether it can run here (an old name: what it means now)."""
+    v = table.get(name)
+    note = table.alias_note(name)
+    why = v.unavailable_reason()
+    source = {"builtin": "the catalogue", "experiments": f"research ({EXPERIMENTS_FILE.name})"}.get(v.source, v.source)
+    lines = ([f"note: {note}"] if note else []) + [
+        f"{v.name}: {v.description}", f"  implementation: {v.implementation}, device: {v.device}, precision: "
+        f"{v.precision}, batching: {v.batching or 'padded'}" + (f", batch size {v.batch_size}" if v.batch_size else ""),
+        f"  declared in: {source}", f"  here: {'yes' if why is None else 'no: ' + why}", "  options:"]
+    return "\n".join(lines + _option_lines(v.options, "    "))

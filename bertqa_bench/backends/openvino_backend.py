@@ -75,9 +75,13 @@ class OvOptions:
     precision: str = "fp32"  # fp32 | bf16 (CPU inference precision) | int8 (NNCF static INT8, fp32 elsewhere)
     num_threads: Optional[int] = None  # default: torch's thread count (the reference's cores)
     performance_hint: str = "LATENCY"  # one stream, all threads on one batch (the runner's call pattern)
-    # ENABLE_CPU_PINNING: OpenVINO's CPU plugin binds its compute threads to cores by default on
-    # Linux; None leaves its default, true/false set it (what is in force is read back into prepare_info)
-    cpu_pinning: Optional[bool] = None
+    # ENABLE_CPU_PINNING. OpenVINO's CPU plugin binds its threads to cores by default on Linux. On
+    # a shared 2-vCPU VM a bound thread cannot move off a core the hypervisor or this bench's own
+    # processes take for a while, and the batch waits for it: interleaved with eager FP32 in one
+    # run (4 rounds), the pinned row had a pass 40% slower than its others and an interval of
+    # +-44%, the unpinned one none and +-15%, at the same median (26.3 and 26.4 s a pass). Off by
+    # default; None leaves OpenVINO's own default. What is in force is read back into prepare_info.
+    cpu_pinning: Optional[bool] = False
     int8: Optional[OvInt8Options] = None  # int8 only: calibration and what stays fp32
     validate_atol: Optional[float] = None  # default: 1e-3 fp32, measure only for bf16 / int8
 

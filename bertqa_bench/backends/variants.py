@@ -223,17 +223,32 @@ CATALOGUE = (
           "torch.compile with a dynamic token count",
           "the fastest fp16 backend on GPUs without FP8", weights="fp16", compile="default", dynamic=True,
           packed=True), "batching": "packed"},
+    # The fastest padded path measured, its levers at their measured best: the FFN-up GEMM with its
+    # bias and GELU in one cuBLASLt kernel, its algorithm autotuned per shape (nvmath-python), two
+    # CUDA streams. The row without them: torch-compile-fp8-graph+plain.
     _v("torch-compile-fp8-graph", "torch", "cuda",
        "FP8 e4m3 GEMMs (fused QKV and the FFN, static activation scales calibrated in prepare; the FFN's hidden "
-       "activations in e4m3, its GELU in tanh form), fp16 elsewhere, SDPA on cuDNN attention, torch.compile, one "
-       "CUDA graph per shape, two batches in flight",
-       "the fastest fixed-shape backend measured (FP8: Hopper or Ada GPUs)", weights="fp16", compile="default",
-       cuda_graph="manual", fp8=_FP8_FAST, sdpa_backend="cudnn", pipeline=True),
+       "activations in e4m3; the FFN-up GEMM, its bias and GELU in one cuBLASLt kernel, autotuned per shape), fp16 "
+       "elsewhere, SDPA on cuDNN attention, torch.compile, one CUDA graph per shape, two CUDA streams",
+       "the fastest fixed-shape backend measured (FP8: Hopper or Ada GPUs; pip install nvmath-python)",
+       weights="fp16", compile="default", cuda_graph="manual", sdpa_backend="cudnn", pipeline=True, streams=2,
+       fp8={**_FP8_FAST, "ffn_gelu": "epilogue", "cublaslt_autotune": 5}),
+    # The fastest path measured, with its levers as typed options at their measured best (each
+    # measured beside the row without it in one run, results/reference/h200-mlperf-bert-large*.md):
+    # every GEMM in FP8 (the attention output projection too), the suite's Triton variable-length
+    # attention writing e4m3 for that projection, the FFN-up GEMM with its bias and GELU in one
+    # cuBLASLt kernel and cuBLASLt's algorithms autotuned per token bucket (nvmath-python), the
+    # batches on two CUDA streams. The row without them: torch-compile-fp8-graph-packed+plain.
     {**_v("torch-compile-fp8-graph-packed", "torch", "cuda",
-          "padding-free with torch-compile-fp8-graph's FP8 GEMMs, one CUDA graph per 1,024-token bucket, each "
-          "batch packed on the host, the QA head on the packed tokens inside the graphs, two batches in flight",
-          "the fastest backend measured (FP8: Hopper or Ada GPUs)", weights="fp16", compile="default",
-          packed=True, token_bucket=1024, host_pack=True, fp8=_FP8_FAST, pipeline=True, head_first=True),
+          "padding-free FP8 (every GEMM in e4m3, static scales), one CUDA graph per 1,024-token bucket, each batch "
+          "packed on the host, the QA head inside the graphs; the suite's Triton variable-length attention writing "
+          "e4m3 for the FP8 output projection, the FFN-up GEMM + bias + GELU in one cuBLASLt kernel, cuBLASLt's "
+          "algorithms autotuned per bucket (nvmath-python), two CUDA streams",
+          "the fastest backend measured (FP8: Hopper or Ada GPUs; pip install nvmath-python)", weights="fp16",
+          compile="default", packed=True, token_bucket=1024, host_pack=True, pipeline=True, head_first=True,
+          packed_attention="triton", streams=2,
+          fp8={**_FP8_FAST, "gemms": "all", "attention_output": "e4m3", "ffn_gelu": "epilogue",
+               "cublaslt_gemms": "attn_out", "cublaslt_autotune": 5}),
      "batching": "packed"},
     _v("ort-fp16-graph", "onnxruntime", "cuda", "ONNX Runtime CUDA EP, fp16 fused graph, one CUDA graph per shape",
        "deploy an ONNX model on a GPU", graph="fp16", cuda_graph=True),
@@ -257,8 +272,6 @@ ALIASES = {
     "onnxruntime-int8": ("ort-int8", "cpu"),
     "openvino": ("openvino-fp32", "cpu"),
     "ort-cuda-fp16-graph": ("ort-fp16-graph", "cuda"),
-    "torch-compile-fp8-cudnn-ffn8-tanh": ("torch-compile-fp8-graph", "cuda"),
-    "torch-compile-fp8-packed-ffn8-tanh-head": ("torch-compile-fp8-graph-packed", "cuda"),
 }
 # Research rows and superseded recipes, under the names they were measured by.
 EXPERIMENTS_FILE = BENCHMARKS_DIR / "experiments.yaml"
@@ -322,6 +335,7 @@ class VariantTable:
         for d in declared:
             self._add(d)
         self._resolved: dict[tuple, Variant] = {}
+        self.aliases: dict = dict(ALIASES)  # old name -> (its row's name now, device or None)
 
     def _add(self, d: dict) -> None:
         """A built-in or plug-in declaration: one per (name, device), a later one replacing it."""
@@ -331,6 +345,7 @@ class VariantTable:
     @classmethod
     def for_suite(cls, cfg: Optional[SuiteConfig] = None) -> "VariantTable":
         table = cls(list(BUILTIN) + _entry_point_variants(), getattr(getattr(cfg, "bench", None), "device", None))
+        table.aliases = {**ALIASES, **{old: (new, None) for old, new in experiment_renames().items()}}
         for name, decl in experiment_declarations().items():  # never shadowing a catalogue name
             if name not in table._raw:
                 table._raw[name] = [{**table._from_suite(name, decl), "source": "experiments"}]
@@ -378,8 +393,8 @@ class VariantTable:
             d = self._pick(name, device)
             if d is not None:
                 return name, d
-        elif name in ALIASES:
-            new, dev = ALIASES[name]
+        elif name in self.aliases:
+            new, dev = self.aliases[name]
             d = self._pick(new, device or dev)
             if d is not None:
                 # the new name where it means this device in this table; else (eager-fp32-cuda in a
@@ -423,10 +438,10 @@ class VariantTable:
     def alias_note(self, name: str) -> Optional[str]:
         """What an old name means now, in one line; None for a current name."""
         base = re.sub(rf"-({'|'.join(DERIVED_BATCHINGS)})$", "", name) if name not in self._raw else name
-        if base in self._raw or base not in ALIASES:
+        if base in self._raw or base not in self.aliases:
             return None
         v = self.get(name)
-        new = ALIASES[base][0] + name[len(base):]
+        new = self.aliases[base][0] + name[len(base):]
         if v.name == name:
             return (f"'{name}' is an old name of '{new}' on {v.device}; this suite's device is "
                     f"{self.device or 'cpu'}, so its row keeps the old name")
@@ -477,6 +492,21 @@ def experiment_declarations() -> dict:
 
 
 _EXPERIMENTS: Optional[dict] = None
+_RENAMES: Optional[dict] = None
+
+
+def experiment_renames() -> dict:
+    """benchmarks/experiments.yaml's ``renamed:``: the names research rows were measured by -> their
+    names now (catalogue grammar plus a ``+`` suffix, or the catalogue row they became)."""
+    global _RENAMES
+    if _RENAMES is None:
+        import yaml
+
+        raw = {}
+        if EXPERIMENTS_FILE.is_file():
+            raw = (yaml.safe_load(EXPERIMENTS_FILE.read_text(encoding="utf-8")) or {}).get("renamed") or {}
+        _RENAMES = {str(k): str(v) for k, v in raw.items()}
+    return _RENAMES
 
 
 def _describe(decl) -> str:

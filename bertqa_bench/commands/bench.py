@@ -10,8 +10,8 @@ cannot run here is recorded as such; the rest run.
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -19,39 +19,19 @@ from ..backends.variants import Variant, VariantTable, note_once
 from ..config import SuiteConfig
 from ..data.evalset import EvalSet, load_evalset
 from ..envinfo import device_name, environment
-from ..errors import ConfigError, format_error
+from ..errors import ConfigError
 from ..measuring.ddp import without_dist_env
-from ..measuring.interrupt import as_interrupted
-from ..measuring.jobs import make_job, plan_for, plan_key, plan_path  # noqa: F401 - make_job: loadgen's
+from ..measuring.jobs import plan_for, plan_key, plan_path
 from ..model.checkpoint import model_digest, resolve_checkpoint
-from ..record.judging import Reference, identity, judge  # noqa: F401 - identity, judge: loadgen's
-from ..record.parity import Verdict, verdict
-from ..record.results import BackendResult, RunBundle, RunMeta, new_run_id
+from ..record.judging import Reference
+from ..record.results import RunBundle, RunMeta, new_run_id
 from ..record.run_folder import claim, preflight
 from ..record.schedule import Plan
-from ..reporting.report import write_report
+from ..reporting.run_close import BenchOutcome, close_complete, close_failed, close_interrupted
 from ..reporting.tracking import Tracker
 from ..tasks import Task, get_task
 from .bench_rows import RowRunner, saved_reference
 from .provision import ModelInfo, ensure_model
-
-
-@dataclass
-class BenchOutcome:
-    bundle: RunBundle
-    summary: str
-    verdict: Verdict
-    evalset: EvalSet
-    reference: Optional[Reference] = None
-    problems: list = field(default_factory=list)
-
-    @property
-    def run_dir(self) -> Path:
-        return self.bundle.dir
-
-    @property
-    def results(self) -> list[BackendResult]:
-        return self.bundle.results
 
 
 def measured_model_dir(cfg: SuiteConfig) -> Path:
@@ -206,7 +186,10 @@ def _plans(cfg: SuiteConfig, evalset: EvalSet, variants: list, resume, log) -> d
 
 def _new_bundle(cfg, task, model, evalset, plans, plan, names, variants, run_id, overwrite, command, env, env_tags,
                 tracker) -> RunBundle:
+    replaced = replaced_mlflow_runs(cfg.results_root, run_id) if overwrite and run_id else []
     run_id = claim(cfg.results_root, run_id, lambda: new_run_id(cfg.name), overwrite)
+    for old in replaced:  # the emptied run's MLflow runs go with it (deleted: MLflow's trash keeps them)
+        tracker.delete_run(old)
     meta = RunMeta(suite=cfg.name, run_id=run_id, task=task.name,
                    metric_names=list(task.metric_names), primary_metric=task.primary_metric,
                    reference=cfg.bench.reference, metric_labels=dict(task.metric_labels),
@@ -226,6 +209,16 @@ def _new_bundle(cfg, task, model, evalset, plans, plan, names, variants, run_id,
     return bundle
 
 
+def replaced_mlflow_runs(results_root: Path, run_id: str) -> list[str]:
+    """The MLflow parent and children of the run an ``--overwrite`` empties (none if unreadable)."""
+    try:
+        meta = json.loads((Path(results_root) / run_id / "run.json").read_text())
+        return [r for r in [meta.get("mlflow_parent_id"), *dict(meta.get("mlflow_children") or {}).values()]
+                if isinstance(r, str) and r]
+    except (OSError, ValueError, AttributeError, TypeError):
+        return []
+
+
 def _reopen_bundle(bundle: RunBundle, names, plans, command, env_tags, tracker, log) -> RunBundle:
     meta = bundle.meta
     kept = [r.backend for r in bundle.results if r.status in KEPT]
@@ -239,45 +232,6 @@ def _reopen_bundle(bundle: RunBundle, names, plans, command, env_tags, tracker, 
     tracker.reopen_bench(meta, tags=env_tags | {"results_dir": str(bundle.dir)})
     meta.mlflow_parent_id = tracker.parent_id or meta.mlflow_parent_id
     return bundle
-
-
-def close_complete(bundle: RunBundle, reference: str, timing_only: bool, problems: list,
-                   tracker: Tracker) -> tuple[Verdict, str]:
-    """A finished run's record (bench and loadgen): the verdict in run.json, the report, MLflow."""
-    v = verdict(bundle.results, reference, timing_only=timing_only, problems=problems)
-    bundle.meta.verdict, bundle.meta.verdict_reasons, bundle.meta.status = v.status, v.reasons, "complete"
-    bundle.write_meta()
-    summary = write_report(bundle)
-    tracker.finish_bench(bundle, v)
-    return v, summary
-
-
-def close_interrupted(bundle: RunBundle, reference: str, timing_only: bool, problems: list, tracker: Tracker,
-                      e: BaseException):
-    """An interrupted run's record (bench and loadgen): the verdict of what finished, run.json
-    ``interrupted`` with the signal, the report, MLflow runs KILLED. Returns (Interrupted, verdict)."""
-    stop = as_interrupted(e)
-    v = verdict(bundle.results, reference, timing_only=timing_only, problems=problems)
-    meta = bundle.meta
-    meta.status, meta.interrupted_by = "interrupted", stop.signal_name
-    meta.verdict, meta.verdict_reasons = v.status, v.reasons
-    bundle.write_meta()
-    write_report(bundle)
-    tracker.interrupt_bench(bundle, v, stop.signal_name)
-    return stop, v
-
-
-def close_failed(bundle: RunBundle, tracker: Tracker, e: BaseException) -> None:
-    """The run itself broke (not one backend: a full disk while writing a row, a bug): run.json says
-    ``failed`` with the error instead of ``running`` for ever, and the MLflow parent ends FAILED.
-    Best effort: on a full disk run.json may not be writable either; the error is raised anyway."""
-    bundle.meta.status = "failed"
-    bundle.meta.notes = list(bundle.meta.notes) + [f"failed: {format_error(e)}"]
-    try:
-        bundle.write_meta()
-    except OSError:
-        pass
-    tracker.fail_bench(e)
 
 
 # Rows a resume keeps as they are; a failed row runs again.

@@ -31,13 +31,14 @@ from typing import Callable, Optional
 
 from ..config import SCENARIOS, SuiteConfig
 from ..errors import ConfigError
+from ..measuring.jobs import make_job, plan_for, plan_key, plan_path
 from ..measuring.loadgen_log import NS_PER_MS, decode_accuracy_log
+from ..record.judging import Reference, identity, judge
+from ..reporting.run_close import BenchOutcome, close_complete, close_interrupted
 
 
 # --- the parent side: one row per variant ---------------------------------------------------
 def _job(cfg: SuiteConfig, task, variant, model, evalset, bundle, scenario: str, find_peak_qps: bool):
-    from .bench import make_job, plan_key
-
     b = cfg.bench
     batching, batch_size = plan_key(cfg, variant)
     tokens = b.tokens_per_batch * batch_size // b.batch_size if b.tokens_per_batch else None
@@ -131,7 +132,6 @@ def run_loadgen(cfg: SuiteConfig, scenario: str, *, backends: Optional[list[str]
                 command: str = "", log: Callable[[str], None] = print, overwrite: bool = False):
     """Every variant (reference first) as LoadGen's SUT in ``scenario``; one BackendResult each."""
     from ..backends.variants import VariantTable, note_once
-    from .bench import plan_for, plan_key, plan_path
     from ..envinfo import device_name, environment
     from ..data.evalset import load_evalset
     from ..record.results import RunBundle, RunMeta, new_run_id
@@ -192,8 +192,6 @@ def run_loadgen(cfg: SuiteConfig, scenario: str, *, backends: Optional[list[str]
         return _rows_of(cfg, scenario, find_peak_qps, variants, task, model, evalset, plans, bundle, meta, tracker,
                         env_tags, progress, log)
     except KeyboardInterrupt as e:  # interrupt.Interrupted (SIGTERM, SIGINT, SIGHUP): finished rows stay
-        from .bench import close_interrupted
-
         stop, _ = close_interrupted(bundle, reference, model.timing_only, list(meta.problems), tracker, e)
         log(f"interrupted by {stop.signal_name}: {len(bundle.results)} of {len(names)} variants finished; "
             f"results in {bundle.dir}")
@@ -203,7 +201,6 @@ def run_loadgen(cfg: SuiteConfig, scenario: str, *, backends: Optional[list[str]
 def _rows_of(cfg, scenario, find_peak_qps, variants, task, model, evalset, plans, bundle, meta, tracker, env_tags,
              progress, log):
     """The variants one after the other (reference first), each row written as it finishes."""
-    from .bench import BenchOutcome, Reference, close_complete, identity, judge, plan_key
     from ..measuring.launcher import launch
     from ..record.schedule import mask_padding
     from ..measuring.worker import format_error, load_outputs

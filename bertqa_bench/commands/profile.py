@@ -24,7 +24,7 @@ def profile_backend(cfg: SuiteConfig, name: str, *, n_batches: int = 5, top: int
     """Prepare and warm up one variant in this process, then profile ``n_batches`` real batches."""
     from torch.profiler import ProfilerActivity, profile
 
-    from .bench import plan_for, plan_key
+    from ..measuring.jobs import plan_for, plan_key
     from .provision import ensure_model
 
     variant = VariantTable.for_suite(cfg).get(name)

@@ -8,7 +8,7 @@ Runtime came out "32.9x" faster; torch.compile's two passes were 54.6 and 126.2 
 table said so. So each timed region records, from ``/proc`` and ``/sys``:
 
 * the cores this process may use (``os.sched_getaffinity``, and a cgroup CPU quota when set) and
-  the threads its runtime computes with (the thread plan, ``threads.py``; a backend's own option
+  the threads its runtime computes with (the thread plan of ``job_setup.load_job``; a backend's own option
   where it sets one);
 * the CPU time every process took on those cores over the timed region (``/proc/stat``, per CPU)
   minus this process's own (``/proc/self/stat``): other processes' average demand, in cores;

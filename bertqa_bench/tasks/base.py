@@ -85,6 +85,11 @@ class Task(abc.ABC):
     @abc.abstractmethod
     def score(self, examples: list, predictions: Any, cfg: SuiteConfig) -> dict[str, float]: ...
 
+    def score_files(self, gold: Path, predictions: Path, **options) -> dict:
+        """The task's official evaluation of a predictions file against its gold file (``bertqa-bench
+        score`` / ``score-nq``), with the official script's options."""
+        raise NotImplementedError(f"task {self.name} has no file evaluation")
+
     def side_files(self, predictions: Any) -> dict[str, Any]:
         """Files written beside a backend's predictions, ``{suffix: JSON object}`` ->
         ``predictions/<backend>.<suffix>.json`` (SQuAD v2.0: the no-answer scores)."""

@@ -104,6 +104,14 @@ class NQTask(Task):
         return postprocess_nq(examples, features, outputs["start_logits"], outputs["end_logits"],
                               outputs["answer_type_logits"], top_k=o.top_k, max_answer_len=o.max_answer_len)
 
+    def score_files(self, gold, predictions, long_non_null_threshold: int = 2, short_non_null_threshold: int = 2,
+                    **_) -> dict:
+        """The official NQ evaluator's long/short P/R/F1 and the micro-F1 of a predictions file."""
+        from .metrics import score_nq_files
+
+        return score_nq_files(gold, predictions, long_non_null_threshold=long_non_null_threshold,
+                              short_non_null_threshold=short_non_null_threshold)
+
     def score(self, examples, predictions, cfg):
         from .metrics import nq_evaluate
 

@@ -101,6 +101,19 @@ class SquadTask(Task):
         return postprocess_qa(examples, features, outputs["start_logits"], outputs["end_logits"],
                               n_best=o.n_best, max_answer_len=o.max_answer_len)
 
+    def score_files(self, gold, predictions, na_prob_file=None, na_prob_thresh: float = 1.0, **_) -> dict:
+        """The official v1.1 EM/F1, or for a v2.0 file the official v2.0 script's keys (with its
+        no-answer probability file and threshold)."""
+        from .metrics import score_files
+        from .metrics_v2 import score_v2_files
+        from .reader import is_v2, read_json
+
+        if is_v2(read_json(gold)):
+            return score_v2_files(gold, predictions, na_prob_file=na_prob_file, na_prob_thresh=na_prob_thresh)
+        if na_prob_file:
+            raise ConfigError(f"{gold} is a SQuAD v1.1 file: --na-prob-file applies to v2.0 files only")
+        return score_files(gold, predictions)
+
     def score(self, examples, predictions, cfg):
         from .metrics import squad_evaluate
 
