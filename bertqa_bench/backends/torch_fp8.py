@@ -334,54 +334,31 @@ def swap_to_fp8(model, act_amax: Optional[Mapping[str, float]] = None, *, scalin
     modules replaced by a fused-QKV FP8 attention), ``gemms`` (FP8 GEMMs per forward), ``kept``
     (targeted Linears left alone, with why).
     """
-    import torch
-
-    if scaling not in SCALINGS:
-        raise ValueError(f"scaling must be one of {SCALINGS}, not '{scaling}'")
+    _check_swap(model, act_amax, scaling, parse_gemms(gemms), fuse_qkv, ffn_hidden_fp8, ffn_gelu, attention_fp8,
+                residual, cublaslt_gemms, cublaslt_autotune, attention_output)
     gemms = parse_gemms(gemms)
     Fp8Linear_, Fp8SelfAttention_, Fp8Intermediate_ = fp8_classes()
     static = scaling != "rowwise"
-    if static and not act_amax:
-        raise ValueError(f"scaling '{scaling}' needs calibrated activation amax values (act_amax)")
-    check_ffn_hidden(scaling, gemms, ffn_hidden_fp8, ffn_gelu)
-    check_attention_fp8(scaling, gemms, fuse_qkv, attention_fp8)
-    check_attention_output(scaling, gemms, fuse_qkv, attention_output, attention_fp8)
-    check_residual(scaling, gemms, residual)
-    check_cublaslt(scaling, gemms, cublaslt_gemms, cublaslt_autotune, ffn_hidden_fp8=ffn_hidden_fp8,
-                   ffn_gelu=ffn_gelu, attention_fp8=attention_fp8, residual=residual)
-    if attention_fp8:
-        missing = [n for n in qkv_names(target_linears(model, gemms)) if n + OUT not in act_amax]
-        if missing:
-            raise ValueError(f"attention_fp8 needs the calibrated output amax of {missing[0]} "
-                             f"(calibrate_amax(..., outputs=qkv_names(...)))")
-    if ffn_hidden_fp8:
-        missing = [n for n in ffn_up_names(target_linears(model, gemms)) if n + OUT not in act_amax]
-        if missing:
-            raise ValueError(f"ffn_hidden_fp8 needs the calibrated output amax of {missing[0]} "
-                             f"(calibrate_amax(..., outputs=ffn_up_names(...)))")
 
     def scale_for(names: list[str]) -> Optional[float]:
         if not static:
             return None
         return static_act_scale(max(float(act_amax[n]) for n in names), act_margin)
 
-    swapped, fused, kept, n_gemms = [], [], {}, 0
     keep = {int(i) for i in keep_layers}
     targets = target_linears(model, gemms)
-    done: set[str] = set()
-    for name in targets:
-        if layer_index(name) in keep:
-            kept[name] = f"layer {layer_index(name)} kept in 16 bits (keep_layers)"
-            done.add(name)
+    kept = {name: f"layer {layer_index(name)} kept in 16 bits (keep_layers)" for name in targets
+            if layer_index(name) in keep}
+    done: set[str] = set(kept)
+    fused: list[str] = []
+    swapped: list[str] = []
     if fuse_qkv and "qkv" in gemms:
         for attn_name in _self_attention_modules(model):
-            if layer_index(attn_name) in keep:
-                continue
             names = [f"{attn_name}.{a}" for a in _QKV]
             attn = model.get_submodule(attn_name)
-            dims = [getattr(attn, a).weight.shape for a in _QKV]
-            if any(d[0] % 16 or d[1] % 16 for d in dims):
-                continue  # handled (and reported) per Linear below
+            if layer_index(attn_name) in keep or any(d[0] % 16 or d[1] % 16 for d in
+                                                     (getattr(attn, a).weight.shape for a in _QKV)):
+                continue  # kept, or handled (and reported) per Linear below
             out_scale = None
             if attention_fp8 and _fp8_able(model, attn_name[: -len("self")] + "output.dense", targets, done):
                 out_scale = static_act_scale(max(float(act_amax[n + OUT]) for n in names), act_margin)
@@ -390,7 +367,6 @@ def swap_to_fp8(model, act_amax: Optional[Mapping[str, float]] = None, *, scalin
             fused.append(attn_name)
             swapped += names
             done.update(names)
-            n_gemms += 1
     for name in targets:
         if name in done:
             continue
@@ -405,7 +381,41 @@ def swap_to_fp8(model, act_amax: Optional[Mapping[str, float]] = None, *, scalin
         _set_submodule(model, name, Fp8Linear_.from_linear(lin, scaling=scaling, act_scale=scale_for([name]),
                                                            fast_accum=fast_accum, out_scale=out_scale))
         swapped.append(name)
-        n_gemms += 1
+    attention_fp8_layers, e4m3_output_layers = _attention_outputs(model, fused, swapped, attention_output)
+    return {"swapped": swapped, "fused_qkv": fused, "gemms": len(fused) + len(swapped) - 3 * len(fused),
+            "kept": kept, "ffn_hidden_fp8": _hidden_fp8(model, swapped, ffn_gelu, Fp8Intermediate_),
+            "attention_fp8": attention_fp8_layers, "attention_output_e4m3": e4m3_output_layers,
+            "residual_in_gemm": _residual_in_gemm(model, swapped) if residual == "gemm" else [],
+            "cublaslt": _plan_cublaslt(model, swapped, fused, cublaslt_gemms, cublaslt_autotune)}
+
+
+def _check_swap(model, act_amax, scaling: str, gemms, fuse_qkv, ffn_hidden_fp8, ffn_gelu, attention_fp8, residual,
+                cublaslt_gemms, cublaslt_autotune, attention_output) -> None:
+    """Every combination swap_to_fp8 refuses, named before the model is touched."""
+    if scaling not in SCALINGS:
+        raise ValueError(f"scaling must be one of {SCALINGS}, not '{scaling}'")
+    if scaling != "rowwise" and not act_amax:
+        raise ValueError(f"scaling '{scaling}' needs calibrated activation amax values (act_amax)")
+    check_ffn_hidden(scaling, gemms, ffn_hidden_fp8, ffn_gelu)
+    check_attention_fp8(scaling, gemms, fuse_qkv, attention_fp8)
+    check_attention_output(scaling, gemms, fuse_qkv, attention_output, attention_fp8)
+    check_residual(scaling, gemms, residual)
+    check_cublaslt(scaling, gemms, cublaslt_gemms, cublaslt_autotune, ffn_hidden_fp8=ffn_hidden_fp8,
+                   ffn_gelu=ffn_gelu, attention_fp8=attention_fp8, residual=residual)
+    for on, names, calibrate in ((attention_fp8, qkv_names, "qkv_names"), (ffn_hidden_fp8, ffn_up_names, "ffn_up_names")):
+        missing = [n for n in names(target_linears(model, gemms)) if n + OUT not in act_amax] if on else []
+        if missing:
+            what = "attention_fp8" if names is qkv_names else "ffn_hidden_fp8"
+            raise ValueError(f"{what} needs the calibrated output amax of {missing[0]} "
+                             f"(calibrate_amax(..., outputs={calibrate}(...)))")
+
+
+def _attention_outputs(model, fused: list, swapped: list, attention_output: str) -> tuple[list, list]:
+    """The fused attention modules whose output is written in e4m3 for an FP8 output projection:
+    (those with FP8 attention, those with the e4m3-output 16-bit attention); each gets the output
+    GEMM's inverse input scale (``o_inv_scale``)."""
+    import torch  # the caller swaps modules of a torch model: torch is loaded
+
     attention_fp8_layers, e4m3_output_layers = [], []
     for attn_name in fused:
         sa = model.get_submodule(attn_name)
@@ -420,6 +430,11 @@ def swap_to_fp8(model, act_amax: Optional[Mapping[str, float]] = None, *, scalin
             continue
         dense = model.get_submodule(out)
         sa.o_inv_scale = torch.tensor(1.0 / dense.act_scale_value, dtype=torch.float32, device=dense.weight_fp8.device)
+    return attention_fp8_layers, e4m3_output_layers
+
+
+def _hidden_fp8(model, swapped: list, ffn_gelu: str, intermediate_cls) -> list:
+    """Layers whose FFN keeps its hidden activations in e4m3 between its two FP8 GEMMs."""
     hidden_fp8 = []
     for name in swapped:
         up = model.get_submodule(name) if gemm_kind(name) == "ffn_in" else None
@@ -428,14 +443,23 @@ def swap_to_fp8(model, act_amax: Optional[Mapping[str, float]] = None, *, scalin
             continue
         inter = name.rsplit(".", 1)[0]  # ...intermediate, transformers' BertIntermediate
         act = model.get_submodule(inter).intermediate_act_fn
-        _set_submodule(model, inter, Fp8Intermediate_(up, act, model.get_submodule(down).act_scale_value, ffn_gelu))
+        _set_submodule(model, inter, intermediate_cls(up, act, model.get_submodule(down).act_scale_value, ffn_gelu))
         hidden_fp8.append(inter)
-    residual_in_gemm = []
-    if residual == "gemm":
-        for name in swapped:
-            if gemm_kind(name) in RESIDUAL_GEMMS:
-                model.get_submodule(name).add_residual_in_gemm()
-                residual_in_gemm.append(name)
+    return hidden_fp8
+
+
+def _residual_in_gemm(model, swapped: list) -> list:
+    done = []
+    for name in swapped:
+        if gemm_kind(name) in RESIDUAL_GEMMS:
+            model.get_submodule(name).add_residual_in_gemm()
+            done.append(name)
+    return done
+
+
+def _plan_cublaslt(model, swapped: list, fused: list, cublaslt_gemms, cublaslt_autotune: int) -> list:
+    """The GEMM kinds ``cublaslt_gemms`` names run through cuBLASLt (nvmath-python); every FP8
+    GEMM learns the autotune setting (its epilogue and residual GEMMs plan there too)."""
     planned = []
     kinds = parse_cublaslt_gemms(cublaslt_gemms)
     for name in swapped:
@@ -450,9 +474,7 @@ def swap_to_fp8(model, act_amax: Optional[Mapping[str, float]] = None, *, scalin
             lin.use_cublaslt(cublaslt_autotune)
             planned.append(label)
         lin.cublaslt_autotune = int(cublaslt_autotune)
-    return {"swapped": swapped, "fused_qkv": fused, "gemms": n_gemms, "kept": kept, "ffn_hidden_fp8": hidden_fp8,
-            "attention_fp8": attention_fp8_layers, "attention_output_e4m3": e4m3_output_layers,
-            "residual_in_gemm": residual_in_gemm, "cublaslt": planned}
+    return planned
 
 
 def qkv_names(names: Iterable[str]) -> list[str]:

@@ -136,7 +136,8 @@ def _table_rows(rng) -> dict:
 
 
 def _make_document(rng, cfg: SyntheticConfig, n_questions: int, used_names: set) -> dict:
-    """One document and its questions -> records (without annotations noise applied)."""
+    """One document and its questions -> records (without annotations noise applied). The stages
+    draw from ``rng`` in a fixed order: the generated set (and the expected scores) depend on it."""
     while True:
         name = _name(rng, int(rng.integers(2, 4)))
         if name not in used_names:
@@ -147,11 +148,22 @@ def _make_document(rng, cfg: SyntheticConfig, n_questions: int, used_names: set)
     facts = _facts(rng, title)
     rows = _table_rows(rng)
     depts = list(rng.choice(_DEPTS, int(rng.integers(3, 6)), replace=False))
-    n = title.lower()
+    plan, omitted = _question_plan(rng, facts, rows, n_questions)
+    target = int(np.clip(rng.triangular(cfg.min_words, cfg.mean_words, cfg.max_words) if cfg.min_words < cfg.max_words
+                         else cfg.mean_words, cfg.min_words, cfg.max_words))
+    if rng.random() < cfg.long_context_fraction:
+        target = 3 * cfg.max_words
+    doc, spans = _write_document(rng, title, kind, facts, rows, omitted, depts, target)
+    records = [_question(rng, k, key, facts, rows, spans, title.lower()) for k, key in plan]
+    return dict(title=title, tokens=doc.tokens, cands=doc.cands, records=records)
 
+
+def _question_plan(rng, facts: dict, rows: dict, n_questions: int) -> tuple[list, set]:
+    """(question kind, fact key or table row) for each question asked of the page, and the facts
+    the page leaves out (the null questions' and some unasked ones)."""
     kinds = list(_KIND_P)
     probs = np.array([_KIND_P[k] for k in kinds])
-    plan = []  # (question kind, fact key or table row)
+    plan = []
     free_facts = list(facts)
     rng.shuffle(free_facts)
     free_rows = list(rows)
@@ -183,12 +195,14 @@ def _make_document(rng, cfg: SyntheticConfig, n_questions: int, used_names: set)
     for f in list(free_facts):
         if rng.random() < 0.2:
             omitted.add(f)
+    return plan, omitted
 
-    target = int(np.clip(rng.triangular(cfg.min_words, cfg.mean_words, cfg.max_words) if cfg.min_words < cfg.max_words
-                         else cfg.mean_words, cfg.min_words, cfg.max_words))
-    if rng.random() < cfg.long_context_fraction:
-        target = 3 * cfg.max_words
 
+def _write_document(rng, title: str, kind: str, facts: dict, rows: dict, omitted: set, depts: list,
+                    target: int) -> tuple:
+    """The page: a title, the infobox table, fact paragraphs with filler (and decoys about a
+    neighbouring organisation), the "why" paragraph, the departments list, filler up to
+    ``target`` words. Returns (the document, where each answer is)."""
     # Paragraph contents: fact sentences scattered over paragraphs, filler around them.
     fact_keys = [f for f in facts if f not in omitted]
     rng.shuffle(fact_keys)
@@ -198,14 +212,52 @@ def _make_document(rng, cfg: SyntheticConfig, n_questions: int, used_names: set)
         para_facts[int(rng.integers(n_paras))].append(f)
     # Hard negatives: an absent fact sometimes appears about a neighbouring organisation.
     neighbour = f"{_name(rng, 2)} {kind.capitalize()}"
-    decoys = [f for f in omitted if rng.random() < 0.3]
+    # sorted: a set of strings iterates in an order that changes with each process's hash seed
+    decoys = [f for f in sorted(omitted) if rng.random() < 0.3]
     decoy_facts = _facts(rng, neighbour)
-
     doc = _Doc()
     doc.open("H1", candidate=False)
     doc.words(title)
     doc.close("H1")
     spans = {}  # fact key / row name -> dict(answer=(s,e), cand=index, row=index, widen=(s,e))
+    _write_table(rng, doc, rows, spans)
+    intro = [f"{title} is a {kind} in {rows['Region'][0]} ."]
+    for i, keys in enumerate(para_facts):
+        items = (intro if i == 0 else []) + ([_filler(rng)] if rng.random() < 0.5 else [])
+        for f in keys:
+            items.append((f, facts[f]))
+            if rng.random() < 0.3:
+                items.append(_filler(rng))
+        for f in decoys if i == n_paras - 1 else []:
+            items.append((None, decoy_facts[f]))
+        if not items:
+            items.append(_filler(rng))
+        _paragraph(doc, spans, items)
+        if i == 0:
+            doc.open("H2", candidate=False)
+            doc.words("History")
+            doc.close("H2")
+    why_year = str(int(rng.integers(1950, 2020)))
+    spans["why"] = dict(cand=_paragraph(doc, spans, [
+        f"in {why_year} {title} moved to a new building because the old site near the "
+        f"{_NOUNS[rng.integers(len(_NOUNS))]} had become too small .",
+        f"the move was paid for by a public fund and took {int(rng.integers(2, 9))} years ."]))
+    doc.open("H2", candidate=False)
+    doc.words("Departments")
+    doc.close("H2")
+    ul = doc.open("Ul")
+    for d in depts:
+        li = doc.open("Li", top_level=False)
+        doc.words(f"{d} department")
+        doc.close("Li", li)
+    doc.close("Ul", ul)
+    spans["list"] = dict(cand=ul)
+    while doc.n_words() < target:
+        _paragraph(doc, spans, [_filler(rng) for _ in range(int(rng.integers(2, 5)))])
+    return doc, spans
+
+
+def _write_table(rng, doc, rows: dict, spans: dict) -> None:
     t_idx = doc.open("Table")
     row_keys = list(rows)
     rng.shuffle(row_keys)
@@ -221,81 +273,47 @@ def _make_document(rng, cfg: SyntheticConfig, n_questions: int, used_names: set)
         spans[rk] = dict(answer=ans, cand=t_idx, row=r_idx)
     doc.close("Table", t_idx)
 
-    def paragraph(sentences_and_facts):
-        p_idx = doc.open("P")
-        for item in sentences_and_facts:
-            if isinstance(item, str):
-                doc.words(item)
-            else:
-                key, fact = item
-                before, answer, after = fact["sent"]
-                s0 = doc.words(before)
-                ans = doc.words(answer)
-                doc.words(after)
-                if key is not None:
-                    spans[key] = dict(answer=ans, cand=p_idx, widen=(ans[0] - 1, ans[1]))
-                    assert doc.tokens[ans[0] - 1] == fact["widen"] and s0[1] == ans[0]
-        doc.close("P", p_idx)
-        return p_idx
 
-    intro = [f"{title} is a {kind} in {rows['Region'][0]} ."]
-    for i, keys in enumerate(para_facts):
-        items = (intro if i == 0 else []) + ([_filler(rng)] if rng.random() < 0.5 else [])
-        for f in keys:
-            items.append((f, facts[f]))
-            if rng.random() < 0.3:
-                items.append(_filler(rng))
-        for f in decoys if i == n_paras - 1 else []:
-            items.append((None, decoy_facts[f]))
-        if not items:
-            items.append(_filler(rng))
-        paragraph(items)
-        if i == 0:
-            doc.open("H2", candidate=False)
-            doc.words("History")
-            doc.close("H2")
-
-    why_year = str(int(rng.integers(1950, 2020)))
-    spans["why"] = dict(cand=paragraph([
-        f"in {why_year} {title} moved to a new building because the old site near the "
-        f"{_NOUNS[rng.integers(len(_NOUNS))]} had become too small .",
-        f"the move was paid for by a public fund and took {int(rng.integers(2, 9))} years ."]))
-    doc.open("H2", candidate=False)
-    doc.words("Departments")
-    doc.close("H2")
-    ul = doc.open("Ul")
-    for d in depts:
-        li = doc.open("Li", top_level=False)
-        doc.words(f"{d} department")
-        doc.close("Li", li)
-    doc.close("Ul", ul)
-    spans["list"] = dict(cand=ul)
-    while doc.n_words() < target:
-        paragraph([_filler(rng) for _ in range(int(rng.integers(2, 5)))])
-
-    records = []
-    for k, key in plan:
-        if k == "table":
-            q = rows[key][1][rng.integers(len(rows[key][1]))].format(n=n)
-            truth = dict(kind="short", long=spans[key]["cand"], short=spans[key]["answer"], row=spans[key]["row"])
-        elif k == "long":
-            q = {"why": f"why did {n} move to a new building", "list": f"what departments does {n} have"}[key]
-            truth = dict(kind="long", long=spans[key]["cand"])
-        elif k == "yesno":
-            is_yes = rng.random() < 0.5
-            q = facts[key]["yes"] if is_yes else facts[key]["no"]
-            truth = dict(kind="YES" if is_yes else "NO", long=spans[key]["cand"])
-        elif k == "short":
-            qs = facts[key]["q"]
-            q = qs[rng.integers(len(qs))]
-            truth = dict(kind="short", long=spans[key]["cand"], short=spans[key]["answer"],
-                         widen=spans[key]["widen"])
+def _paragraph(doc, spans: dict, sentences_and_facts) -> int:
+    """A paragraph of filler sentences and (fact key, fact) items; each fact's answer span noted."""
+    p_idx = doc.open("P")
+    for item in sentences_and_facts:
+        if isinstance(item, str):
+            doc.words(item)
         else:
-            qs = facts[key]["q"]
-            q = qs[rng.integers(len(qs))]
-            truth = dict(kind="null")
-        records.append(dict(question=q, truth=truth))
-    return dict(title=title, tokens=doc.tokens, cands=doc.cands, records=records)
+            key, fact = item
+            before, answer, after = fact["sent"]
+            s0 = doc.words(before)
+            ans = doc.words(answer)
+            doc.words(after)
+            if key is not None:
+                spans[key] = dict(answer=ans, cand=p_idx, widen=(ans[0] - 1, ans[1]))
+                assert doc.tokens[ans[0] - 1] == fact["widen"] and s0[1] == ans[0]
+    doc.close("P", p_idx)
+    return p_idx
+
+
+def _question(rng, k: str, key: str, facts: dict, rows: dict, spans: dict, n: str) -> dict:
+    """One planned question and its truth (kind, long candidate, short span)."""
+    if k == "table":
+        q = rows[key][1][rng.integers(len(rows[key][1]))].format(n=n)
+        truth = dict(kind="short", long=spans[key]["cand"], short=spans[key]["answer"], row=spans[key]["row"])
+    elif k == "long":
+        q = {"why": f"why did {n} move to a new building", "list": f"what departments does {n} have"}[key]
+        truth = dict(kind="long", long=spans[key]["cand"])
+    elif k == "yesno":
+        is_yes = rng.random() < 0.5
+        q = facts[key]["yes"] if is_yes else facts[key]["no"]
+        truth = dict(kind="YES" if is_yes else "NO", long=spans[key]["cand"])
+    elif k == "short":
+        qs = facts[key]["q"]
+        q = qs[rng.integers(len(qs))]
+        truth = dict(kind="short", long=spans[key]["cand"], short=spans[key]["answer"], widen=spans[key]["widen"])
+    else:
+        qs = facts[key]["q"]
+        q = qs[rng.integers(len(qs))]
+        truth = dict(kind="null")
+    return dict(question=q, truth=truth)
 
 
 def _annotation(doc, truth, rng, noisy: bool) -> dict:
