@@ -101,6 +101,9 @@ def read_raw(name_or_path: str, seen: tuple = ()) -> dict:
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: top level must be a mapping")
     raw.setdefault("name", path.stem)
+    # experiments.yaml's ``renamed:`` (the names its research rows were measured by) belongs to the
+    # variant table (backends/variants.py), not to the suite that file also is
+    raw.pop("renamed", None)
     parents = raw.pop("extends", None) or []
     if isinstance(parents, str):
         parents = [parents]

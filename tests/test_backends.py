@@ -44,14 +44,14 @@ EXPECTED = {
     ("torch-compile-fp8-graph-packed", "cuda"): ("fp8", "reduced"),
     ("ort-fp16-graph", "cuda"): ("fp16", "reduced"),
     ("tensorrt-fp16", "cuda"): ("fp16", "reduced"),
-    ("eager-amp-fp16", "cuda"): ("amp-fp16", "reduced"),
-    ("torch-compile-fp16-max-autotune", "cuda"): ("fp16", "reduced"),
-    ("torch-compile-fp16-cudagraphs", "cuda"): ("fp16", "reduced"),
-    ("onnxruntime-int8-static", "cpu"): ("int8", "reduced"),
-    ("onnxruntime-int8-static-sorted", "cpu"): ("int8", "reduced"),
-    ("ort-cuda-fp32", "cuda"): ("fp32", "fp32"),
-    ("ort-cuda-fp16", "cuda"): ("fp16", "reduced"),
-    ("torch-compile-fp8", "cuda"): ("fp8", "reduced"),
+    ("eager-fp16+autocast", "cuda"): ("amp-fp16", "reduced"),
+    ("torch-compile-fp16+max-autotune", "cuda"): ("fp16", "reduced"),
+    ("torch-compile-fp16-graph+cudagraph-trees", "cuda"): ("fp16", "reduced"),
+    ("ort-int8+static", "cpu"): ("int8", "reduced"),
+    ("ort-int8-sorted+static", "cpu"): ("int8", "reduced"),
+    ("ort-fp32+cuda-ep", "cuda"): ("fp32", "fp32"),
+    ("ort-fp16+cuda-ep", "cuda"): ("fp16", "reduced"),
+    ("torch-compile-fp8-graph+first-recipe", "cuda"): ("fp8", "reduced"),
     ("eager-fp16-packed", "cuda"): ("fp16", "reduced"),
     ("eager-fp8-packed", "cuda"): ("fp8", "reduced"),
     ("torch-compile-fp8-packed", "cuda"): ("fp8", "reduced"),
@@ -173,7 +173,7 @@ def test_unknown_backend_lists_valid_names():
         TABLE.get("onnx-runtime-typo")
     msg = str(e.value)
     assert "onnx-runtime-typo" in msg
-    for valid in ("eager-fp32", "ort-fp32", "tensorrt-fp16", "torch-compile-fp8-packed-ffn8"):
+    for valid in ("eager-fp32", "ort-fp32", "tensorrt-fp16", "torch-compile-fp8-graph-packed+ffn8"):
         assert valid in msg
 
 

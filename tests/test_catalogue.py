@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from bertqa_bench.backends.variants import (ALIASES, CATALOGUE, DERIVED_BATCHINGS, VariantTable, canonicalize,
+                                            experiment_renames,
                                             default_table)
 from bertqa_bench.config import SuiteConfig
 from bertqa_bench.reporting.recommend import _overlap
@@ -190,7 +191,7 @@ def test_every_research_name_follows_the_grammar_and_no_standard_suite_names_one
     research = {d["name"] for d in t.declarations("experiments")}
     assert len(research) >= 40
     assert all(RESEARCH_NAME.fullmatch(n) for n in research), sorted(n for n in research if not RESEARCH_NAME.fullmatch(n))
-    for old, (new, _) in t.aliases.items():
+    for old, new in experiment_renames().items():
         assert t.get(old).name == t.get(new).name == new, old
     for suite, _, rows in _suite_rows():
         if suite != "experiments":

@@ -77,7 +77,7 @@ def test_a_timeout_names_the_setting_that_applied(setup, tmp_path):
 def test_the_limit_object_names_its_setting_through_a_data_parallel_failure():
     import pickle
 
-    from bertqa_bench.commands.bench_ddp import first_failure
+    from bertqa_bench.measuring.local_ranks import first_failure
     from bertqa_bench.measuring.launcher import TimeLimit, time_limit
     from bertqa_bench.backends.variants import VariantTable
 

@@ -45,7 +45,7 @@ def _free_port() -> int:
 
 
 def test_the_rank_named_is_the_one_that_failed_first_on_its_own():
-    from bertqa_bench.commands.bench_ddp import first_failure
+    from bertqa_bench.measuring.local_ranks import first_failure
 
     ok = {"status": "ok"}
     stopped = {"status": "failed", "error": "stopped: rank 2 failed first", "stopped_by_peer": True}

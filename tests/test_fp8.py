@@ -95,7 +95,7 @@ def test_fp8_variants_are_reduced_precision_cuda_backends():
         assert (v.precision, v.parity_class) == ("fp8", "reduced"), name
         assert v.description, name
         backend = v.create()  # constructing needs no GPU
-        assert backend.name == name and backend.device == "cuda"
+        assert backend.name == v.name and backend.device == "cuda"  # a measured name: its row's name now
     assert TABLE.get("torch-compile-fp8").options.fp8.scaling == "tensor"
     assert TABLE.get("torch-compile-fp8-rowwise").options.fp8.scaling == "rowwise"
     assert fp8.parse_gemms(TABLE.get("torch-compile-fp8").options.fp8.gemms) == fp8.DEFAULT_GEMMS

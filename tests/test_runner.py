@@ -263,7 +263,7 @@ def test_gpu_idle_fraction_is_the_window_minus_the_union_of_kernels(tmp_path):
 
 
 def test_data_parallel_workers_take_the_gpus_the_parent_was_given(monkeypatch):
-    from bertqa_bench.commands.bench_ddp import visible_gpus
+    from bertqa_bench.measuring.local_ranks import visible_gpus
     from bertqa_bench.errors import ConfigError
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)

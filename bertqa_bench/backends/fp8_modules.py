@@ -1,7 +1,7 @@
 """The FP8 encoder modules that ``torch_fp8.swap_to_fp8`` puts in place of a BERT layer's
 linear layers: ``Fp8Linear`` (one e4m3 GEMM through ``torch._scaled_mm`` or cuBLASLt),
 ``Fp8Intermediate`` (the FFN's first half, its GELU fused or in e4m3) and ``Fp8SelfAttention``
-(the fused QKV GEMM and attention). The quantization math they use is ``torch_fp8``'s; this
+(the fused QKV GEMM and attention). The quantization math they use is ``fp8_math``'s; this
 module imports torch, so ``torch_fp8`` (and the variant registry above it) loads it only when a
 model is swapped."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .torch_fp8 import (_EPS, _QKV, E4M3_MAX, FFN_GELUS, GELU_CLASSES, SCALINGS, gemm_writes_saturated_e4m3,
+from .fp8_math import (_EPS, _QKV, E4M3_MAX, FFN_GELUS, GELU_CLASSES, SCALINGS, gemm_writes_saturated_e4m3,
                         quantize_fp8, saturate_to_e4m3, weight_scale)
 
 

@@ -36,127 +36,10 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping, Optional
 
-E4M3_MAX = 448.0  # largest finite float8_e4m3fn
-SCALINGS = ("tensor", "rowwise", "static-rowwise")
-# the GELU between e4m3 FFN GEMMs (ffn_hidden_fp8): the model's own (erf), the tanh form in one
-# Triton kernel (gelu_fp8.py), or the tanh form in the up-projection's cuBLASLt epilogue with its
-# bias (gemm_epilogue.py: one kernel for GEMM, bias, GELU and the e4m3 output)
-FFN_GELUS = ("exact", "tanh", "epilogue")
-# where the attention-output and FFN-down GEMMs' residual is added: in the LayerNorm pass after
-# them (Inductor fuses the add there), or in the GEMM itself as cuBLASLt's C operand
-# (gemm_epilogue.py), so that the LayerNorm pass reads one tensor instead of two
-RESIDUALS = ("layernorm", "gemm")
-# the 16-bit attention's output, which the FP8 attention-output GEMM reads: fp16 (the model's
-# 16-bit dtype; that GEMM quantizes it in a pass of its own) or e4m3 (the packed encoder's Triton
-# attention kernel writes it at the GEMM's static input scale: half the bytes, no separate pass)
-ATTENTION_OUTPUTS = ("fp16", "e4m3")
-# the activations (transformers' and torch's classes) whose function the tanh form computes or
-# approximates: erf-GELU and the tanh forms; not QuickGELU (x * sigmoid(1.702 x))
-GELU_CLASSES = ("GELUActivation", "GELU", "NewGELUActivation", "PytorchGELUTanh", "GELUTanh", "FastGELUActivation")
-_EPS = 1e-12
-# Names of the encoder Linear layers inside one transformer layer (HF BERT naming).
-_LAYER_PREFIX = "encoder.layer."
-_QKV = ("query", "key", "value")
-
-
-# --------------------------------------------------------------------------- quantization math
-
-def weight_scale(w, per_channel: bool):
-    """fp32 scale so that w / scale fits ±448: [N, 1] per output channel, or a 0-d tensor."""
-    import torch
-
-    a = w.detach().float().abs()
-    amax = a.amax(dim=1, keepdim=True) if per_channel else a.amax()
-    return (amax.clamp(min=_EPS) / E4M3_MAX).to(torch.float32)
-
-
-def static_act_scale(amax: float, margin: float = 2.0) -> float:
-    """Static per-tensor activation scale from a calibrated amax (headroom ``margin``)."""
-    return max(float(amax) * float(margin), _EPS) / E4M3_MAX
-
-
-def saturate_to_e4m3(x, inv_scale=None, *, scale=None):
-    """x * inv_scale, or x / scale, or x itself, in fp32, clamped to ±448 and cast to float8_e4m3fn.
-
-    The clamp is explicit because e4m3fn has no infinity and what a bare cast does past ±448
-    depends on torch's version and the path: eager casts before torch 2.12 round |x| > 464 to
-    e4m3fn's NaN code; 2.12 made the eager casts saturate (pytorch/pytorch#178817; the torch 2.13
-    installed here gives ±448 on the CPU, up to ±inf); Triton's conversion saturates. With the
-    clamp first every path gives ±448 (a NaN input stays NaN).
-
-    ``scale`` divides, ``inv_scale`` multiplies: x / s and x * (1 / s) differ in fp32's last bit
-    for some x, which moves a value at an e4m3 rounding tie to the other neighbour, so each caller
-    keeps the arithmetic its numbers were checked with."""
-    import torch
-
-    if inv_scale is not None and scale is not None:
-        raise ValueError("saturate_to_e4m3 takes inv_scale or scale, not both")
-    y = x.float()
-    if scale is not None:
-        y = y / scale
-    elif inv_scale is not None:
-        y = y * inv_scale
-    return y.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-
-
-def quantize_fp8(x, scale):
-    """x / scale, saturated to the e4m3 range (``saturate_to_e4m3``), as fp8."""
-    return saturate_to_e4m3(x, scale=scale)
-
-
-def dequantize_fp8(q, scale):
-    return q.float() * scale
-
-
-def e4m3_codes_apart(a, b):
-    """How many e4m3 codes lie between float8_e4m3fn tensors a and b, elementwise (magnitude codes
-    are ordered; through zero the two magnitudes add)."""
-    import torch
-
-    ua, ub = a.view(torch.uint8).int(), b.view(torch.uint8).int()
-    ma, mb = ua & 0x7F, ub & 0x7F
-    return torch.where((ua >> 7) == (ub >> 7), (ma - mb).abs(), ma + mb)
-
-
-_GEMM_SATURATES: dict = {}
-
-
-def gemm_writes_saturated_e4m3(device) -> bool:
-    """Whether ``torch._scaled_mm`` writing ``float8_e4m3fn`` on this device saturates a value past
-    ±448 to ±448. e4m3fn has no infinity, so an unsaturated conversion gives NaN, and kernels
-    differ: the CPU path through oneDNN writes NaN on Xeons with AMX and ±448 on AMD EPYC. Only
-    CUDA (cuBLASLt) is asked, with a GEMM whose every output overflows, once per device; a CPU
-    or a device whose kernel fails the probe gets the explicit path (wide GEMM output, clamp,
-    cast), so no result depends on an unchecked kernel property."""
-    import torch
-
-    device = torch.device(device)
-    if device.type != "cuda":
-        return False
-    key = (device.type, device.index if device.index is not None else torch.cuda.current_device())
-    if key not in _GEMM_SATURATES:
-        _GEMM_SATURATES[key] = _probe_saturation(torch.device("cuda", key[1]))
-    return _GEMM_SATURATES[key]
-
-
-def _probe_saturation(device) -> bool:
-    """One 16x16x16 e4m3 GEMM with outputs of ±16*448*448, far past ±448: saturated means every
-    output is exactly ±448 with its sign (rows of -448 give -448), never NaN."""
-    import torch
-
-    a = torch.full((16, 16), E4M3_MAX, device=device)
-    a[8:] = -E4M3_MAX
-    one = torch.ones((), dtype=torch.float32, device=device)
-    try:
-        y = torch._scaled_mm(a.to(torch.float8_e4m3fn), torch.full((16, 16), E4M3_MAX, device=device)
-                             .to(torch.float8_e4m3fn).t(), scale_a=one, scale_b=one,
-                             out_dtype=torch.float8_e4m3fn).float()
-    except (RuntimeError, TypeError):
-        return False
-    want = torch.full_like(y, E4M3_MAX)
-    want[8:] = -E4M3_MAX
-    return bool(torch.equal(y, want))
-
+from .fp8_math import (  # noqa: F401 - the module's public names, as before the math moved
+    E4M3_MAX, SCALINGS, FFN_GELUS, RESIDUALS, ATTENTION_OUTPUTS, GELU_CLASSES, _EPS, _LAYER_PREFIX, _QKV,
+    weight_scale, static_act_scale, saturate_to_e4m3, quantize_fp8, dequantize_fp8, e4m3_codes_apart,
+    _GEMM_SATURATES, gemm_writes_saturated_e4m3, _probe_saturation)
 
 # --------------------------------------------------------------------------- modules
 
@@ -329,11 +212,9 @@ def swap_to_fp8(model, act_amax: Optional[Mapping[str, float]] = None, *, scalin
     cuBLASLt planned by nvmath-python instead of torch._scaled_mm (``Fp8Linear.use_cublaslt``);
     ``cublaslt_autotune`` > 0: every GEMM planned there (those, the GELU epilogue, the residual
     GEMMs) has its algorithm autotuned per shape.
-    ``keep_layers``: encoder layer indices left entirely in 16 bits. Returns what was done:
-    ``swapped`` (original Linear names now computed in FP8), ``fused_qkv`` (self-attention
-    modules replaced by a fused-QKV FP8 attention), ``gemms`` (FP8 GEMMs per forward), ``kept``
-    (targeted Linears left alone, with why).
-    """
+    ``keep_layers``: encoder layer indices left in 16 bits. Returns what was done: ``swapped``
+    (Linear names now in FP8), ``fused_qkv`` (attention modules with one fused-QKV FP8 GEMM),
+    ``gemms`` (FP8 GEMMs per forward), ``kept`` (targeted Linears left alone, with why)."""
     _check_swap(model, act_amax, scaling, parse_gemms(gemms), fuse_qkv, ffn_hidden_fp8, ffn_gelu, attention_fp8,
                 residual, cublaslt_gemms, cublaslt_autotune, attention_output)
     gemms = parse_gemms(gemms)
@@ -345,8 +226,7 @@ def swap_to_fp8(model, act_amax: Optional[Mapping[str, float]] = None, *, scalin
             return None
         return static_act_scale(max(float(act_amax[n]) for n in names), act_margin)
 
-    keep = {int(i) for i in keep_layers}
-    targets = target_linears(model, gemms)
+    keep, targets = {int(i) for i in keep_layers}, target_linears(model, gemms)
     kept = {name: f"layer {layer_index(name)} kept in 16 bits (keep_layers)" for name in targets
             if layer_index(name) in keep}
     done: set[str] = set(kept)

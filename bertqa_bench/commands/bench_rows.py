@@ -28,6 +28,7 @@ from ..errors import format_error
 from ..io import atomic_write_json
 from ..measuring.jobs import make_job, plan_key
 from ..measuring.launcher import launch, time_limit
+from ..measuring.local_ranks import run_local_ranks, visible_gpus
 from ..measuring.progress import rows_line
 from ..measuring.rounds import RoundsLog, RoundsSettings, run_rounds
 from ..measuring.sessions import InProcessSession, WorkerSession
@@ -39,7 +40,6 @@ from ..record.rounds import block_speedup
 from ..record.schedule import mask_padding
 from ..reporting.tracking import Tracker
 from ..tasks import Task
-from .bench_ddp import run_local_ranks, visible_gpus
 
 # Another row's process is started beside those alive only when this much more than the largest
 # peak seen so far is free: a second copy of a model must not push the first into swap.
