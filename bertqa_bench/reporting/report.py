@@ -62,7 +62,7 @@ def rounds_lines(results: list[BackendResult], meta: RunMeta) -> list[str]:
                      + (f"; intervals reached: {widths}" if widths else "") + ".")
         cv = meta.calibration_cv_pct
         if cv is not None:
-            lines.append(f"Calibration (a fixed matrix workload timed at the start of each round): {cv:.1f}% spread "
+            lines.append(f"Calibration (a fixed numpy workload timed at the start of each round): {cv:.1f}% spread "
                          f"(coefficient of variation) over {n} rounds" + (
                              f" — {NOISY} **noisy host**: above the {meta.noise_cv_pct:g}% threshold; the paired "
                              "ratios move with the host, but a ratio whose interval straddles 1.0 cannot be told here"
