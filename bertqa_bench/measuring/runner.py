@@ -258,7 +258,7 @@ class PreparedBackend:
     """One backend through its lifecycle, a step at a time: ``prepare`` (prepare and warm-up),
     then any number of ``run_pass`` (each its own timed region: the machine's state and energy
     are read over the passes only, not over the time it waits while other rows are timed), then
-    ``finish``. A block of passes (``run_backend``) and interleaved rounds (a worker that waits
+    ``finish``. A block of passes (``run_block``) and interleaved rounds (a worker that waits
     for its turn) both drive it."""
 
     def __init__(self, backend: Backend, ctx: BackendContext, plan: Plan, batches: list, *, token_outputs: tuple,
@@ -307,19 +307,18 @@ class PreparedBackend:
         self.backend.close()
 
 
-def run_backend(backend: Backend, ctx: BackendContext, plan: Plan, batches: list, *, token_outputs: tuple,
-                warmup_batches: int, min_passes: int, min_duration_s: float, flops: tuple[float, float] = (0.0, 0.0),
-                progress: bool = False, probe=None, before_timing=None) -> RunOutput:
-    """Prepare, warm up and time one backend (already created) in one block of passes; closes it either way."""
-    run = PreparedBackend(backend, ctx, plan, batches, token_outputs=token_outputs, warmup_batches=warmup_batches,
-                          flops=flops, probe=probe)
+def run_block(run: PreparedBackend, *, min_passes: int, min_duration_s: float, progress: bool = False,
+              before_timing=None) -> RunOutput:
+    """Prepare, warm up and time one backend in one block of passes, until both minimums are
+    reached; closes it either way. ``before_timing`` runs between warm-up and the timed passes
+    (the data-parallel barrier)."""
     try:
         run.prepare(before_timing)
-        bar = Progress(min_passes * len(batches), f"predict {backend.name}", enabled=progress, unit="batch")
+        bar = Progress(min_passes * len(run.batches), f"predict {run.backend.name}", enabled=progress, unit="batch")
         started = time.perf_counter()
         while len(run.timer.pass_s) < min_passes or time.perf_counter() - started < min_duration_s:
             run.run_pass()
-            bar.update(len(batches))
+            bar.update(len(run.batches))
         bar.close()
         return run.finish()
     finally:

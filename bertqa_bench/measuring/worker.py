@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-import time
 
 import numpy as np
 
@@ -29,8 +28,7 @@ from ..record.schedule import shard_plan
 from .flops import model_dims, plan_flops
 from .job_setup import load_job
 from .measure import Probe
-from .progress import Progress
-from .runner import PreparedBackend, RunOutput, make_context, materialize
+from .runner import PreparedBackend, RunOutput, make_context, materialize, run_block
 
 
 @dataclass
@@ -105,18 +103,8 @@ def execute(job: Job, plan=None, inputs=None, shard: Optional[tuple[int, int]] =
     run, plan = prepared(job, plan, inputs, shard)
     if run is None:
         return {"status": "not run", "error": plan}, None
-    try:
-        run.prepare(before_timing)
-        bar = Progress(job.min_passes * len(run.batches), f"predict {run.backend.name}", enabled=job.progress,
-                       unit="batch")
-        started = time.perf_counter()
-        while len(run.timer.pass_s) < job.min_passes or time.perf_counter() - started < job.min_duration_s:
-            run.run_pass()
-            bar.update(len(run.batches))
-        bar.close()
-        out = run.finish()
-    finally:
-        run.close()
+    out = run_block(run, min_passes=job.min_passes, min_duration_s=job.min_duration_s, progress=job.progress,
+                    before_timing=before_timing)
     return record_of(out, job, plan), out.outputs
 
 
