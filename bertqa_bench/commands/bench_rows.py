@@ -263,7 +263,6 @@ class RowRunner:
             meta.calibration_cv_pct = rounds.calibration_cv_pct
             meta.timing_noisy = rounds.noisy(self.cfg.bench.noise_cv_pct)
             meta.noise_cv_pct = self.cfg.bench.noise_cv_pct
-            meta.notes.append(f"timing: {rounds.n_rounds} interleaved rounds ({rounds.stop_reason})")
         for v, why in left:
             meta.notes.append(f"{v.name}: {why}")
         self.bundle.write_meta()
