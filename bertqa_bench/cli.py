@@ -4,15 +4,32 @@ pipeline command that does the work (bertqa_bench/commands/, or reporting/ for v
 runs); ``main`` maps what went wrong to the documented exit codes."""
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shlex
 import sys
+import traceback
 from pathlib import Path
 
 from . import exit_codes
+from .backends.catalogue import listing, show
+from .backends.variants import VariantTable
 from .cli_parser import build_parser
+from .commands.bench_ddp import Cluster
+from .commands.profile import profile_backend
+from .commands.sweep import expand
+from .config import checkpoint_model_name, resolve_path
 from .errors import BenchError, ConfigError
+from .measuring.ddp import is_dist_env
+from .measuring.interrupt import Interrupted, as_interrupted, interruptible
+from .measuring.progress import quiet_library_bars
+from .record.results import RunBundle
+from .reporting.report import console_summary, latest_run, recommendation, reference_tables, write_report
+from .reporting.scaling import commands_from_log, load_rows, write_reference
+from .reporting.sweep import sweep_tables, write_sweep_report
+from .reporting.tracking import Tracker, default_tracking_uri, import_bundle
+from .suite import apply_overrides, load_suite, suite_from_dict
 from .tasks import get_task
 
 
@@ -34,12 +51,7 @@ def load_resume(target: str, suite: str | None = None, overrides=()):
     ``--resume``: the run's own saved config; with --suite/--set, they must describe the same
     config, else the resume is refused with the fields that differ. --set without --suite
     applies to the run's own config (its suite), not to the default suite."""
-    import copy
-
     from .commands.bench import config_diff
-    from .config import resolve_path
-    from .record.results import RunBundle
-    from .suite import apply_overrides, load_suite, suite_from_dict
 
     wanted = load_suite(suite, list(overrides)) if suite else None
     candidates = [Path(target)] + ([wanted.results_root / target] if wanted else []) + [resolve_path("results") / target]
@@ -81,8 +93,6 @@ def _threads(cfg) -> None:
 
 
 def cmd_train(a) -> int:
-    from .suite import load_suite
-    from .reporting.tracking import Tracker
     from .training.train import train
 
     extra = [f"train.profile_steps={a.profile_steps}"] if a.profile_steps is not None else []
@@ -102,8 +112,6 @@ def _bench_config(a, other_host: bool = False):
     else the suite's with --model/--dev-file. ``other_host``: a bench-ddp rank whose host may lack
     the run's bundle (it lies on rank 0's); then its --suite/--set say what to load, and rank 0
     refuses a model or evaluation set unlike its run's."""
-    from .suite import load_suite
-
     if not a.resume:
         return None, load_suite(_suite(a), a.overrides + _model_overrides(a))
     _check_resume_args(a)
@@ -117,8 +125,6 @@ def _bench_config(a, other_host: bool = False):
 
 def cmd_bench(a) -> int:
     from .commands.bench import run_bench
-    from .reporting.report import console_summary
-    from .reporting.tracking import Tracker
 
     _check_overwrite(a)
     resume, cfg = _bench_config(a)
@@ -168,10 +174,6 @@ def cmd_bench_ddp(a) -> int:
     """``bench`` over the ranks torchrun started (one host or several): every rank predicts its
     share of each backend's plan; rank 0 runs the bench (results, report, MLflow, parity)."""
     from .commands.bench import run_bench
-    from .measuring.ddp import is_dist_env
-    from .commands.bench_ddp import Cluster
-    from .reporting.report import console_summary
-    from .reporting.tracking import Tracker
 
     if not is_dist_env():
         raise BenchError("bench-ddp runs under torchrun (RANK and WORLD_SIZE unset): e.g. `torchrun --standalone "
@@ -223,8 +225,6 @@ def _model_overrides(a) -> list[str]:
     if model is not None and not model.strip():
         raise ConfigError("--model is empty; give a checkpoint folder or a hub name")
     if model:
-        from .config import checkpoint_model_name
-
         out += [f"model.checkpoint={json.dumps(a.model)}", f"model.name={json.dumps(checkpoint_model_name(a.model))}",
                 "model.random_init=false", "model.timing_only=false", "model.grow_from=null"]
     if getattr(a, "allow_pickle", False):
@@ -241,9 +241,6 @@ def _model_overrides(a) -> list[str]:
 
 def cmd_loadgen(a) -> int:
     from .commands.loadgen import run_loadgen
-    from .reporting.report import console_summary
-    from .suite import load_suite
-    from .reporting.tracking import Tracker
 
     cfg = load_suite(_suite(a), a.overrides)
     _threads(cfg)
@@ -260,11 +257,6 @@ def cmd_loadgen(a) -> int:
 
 def cmd_sweep(a) -> int:
     from .commands.bench import run_bench
-    from .suite import load_suite
-    from .commands.sweep import expand
-    from .reporting.report import recommendation
-    from .reporting.sweep import sweep_tables, write_sweep_report
-    from .reporting.tracking import Tracker
 
     _check_overwrite(a)
     if a.resume:  # the sweep's variants were added to the saved config; its variant list is the run's
@@ -294,10 +286,6 @@ def cmd_sweep(a) -> int:
 
 
 def cmd_report(a) -> int:
-    from .config import resolve_path
-    from .reporting.report import latest_run, write_report
-    from .record.results import RunBundle
-
     run = Path(a.run_dir) if a.run_dir else latest_run(resolve_path("results"))
     if run is None:
         raise BenchError("no result bundle found; run `make bench-all` first or pass a results/<run-id> folder")
@@ -306,9 +294,7 @@ def cmd_report(a) -> int:
 
 
 def cmd_parity(a) -> int:
-    from .suite import load_suite
     from .commands.parity_gate import run_parity_check
-    from .reporting.tracking import Tracker
 
     cfg = load_suite(_suite(a), a.overrides)
     _threads(cfg)
@@ -333,9 +319,6 @@ def cmd_score_nq(a) -> int:
 
 
 def cmd_profile(a) -> int:
-    from .suite import load_suite
-    from .commands.profile import profile_backend
-
     if a.batches < 1 or a.top < 1:
         raise ConfigError(f"--batches and --top must be >= 1, not {a.batches} and {a.top}")
     cfg = load_suite(_suite(a), a.overrides)
@@ -347,16 +330,12 @@ def cmd_profile(a) -> int:
 
 
 def cmd_reference(a) -> int:
-    from .reporting.report import reference_tables
-
     notes = Path(a.notes).read_text() if a.notes else ""
     print(reference_tables([Path(d) for d in a.run_dirs], Path(a.out), a.title, notes))
     return 0
 
 
 def cmd_scaling(a) -> int:
-    from .reporting.scaling import commands_from_log, load_rows, write_reference
-
     commands = commands_from_log(Path(a.commands_log).read_text()) if a.commands_log else None
     rows = load_rows(a.sources, card=a.card or "", date=a.date or "", commands=commands)
     notes = Path(a.notes).read_text() if a.notes else ""
@@ -365,10 +344,6 @@ def cmd_scaling(a) -> int:
 
 
 def cmd_track(a) -> int:
-    from .config import resolve_path
-    from .record.results import RunBundle
-    from .reporting.tracking import default_tracking_uri, import_bundle
-
     # every bundle read first (its environment too): a damaged one is named before any is logged
     bundles = [RunBundle.load(Path(d)) for d in a.run_dirs]
     for b in bundles:
@@ -380,13 +355,8 @@ def cmd_track(a) -> int:
 
 
 def cmd_backends(a) -> int:
-    from .backends.catalogue import listing, show
-    from .backends.variants import VariantTable
-
     cfg = None
     if a.suite or a.overrides:  # --set alone applies to the default suite, as everywhere else
-        from .suite import load_suite
-
         cfg = load_suite(_suite(a), a.overrides)
     table = VariantTable.for_suite(cfg)
     print(show(table, a.show) if a.show else listing(table, show_all=a.all))
@@ -402,17 +372,13 @@ def _command_line() -> str:
     return f"bertqa-bench {args}"
 
 
-
 def _check_overwrite(a) -> None:
     if getattr(a, "overwrite", False) and getattr(a, "resume", None):
         raise BenchError("--resume finishes a run in its folder; --overwrite empties it to start again: choose one")
 
 
 def main(argv=None) -> int:
-    from .measuring.progress import quiet_library_bars
-
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from .measuring.interrupt import Interrupted, as_interrupted, interruptible
 
     args = build_parser().parse_args(argv)
     quiet_library_bars()
@@ -434,8 +400,6 @@ def main(argv=None) -> int:
         print(f"error: {e.filename}: {what}", file=sys.stderr)
         return exit_codes.BAD_INPUT
     except Exception:  # noqa: BLE001 - a bug: its traceback, and a code no verdict uses
-        import traceback
-
         traceback.print_exc()
         print(f"error: internal error in bertqa-bench (exit {exit_codes.INTERNAL_ERROR}); the traceback above "
               "says where", file=sys.stderr)

@@ -1,6 +1,7 @@
 """The environment a measurement was taken in, recorded beside every result."""
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import os
 import platform
@@ -40,8 +41,6 @@ def source_digest() -> str:
     """A digest of the package's own source files: it names the code that ran even where the
     commit cannot (a copy of the tree whose .git is older than its files, as on a lent GPU
     machine, records an old commit plus '-dirty')."""
-    import hashlib
-
     pkg = PROJECT_ROOT / "bertqa_bench"
     h = hashlib.sha256()
     for f in sorted(pkg.rglob("*.py")):

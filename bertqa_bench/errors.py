@@ -1,6 +1,9 @@
 """Errors a user can act on. Each message names what to fix."""
 from __future__ import annotations
 
+import importlib
+import traceback
+
 
 class BenchError(Exception):
     """Base class for errors reported to the user without a traceback."""
@@ -31,8 +34,6 @@ class MissingDependencyError(BenchError):
 
 def import_optional(module: str, purpose: str, install: str | None = None):
     """``import module``, or a MissingDependencyError saying what needs it and what to install."""
-    import importlib
-
     try:
         return importlib.import_module(module)
     except ImportError:
@@ -50,7 +51,6 @@ class ConfigError(BenchError):
 def format_error(e: BaseException) -> str:
     if isinstance(e, BenchError):
         return str(e)
-    import traceback
 
     tb = traceback.extract_tb(e.__traceback__)
     where = f" (at {tb[-1].filename.split('/')[-1]}:{tb[-1].lineno})" if tb else ""

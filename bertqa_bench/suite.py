@@ -12,8 +12,10 @@ from typing import Optional
 
 import yaml
 
+from .backends.variants import canonicalize
 from .config import BENCHMARKS_DIR, SuiteConfig, TaskConfig, build
 from .errors import ConfigError
+from .tasks import get_task
 
 
 def _is_file(p: Path) -> bool:
@@ -120,8 +122,6 @@ def read_raw(name_or_path: str, seen: tuple = ()) -> dict:
 
 def resolve_task(cfg: SuiteConfig) -> None:
     """Fill ``cfg.task.options`` with the task's own typed options; check the data source."""
-    from .tasks import get_task
-
     raw = cfg.task.options
     if raw is not None and not isinstance(raw, dict):
         return  # already resolved
@@ -145,7 +145,6 @@ def load_suite(name_or_path: str = "default", overrides: Optional[list[str]] = N
     except ConfigError as e:
         raise _from_override(e, path, overrides or []) from None
     resolve_task(cfg)
-    from .backends.variants import canonicalize
 
     canonicalize(cfg)  # old names -> the catalogue's (a note each); unknown names fail before any work
     return cfg

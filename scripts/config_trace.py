@@ -1,17 +1,16 @@
 #!/usr/bin/env python3
 """Follow the suite's config through one bench run and count how often it climbs back up the layers.
 
-Every attribute read on the typed config (SuiteConfig and its sections) is recorded with the
-module that read it (reads inside config.py itself, such as a property's own, are not uses). Runs
-of reads by one module collapse into one visit. Then, over the first ``--uses`` reads:
+A use of the config is a function of bertqa_bench called with the SuiteConfig itself among its
+arguments (the whole config handed to a stage), or an attribute read on it (``cfg.bench``), with
+the module of that function or reader. A stage that takes the section it needs (``cfg.bench``,
+the training recipe) is handed a section, not the config: its own reads are not uses. Uses in a
+row by one module collapse into one visit. Then, over the first ``--uses`` uses:
 
-- modules: how many modules read the config;
+- modules: how many modules the config passed through;
 - climbs: visits whose module sits in a higher layer than the visit before it (the layer order of
-  tests/test_architecture.py), i.e. the config handed back up after a stage below used it;
+  tests/test_architecture.py): the config handed back up after a stage below had it;
 - returns: visits to a module the trace had already left once.
-
-A stage that takes the section it needs and hands back a result reads it in one visit; a stage
-that takes the whole config and reads it piecemeal, between its caller's own reads, climbs.
 
     python scripts/config_trace.py            # a tiny generated suite, trained and benched here (~1 min)
     python scripts/config_trace.py --suite benchmarks/ci.yaml --backends eager-fp32 --uses 400
@@ -20,7 +19,6 @@ that takes the whole config and reads it piecemeal, between its caller's own rea
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import tempfile
 from pathlib import Path
@@ -49,28 +47,44 @@ TINY = {
 
 
 class Trace:
-    """The modules that read the config, in order, one entry per read."""
+    """The modules that used the config, in order, one entry per use."""
 
-    def __init__(self):
-        self.reads: list[str] = []
+    def __init__(self, cfg):
+        self.cfg, self.uses = cfg, []
 
-    def install(self) -> None:
-        """Record every public attribute read on the config's dataclasses, with its reader."""
-        for cls in vars(config_module).values():
-            if isinstance(cls, type) and dataclasses.is_dataclass(cls) and cls.__module__ == config_module.__name__:
-                cls.__getattribute__ = self._reader()
+    def __enter__(self):
+        cls, uses, cfg = type(self.cfg), self.uses, self.cfg
 
-    def _reader(self):
-        reads = self.reads
-
-        def __getattribute__(obj, name):
-            if not name.startswith("_"):
-                who = sys._getframe(1).f_globals.get("__name__", "")
-                if who.startswith("bertqa_bench.") and who != config_module.__name__:
-                    reads.append(who)
+        def __getattribute__(obj, name):  # a read on the config: its reader
+            if obj is cfg and not name.startswith("_"):
+                self._use(sys._getframe(1))
             return object.__getattribute__(obj, name)
 
-        return __getattribute__
+        self._restore = cls.__dict__.get("__getattribute__")
+        cls.__getattribute__ = __getattribute__
+        sys.setprofile(self._call)
+        return self
+
+    def __exit__(self, *exc):
+        sys.setprofile(None)
+        if self._restore is None:
+            del type(self.cfg).__getattribute__
+        else:
+            type(self.cfg).__getattribute__ = self._restore
+
+    def _call(self, frame, event, arg):
+        """A function called with the config among its arguments: the function's module."""
+        if event != "call":
+            return
+        code = frame.f_code
+        n = code.co_argcount + code.co_kwonlyargcount
+        if any(frame.f_locals.get(v) is self.cfg for v in code.co_varnames[:n]):
+            self._use(frame)
+
+    def _use(self, frame):
+        who = frame.f_globals.get("__name__", "")
+        if who.startswith("bertqa_bench.") and who != config_module.__name__:
+            self.uses.append(who)
 
 
 def visits(reads: list[str]) -> list[str]:
@@ -116,16 +130,15 @@ def main(argv=None) -> int:
     from bertqa_bench.commands.bench import run_bench  # after the tracer: the config classes are patched first
     from bertqa_bench.suite import load_suite
 
-    trace = Trace()
     with tempfile.TemporaryDirectory() as tmp:
         cfg = load_suite(str(_suite_file(args, Path(tmp))))
-        trace.install()  # loading builds and checks the config (config.py's own reads); tracing starts at the run
         backends = args.backends.split(",") if args.backends else None
-        run_bench(cfg, backends=backends, progress=False, log=lambda s: None)
-    path = visits(trace.reads[: args.uses])
+        with Trace(cfg) as trace:  # from run_bench on: loading the suite builds and checks it first
+            run_bench(cfg, backends=backends, progress=False, log=lambda s: None)
+    path = visits(trace.uses[: args.uses])
     if args.visits:
         print("\n".join(path))
-    print(f"config reads traced: {len(trace.reads)} (counted: the first {min(args.uses, len(trace.reads))})")
+    print(f"config uses traced: {len(trace.uses)} (counted: the first {min(args.uses, len(trace.uses))})")
     print(f"modules: {len(set(path))}  visits: {len(path)}  climbs back up: {climbs(path)}  "
           f"returns: {returns(path)}")
     return 0

@@ -23,13 +23,12 @@ def no_work(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("work started before the bad argument was refused")
 
+    import bertqa_bench.cli as cli
     import bertqa_bench.commands.bench as bench
-    import bertqa_bench.commands.profile as profile
-    import bertqa_bench.reporting.tracking as tracking
 
-    monkeypatch.setattr(bench, "run_bench", boom)
-    monkeypatch.setattr(profile, "profile_backend", boom)
-    monkeypatch.setattr(tracking, "import_bundle", boom)
+    monkeypatch.setattr(bench, "run_bench", boom)  # the commands import it when they run
+    monkeypatch.setattr(cli, "profile_backend", boom)  # the cli imports these at its top
+    monkeypatch.setattr(cli, "import_bundle", boom)
 
 
 @pytest.mark.parametrize("argv, said", [

@@ -63,11 +63,11 @@ def test_every_verdict_has_its_documented_code(status, code, report_only, setup,
     from bertqa_bench.commands import bench
     from bertqa_bench.record.parity import Verdict
 
-    from bertqa_bench.reporting import report
+    from bertqa_bench import cli
 
     out = SimpleNamespace(summary="", run_dir=tmp_path, verdict=Verdict(status, []), results=[], bundle=None)
     monkeypatch.setattr(bench, "run_bench", lambda *a, **k: out)
-    monkeypatch.setattr(report, "console_summary", lambda bundle: "")
+    monkeypatch.setattr(cli, "console_summary", lambda bundle: "")
     assert _bench(setup, ["eager-fp32"]) == code
     assert _bench(setup, ["eager-fp32"], "--no-fail-on-verdict") == report_only
     assert f"  {code}    " in exit_codes.EPILOG  # each code is documented in --help

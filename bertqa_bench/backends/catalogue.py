@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from .device_io import cuda_unavailable_reason
 from .variants import ALIASES, DERIVED_BATCHINGS, EXPERIMENTS_FILE, VariantTable
 
 GROUPS = {"cpu": "CPU", "cuda": "CUDA GPU"}
@@ -47,7 +48,6 @@ def listing(table: VariantTable, show_all: bool = False) -> str:
     sources.append(("suite", ", this suite's own"))
     if show_all:
         sources.append(("experiments", f", research ({EXPERIMENTS_FILE.name})"))
-    from .device_io import cuda_unavailable_reason
 
     reasons = {"cpu": None, "cuda": cuda_unavailable_reason()}
     for device, name in GROUPS.items():

@@ -14,6 +14,8 @@ from torch import nn
 
 from .fp8_math import (_EPS, _QKV, E4M3_MAX, FFN_GELUS, GELU_CLASSES, SCALINGS, gemm_writes_saturated_e4m3,
                         quantize_fp8, saturate_to_e4m3, weight_scale)
+from .gelu_fp8 import gelu_tanh_fp8
+from .gemm_epilogue import bias_for_epilogue, gemm_add_fp8, gemm_bias_fp8, gemm_gelu_fp8
 
 
 class Fp8Linear(nn.Module):
@@ -101,7 +103,6 @@ class Fp8Linear(nn.Module):
         whose algorithm can be autotuned per shape (``autotune`` > 0), instead of torch._scaled_mm
         at cuBLASLt's heuristic choice."""
         self._check_16bit_gemm("cuBLASLt through nvmath-python")
-        from .gemm_epilogue import gemm_bias_fp8
 
         self._gemm_bias = gemm_bias_fp8
         self._register_epilogue_bias()
@@ -128,7 +129,6 @@ class Fp8Linear(nn.Module):
         """``plus`` adds the residual in the GEMM (cuBLASLt's C operand, gemm_epilogue.py)
         instead of leaving it to the next elementwise pass."""
         self._check_16bit_gemm("the residual in the GEMM")
-        from .gemm_epilogue import gemm_add_fp8
 
         self._gemm_add = gemm_add_fp8
         self._register_epilogue_bias()
@@ -218,12 +218,8 @@ class Fp8Intermediate(nn.Module):
             raise ValueError(f"gelu 'epilogue' needs per-tensor scales, not scaling '{dense.scaling}'")
         self._tanh_gelu = self._epilogue = None
         if gelu == "tanh":  # bound here, not in forward: nothing is imported inside traced code
-            from .gelu_fp8 import gelu_tanh_fp8
-
             self._tanh_gelu = gelu_tanh_fp8
         if gelu == "epilogue":
-            from .gemm_epilogue import bias_for_epilogue, gemm_gelu_fp8
-
             self._epilogue = gemm_gelu_fp8
             self.register_buffer("epilogue_bias", bias_for_epilogue(dense.bias_unscaled, dense.out_features,
                                                                     dense.weight_fp8.device))

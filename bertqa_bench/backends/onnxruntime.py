@@ -48,6 +48,7 @@ import numpy as np
 
 from ..errors import BackendUnavailableError, ConfigError, MissingDependencyError, import_optional
 from ..io import atomic_path, atomic_write_json
+from ..model.checkpoint import FAMILIES, model_dims, model_family
 from .base import Backend, BackendContext, batch_at_shape
 from .device_io import HostOutputs, batch_shape, cuda_unavailable_reason, gpu_info, pinned_empty
 from .ort_static import Int8StaticOptions, batches_digest, cpu_features, quantize_static_qdq
@@ -82,16 +83,12 @@ def _preload_cuda_dlls(ort) -> None:
 
 
 def _bert_dims(model_dir: Path) -> tuple[int, int, int]:
-    from ..model.checkpoint import model_dims
-
     d = model_dims(model_dir)  # through transformers' config: DistilBERT names them n_heads/dim/n_layers
     return d["heads"], d["hidden"], d["layers"]
 
 
 def optimizer_model_type(model_dir: Path) -> str:
     """The transformer optimizer's model type for the checkpoint's family (checkpoint.FAMILIES)."""
-    from ..model.checkpoint import FAMILIES, model_family
-
     return FAMILIES.get(model_family(model_dir), "bert")
 
 

@@ -37,6 +37,7 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 
 from ..errors import ConfigError
+from .onnx_export import OnnxExportError
 
 CALIBRATE_METHODS = ("minmax", "entropy", "percentile")
 QUANT_TYPES = ("uint8", "int8")
@@ -212,8 +213,6 @@ def quantize_static_qdq(fp32_path: Path, out_path: Path, batches: Sequence[Mappi
     pre_path.unlink(missing_ok=True)
     unquantized = activations_not_quantized(onnx.load(str(out_path)), quantize)
     if unquantized:
-        from .onnx_export import OnnxExportError
-
         raise OnnxExportError(f"int8_static: the activation input of {len(unquantized)} of {len(quantize)} GEMMs "
                               f"was left fp32 (untyped tensors?), e.g. {unquantized[0]}")
     rows = int(sum(int(np.shape(b["input_ids"])[0]) for b in batches))

@@ -53,9 +53,11 @@ import torch
 from torch import nn
 
 from ..model.checkpoint import OFFSET_POSITION_FAMILIES, PACKED_FAMILIES
+from .cudnn_fp8_attention import attention_fp8
 from .device_io import capture_streams
 from .torch_fp8 import saturate_to_e4m3
 from .torch_options import PACKED_ATTENTION
+from .triton_attention import HEAD_DIMS, varlen_attention_op
 
 
 def _round_up(x: int, m: int) -> int:
@@ -121,23 +123,17 @@ class PackedEncoder(nn.Module):
         self.scale = self.head_dim ** -0.5
         self.attention = attention
         if attention == "triton":
-            from .triton_attention import HEAD_DIMS
-
             if self.head_dim not in HEAD_DIMS:  # refused here, before compiling and capturing
                 raise ValueError(f"attention 'triton' takes head sizes {', '.join(map(str, HEAD_DIMS))}; this "
                                  f"model's is {self.head_dim} (packed_attention: cudnn or flash take it)")
         # FP8 attention for layers whose QKV GEMM writes e4m3 (torch_fp8 attention_fp8); bound here,
         # outside traced code
-        from .cudnn_fp8_attention import attention_fp8
-
         self._fp8_attention = attention_fp8
         self._kernel = None
         on_cuda = next(bert.parameters()).is_cuda
         if use_kernel and attention == "flash":
             self._kernel = _varlen_kernel()
         elif use_kernel and on_cuda and attention == "triton":
-            from .triton_attention import varlen_attention_op
-
             self._kernel = varlen_attention_op
         elif use_kernel and on_cuda:  # the frontend is needed only where it runs
             self._kernel = _cudnn_kernel()

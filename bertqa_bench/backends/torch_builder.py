@@ -11,7 +11,9 @@ import numpy as np
 
 from ..errors import BackendUnavailableError
 from .base import INPUT_NAMES, BackendContext
-from .torch_fp8 import parse_cublaslt_gemms, parse_gemms
+from .quantize import choose_kept_layers, layer_sensitivity, n_encoder_layers, swap_to_int8
+from .torch_fp8 import (calibrate_amax, ffn_up_names, parse_cublaslt_gemms, parse_gemms, qkv_names, swap_to_fp8,
+                        target_linears)
 from .torch_options import Fp8Options, Int8Options, TorchaoOptions, TorchOptions, parse_layers, torchao_targets
 
 
@@ -77,8 +79,6 @@ def build_model(o: TorchOptions, ctx: BackendContext, device: str, name: str):
     return module, info
 
 def sensitivity_sweep(module, batches, quantize_layer, keep: int) -> tuple[tuple[int, ...], dict]:
-    from .quantize import choose_kept_layers, layer_sensitivity
-
     if keep <= 0:
         return (), {}
     t0 = time.perf_counter()
@@ -88,8 +88,6 @@ def sensitivity_sweep(module, batches, quantize_layer, keep: int) -> tuple[tuple
                   "sensitivity_kept": ",".join(map(str, kept)), "sensitivity_s": round(time.perf_counter() - t0, 2)}
 
 def quantize_int8(module, f: Int8Options, batches) -> dict:
-    from .quantize import n_encoder_layers, swap_to_int8
-
     n = n_encoder_layers(module)
     kept, info = sensitivity_sweep(module, batches, lambda m, layer: swap_to_int8(
         m, gemms=f.gemms, keep_layers=[i for i in range(n) if i != layer]), f.sensitivity_keep)
@@ -116,9 +114,6 @@ def quantize_torchao(module, t: TorchaoOptions) -> dict:
             "fp8_keep_layers": ",".join(map(str, sorted(keep))) or "none"}
 
 def quantize_fp8(module, f: Fp8Options, batches) -> dict:
-    from .quantize import n_encoder_layers
-    from .torch_fp8 import calibrate_amax, ffn_up_names, qkv_names, swap_to_fp8, target_linears
-
     gemms = parse_gemms(f.gemms)
     targets = target_linears(module, gemms)
     amax, t0 = None, time.perf_counter()

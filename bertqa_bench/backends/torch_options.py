@@ -9,7 +9,7 @@ from typing import Optional
 from ..errors import ConfigError
 from ..model.checkpoint import PACKED_FAMILIES  # noqa: F401 - the families the padding-free encoder computes
 from .torch_fp8 import (SCALINGS, check_attention_fp8, check_attention_output, check_cublaslt, check_ffn_hidden,
-                        check_residual, parse_cublaslt_gemms, parse_gemms)
+                        check_residual, layer_index, parse_cublaslt_gemms, parse_gemms, target_linears)
 
 DTYPES = ("fp32", "fp16", "bf16")
 # Families whose encoder is BertModel's layout (tests/test_checkpoint.py checks the FP8/INT8
@@ -162,8 +162,6 @@ class TorchaoOptions:
 
 def torchao_targets(module, t: TorchaoOptions) -> set[str]:
     """The encoder Linears torchao quantizes: the kinds ``t.gemms`` names outside the kept layers."""
-    from .torch_fp8 import layer_index, target_linears
-
     keep = set(parse_layers(t.keep_layers))
     return {n for n in target_linears(module, parse_gemms(t.gemms)) if layer_index(n) not in keep}
 

@@ -23,10 +23,13 @@ import importlib
 import importlib.metadata
 import logging
 import re
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Optional
 
-from ..config import BENCHMARKS_DIR, SuiteConfig, build
+import yaml
+
+from ..config import BENCHMARKS_DIR, SuiteConfig, VariantConfig, build
 from ..errors import ConfigError, UnknownBackendError
 from .base import DEVICES, Backend, parity_class_of
 
@@ -479,10 +482,6 @@ def experiment_declarations() -> dict:
     none when the file is absent (an installed package without the benchmarks folder)."""
     global _EXPERIMENTS
     if _EXPERIMENTS is None:
-        import yaml
-
-        from ..config import VariantConfig
-
         raw = {}
         if EXPERIMENTS_FILE.is_file():
             raw = (yaml.safe_load(EXPERIMENTS_FILE.read_text(encoding="utf-8")) or {}).get("variants") or {}
@@ -500,8 +499,6 @@ def experiment_renames() -> dict:
     names now (catalogue grammar plus a ``+`` suffix, or the catalogue row they became)."""
     global _RENAMES
     if _RENAMES is None:
-        import yaml
-
         raw = {}
         if EXPERIMENTS_FILE.is_file():
             raw = (yaml.safe_load(EXPERIMENTS_FILE.read_text(encoding="utf-8")) or {}).get("renamed") or {}
@@ -532,7 +529,6 @@ def note_once(line: str) -> None:
     """An old name's note, on stderr, once per process."""
     if line not in _NOTED:
         _NOTED.add(line)
-        import sys
 
         print(line, file=sys.stderr)
 

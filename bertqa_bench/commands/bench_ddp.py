@@ -5,15 +5,21 @@ inside the workers, is ``measuring/ddp.py``.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 from datetime import timedelta
 from pathlib import Path
 from typing import Optional
 
-from ..errors import ConfigError
+from ..data.evalset import load_evalset
+from ..envinfo import cuda_visible_devices
+from ..errors import BenchError, ConfigError
 from ..measuring.ddp import free_port, rank_env, read_phase, without_dist_env
+from ..measuring.launcher import launch_all
 from ..measuring.local_ranks import first_failure
+from ..measuring.worker import Job, format_error
+from ..tasks import get_task
 
 
 # ---- bench-ddp: the torchrun ranks -------------------------------------------------------------
@@ -104,11 +110,6 @@ class Cluster:
 
     # every rank -------------------------------------------------------------------------------
     def _run_rank(self, job, cmd: dict, logs_dir: Path) -> dict:
-        import dataclasses
-
-        from ..envinfo import cuda_visible_devices
-        from ..measuring.launcher import launch_all
-
         job = dataclasses.replace(job, shard_index=self.rank, shard_count=self.world,
                                   dist_timeout_s=cmd["timeout_s"])
         env = rank_env(cmd["addr"], cmd["port"], self.rank, self.world, self.local_rank, self.local_world)
@@ -131,12 +132,7 @@ class Cluster:
     def serve(self, cfg, log=print) -> int:
         """A rank other than 0: load the model and evaluation set, then predict what rank 0 asks.
         Returns rank 0's exit code."""
-        import dataclasses
-
-        from ..data.evalset import load_evalset
-        from ..tasks import get_task
         from .provision import ensure_model
-        from ..measuring.worker import Job
 
         scratch = cfg.results_root / ".ddp" / f"rank{self.rank}"
         model = evalset = None
@@ -144,8 +140,6 @@ class Cluster:
             cmd = self._bcast()
             if cmd["op"] == "done":
                 if cmd.get("error"):
-                    from ..errors import BenchError
-
                     raise BenchError(f"rank 0 failed, so this rank stops: {cmd['error']}")
                 return int(cmd.get("exit_code", 0))
             if cmd["op"] == "prepare":
@@ -157,8 +151,6 @@ class Cluster:
                         evalset = load_evalset(cfg, task, str(model.dir), log=log)
                     info.update(digest=model.digest, evalset=evalset.key)
                 except Exception as e:  # noqa: BLE001 - rank 0 reports it and stops
-                    from ..measuring.worker import format_error
-
                     info["error"] = format_error(e)
                 self._all_gather(info)
                 continue

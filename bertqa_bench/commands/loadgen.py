@@ -29,12 +29,22 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
+from ..backends.variants import VariantTable, note_once
 from ..config import SCENARIOS, SuiteConfig
+from ..data.evalset import load_evalset
+from ..envinfo import device_name, environment
 from ..errors import ConfigError
 from ..measuring.jobs import make_job, plan_for, plan_key, plan_path
+from ..measuring.launcher import launch, time_limit
 from ..measuring.loadgen_log import NS_PER_MS, decode_accuracy_log
+from ..measuring.worker import format_error, load_outputs
 from ..record.judging import Reference, identity, judge
+from ..record.results import RunBundle, RunMeta, new_run_id
+from ..record.run_folder import claim, preflight
+from ..record.schedule import mask_padding
 from ..reporting.run_close import BenchOutcome, close_complete, close_interrupted
+from ..reporting.tracking import Tracker
+from ..tasks import get_task
 
 
 # --- the parent side: one row per variant ---------------------------------------------------
@@ -131,12 +141,6 @@ def run_loadgen(cfg: SuiteConfig, scenario: str, *, backends: Optional[list[str]
                 find_peak_qps: bool = False, run_id: Optional[str] = None, tracker=None, progress: bool = True,
                 command: str = "", log: Callable[[str], None] = print, overwrite: bool = False):
     """Every variant (reference first) as LoadGen's SUT in ``scenario``; one BackendResult each."""
-    from ..backends.variants import VariantTable, note_once
-    from ..envinfo import device_name, environment
-    from ..data.evalset import load_evalset
-    from ..record.results import RunBundle, RunMeta, new_run_id
-    from ..tasks import get_task
-    from ..reporting.tracking import Tracker
     from .provision import ensure_model
 
     if scenario not in SCENARIOS:
@@ -151,7 +155,6 @@ def run_loadgen(cfg: SuiteConfig, scenario: str, *, backends: Optional[list[str]
     names = table.canonical_names([cfg.bench.reference] + list(backends or cfg.bench.backends), note_once)
     reference = cfg.bench.reference = names[0]
     variants = table.require(names)
-    from ..record.run_folder import claim, preflight
 
     preflight(cfg, run_id, overwrite)  # a taken --run-id, an unwritable or full disk: refused before any work
     tracker = tracker or Tracker(cfg.results_root, enabled=False)
@@ -201,10 +204,6 @@ def run_loadgen(cfg: SuiteConfig, scenario: str, *, backends: Optional[list[str]
 def _rows_of(cfg, scenario, find_peak_qps, variants, task, model, evalset, plans, bundle, meta, tracker, env_tags,
              progress, log):
     """The variants one after the other (reference first), each row written as it finishes."""
-    from ..measuring.launcher import launch
-    from ..record.schedule import mask_padding
-    from ..measuring.worker import format_error, load_outputs
-
     reference = cfg.bench.reference
     ref: Optional[Reference] = None
     ref_row = None
@@ -224,7 +223,6 @@ def _rows_of(cfg, scenario, find_peak_qps, variants, task, model, evalset, plans
             continue
         log(f"[{variant.name}] prepare, warm-up, bench passes, then LoadGen {scenario} (accuracy, performance) ...")
         job = _job(cfg, task, variant, model, evalset, bundle, scenario, find_peak_qps)
-        from ..measuring.launcher import time_limit
 
         rec = launch(job, timeout_s=time_limit(variant, cfg.bench.timeout_s),
                      log_path=bundle.path("logs", f"{variant.name}.log"), echo=progress, isolation=cfg.bench.isolation)

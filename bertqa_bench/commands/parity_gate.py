@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from ..backends.variants import VariantTable
+from ..errors import BenchError
 from .bench import run_bench
 from ..config import SuiteConfig, resolve_path
 from ..io import atomic_write_text
@@ -61,9 +63,6 @@ def read_expected(path: Path) -> list[dict]:
 def canonical_rows(cfg: SuiteConfig, rows: list[dict]) -> list[dict]:
     """Expected rows keyed by old backend names (an expected file written before the catalogue's
     names) under the names the rows of this run get."""
-    from ..backends.variants import VariantTable
-    from ..errors import BenchError
-
     table = VariantTable.for_suite(cfg)
     out = []
     for row in rows:

@@ -15,6 +15,7 @@ from ..backends.variants import VariantTable
 from ..config import SuiteConfig
 from ..errors import BackendUnavailableError
 from ..data.evalset import load_evalset
+from ..measuring.jobs import plan_for, plan_key
 from ..measuring.runner import make_context, materialize, stream, warm_up
 from ..tasks import get_task
 from ..measuring.trace_tables import write_profile
@@ -24,7 +25,6 @@ def profile_backend(cfg: SuiteConfig, name: str, *, n_batches: int = 5, top: int
     """Prepare and warm up one variant in this process, then profile ``n_batches`` real batches."""
     from torch.profiler import ProfilerActivity, profile
 
-    from ..measuring.jobs import plan_for, plan_key
     from .provision import ensure_model
 
     variant = VariantTable.for_suite(cfg).get(name)

@@ -11,7 +11,9 @@ from typing import Callable, Optional
 from ..config import METRICS_FILE, SuiteConfig
 from ..errors import ConfigError
 from ..io import atomic_dir, atomic_write_json
+from ..model.checkpoint import model_digest, model_family, resolve_checkpoint
 from ..model.modeling import build_model, count_parameters, load_tokenizer
+from ..model.weights_file import check_model_folder
 from ..tasks import get_task
 from ..training.recipe import model_is_trained, model_recipe, recipe_diff, recipe_fields
 from ..training.train import train
@@ -34,8 +36,6 @@ class ModelInfo:
 
 def checkpoint_model(cfg: SuiteConfig, log: Callable[[str], None] = print) -> ModelInfo:
     """``model.checkpoint``: checked (checkpoint.py) and used as it is; nothing is trained."""
-    from ..model.checkpoint import resolve_checkpoint
-
     ck = resolve_checkpoint(cfg.model.checkpoint, allow_pickle=cfg.model.allow_pickle)
     why = ck.position_reason(cfg.data.max_seq_len)
     if why:  # refused here, before any work: its reference would crash in its worker
@@ -78,7 +78,6 @@ def ensure_model(cfg: SuiteConfig, log: Callable[[str], None] = print, tracker=N
                 f": {recipe_diff(fields, wanted)})" if fields else ")")
         log(f"model: {model_dir} {why}; fine-tuning {cfg.model.base} (suite {cfg.name})")
         train(cfg, log=log, tracker=tracker)
-    from ..model.weights_file import check_model_folder
 
     check_model_folder(model_dir, hint=f"delete {model_dir} and the suite trains (or builds) it again")
     metrics = json.loads((model_dir / METRICS_FILE).read_text())
@@ -88,7 +87,6 @@ def ensure_model(cfg: SuiteConfig, log: Callable[[str], None] = print, tracker=N
     else:
         note = "fine-tuned by bertqa-bench train; dev " + ", ".join(
             f"{m}={metrics[f'dev_{m}']:.2f}" for m in task.metric_names if f"dev_{m}" in metrics)
-    from ..model.checkpoint import model_digest, model_family
 
     return ModelInfo(model_dir, count_parameters(model_dir), metrics, primary, cfg.model.timing_only, note,
                      digest=model_digest(model_dir), family=model_family(model_dir))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from ..backends.variants import VariantTable, note_once
 from ..config import BATCHINGS, SuiteConfig, VariantConfig
 from ..errors import ConfigError
 from ..reporting.sweep import point_name
@@ -24,7 +25,6 @@ def expand(cfg: SuiteConfig, backends: Sequence[str], batch_sizes: Sequence[int]
         raise ConfigError(f"unknown batching {', '.join(bad)}; valid: {', '.join(BATCHINGS)}")
     if not backends or not batch_sizes or not batchings:
         raise ConfigError("a sweep needs at least one backend, batch size and batching")
-    from ..backends.variants import VariantTable, note_once
 
     backends = VariantTable.for_suite(cfg).canonical_names(backends, note_once)  # old names: the catalogue's
     names = []

@@ -17,15 +17,18 @@ import dataclasses
 import hashlib
 import json
 import pickle
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
 import numpy as np
+import tokenizers
 
 from ..config import ADDED_DEFAULTS, SuiteConfig
 from ..errors import BenchError
+from ..model.checkpoint import TOKENIZER_FILES
 from ..tasks.features import INPUT_NAMES, Features
 from ..io import atomic_dir
 from ..tasks import Task
@@ -68,8 +71,6 @@ def _tokenizer_fingerprint(tokenizer_source: str) -> str:
     # The files keys were first made of, in their order (so existing keys stay as they were), then
     # every other file a tokenizer of a supported family is made from (checkpoint.TOKENIZER_FILES);
     # files absent from a folder add nothing.
-    from ..model.checkpoint import TOKENIZER_FILES
-
     names = _FIRST_KEY_FILES + tuple(n for n in TOKENIZER_FILES if n not in _FIRST_KEY_FILES)
     for name in names:
         if (d / name).exists():
@@ -83,7 +84,6 @@ def evalset_key(cfg: SuiteConfig, task: Task, tokenizer_source: str, split: str,
     options = dataclasses.asdict(cfg.task.options) if dataclasses.is_dataclass(cfg.task.options) else {}
     # options added later, at their defaults, keep existing keys (config.ADDED_DEFAULTS)
     options = {k: v for k, v in options.items() if ADDED_DEFAULTS.get(f"task_options.{k}", object()) != v}
-    import tokenizers
     import transformers
 
     # The library versions too: the same tokenizer files gave different overflow windows under
@@ -105,8 +105,7 @@ def load_evalset(cfg: SuiteConfig, task: Task, tokenizer_source: str, *, split: 
             evalset = _read(path, key, split)
             warn_empty_questions(evalset.examples, _source_name(cfg, task, split), log)
             return evalset
-        import shutil  # an empty entry an older version cached: removed, and the set is refused below
-
+        # an empty entry an older version cached: removed, and the set is refused below
         shutil.rmtree(path, ignore_errors=True)
     from ..model.modeling import load_tokenizer
 

@@ -35,7 +35,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
+import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -43,7 +45,12 @@ from typing import Optional
 
 import numpy as np
 
-from ..errors import BenchError, ConfigError
+from ..backends.variants import Variant
+from ..data.evalset import load_inputs
+from ..errors import BackendUnavailableError, BenchError, ConfigError, format_error
+from ..record.schedule import Plan
+from .flops import model_dims, plan_flops
+from .runner import Timing
 
 # What torchrun sets for its workers; a worker the bench starts gets its own values (or none).
 RANK_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
@@ -156,16 +163,12 @@ def maybe_kill_self(job, rank: int) -> None:
         return
     name, _, r = want.rpartition(":")
     if (not name or name == job.name) and r.strip() == str(rank):
-        import signal
-
         os.kill(os.getpid(), signal.SIGKILL)
 
 
 def merge_records(recs: list, plan, flops: tuple, n: int, backend: str) -> dict:
     """One record from the ranks' own: a pass lasts as long as the slowest rank's, memory peaks
     are the max over ranks, energy adds up over GPUs."""
-    from .runner import Timing
-
     passes = min(len(r["pass_s"]) for r in recs)
     pass_s = [max(r["pass_s"][k] for r in recs) for k in range(passes)]
     timing = Timing(pass_s, np.concatenate([np.asarray(r["batch_ms"]) for r in recs]), plan.n_rows,
@@ -191,8 +194,6 @@ def merge_records(recs: list, plan, flops: tuple, n: int, backend: str) -> dict:
 
 
 def _status_of(e: BaseException) -> dict:
-    from ..errors import BackendUnavailableError, format_error
-
     if isinstance(e, PeerFailed):
         return {"status": "failed", "error": str(e), "peer_failed": True}
     if isinstance(e, BackendUnavailableError):
@@ -204,10 +205,6 @@ def execute_distributed(job, execute) -> tuple[dict, Optional[dict]]:
     """This worker's rank of a data-parallel job: its shard (``execute``, the worker's own, passed
     in: the worker imports this module), the barrier, the gather. Rank 0 returns the merged record
     and dataset-order outputs; the others their own record and None."""
-    import traceback
-
-    from ..backends.variants import Variant
-
     variant = Variant.from_dict(job.variant)
     write_phase(job, "start")
     with worker_group(variant.device == "cuda", job.dist_timeout_s) as g:
@@ -255,10 +252,6 @@ def execute_distributed(job, execute) -> tuple[dict, Optional[dict]]:
 
 
 def _merge_on_rank0(job, parts: list, outputs: Optional[dict], g: Group) -> tuple[dict, Optional[dict]]:
-    from ..data.evalset import load_inputs
-    from .flops import model_dims, plan_flops
-    from ..record.schedule import Plan
-
     n = len(parts)
     bad = [p for p in parts if p["status"] != "ok"]
     if bad:

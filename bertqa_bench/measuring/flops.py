@@ -12,6 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..model.checkpoint import model_dims as family_dims  # other names (DistilBERT: dim, n_layers, hidden_dim)
+
 
 def bert_flops_per_sequence(hidden: int, layers: int, intermediate: int, seq_len, heads_out: int = 2):
     s, h, i = np.asarray(seq_len, dtype=np.float64), hidden, intermediate
@@ -24,7 +26,6 @@ def model_dims(model_dir: str | Path) -> tuple[int, int, int]:
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     if all(k in cfg for k in ("hidden_size", "num_hidden_layers", "intermediate_size")):
         return int(cfg["hidden_size"]), int(cfg["num_hidden_layers"]), int(cfg["intermediate_size"])
-    from ..model.checkpoint import model_dims as family_dims  # other names (DistilBERT: dim, n_layers, hidden_dim)
 
     d = family_dims(model_dir)
     return d["hidden"], d["layers"], d["intermediate"]

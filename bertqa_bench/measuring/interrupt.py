@@ -16,10 +16,12 @@ everywhere.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import sys
 import threading
+import time
 from typing import Iterator
 
 SIGNALS = tuple(s for s in (getattr(signal, n, None) for n in ("SIGTERM", "SIGINT", "SIGHUP")) if s is not None)
@@ -83,8 +85,6 @@ def watch_parent(poll_s: float = 0.5) -> None:
     parent = int(want)
     if sys.platform.startswith("linux"):
         try:  # PR_SET_PDEATHSIG: the kernel signals us when the parent thread exits
-            import ctypes
-
             libc = ctypes.CDLL(None, use_errno=True)
             libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)
             signal.signal(signal.SIGTERM, lambda *_: _die_with_group())
@@ -92,8 +92,6 @@ def watch_parent(poll_s: float = 0.5) -> None:
             pass
 
     def watch():
-        import time
-
         while True:
             if os.getppid() != parent:
                 _die_with_group()

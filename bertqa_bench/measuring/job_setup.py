@@ -5,24 +5,23 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..backends.variants import Variant
+from ..data.evalset import load_inputs
+from ..record.schedule import Plan
+from .machine_state import usable_cores
+
 
 def load_job(job, plan=None, inputs=None, *, mmap: bool = True, threads: int = 0):
     """What every kind of job (a ``worker.Job``) starts with, bench or LoadGen: (variant, why,
     inputs, plan). ``why``
     is the reason the variant cannot run here (then nothing is loaded); the CPU thread count is
     the job's, else ``threads`` when given; ``plan`` and ``inputs`` are loaded unless passed in."""
-    from ..backends.variants import Variant
-    from ..data.evalset import load_inputs
-    from ..record.schedule import Plan
-
     variant = Variant.from_dict(job.variant)
     why = variant.unavailable_reason()
     if why:
         return variant, why, None, None
     if variant.device == "cpu":
         import torch
-
-        from .machine_state import usable_cores
 
         # One thread plan for every CPU backend (ONNX Runtime and OpenVINO take torch's count):
         # the suite's bench.num_threads, else ``threads`` (1 per data-parallel rank), else the

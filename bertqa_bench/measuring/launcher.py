@@ -28,7 +28,10 @@ import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+from ..config import PROJECT_ROOT
 from ..io import atomic_write_json
+from .ddp import strip_dist_env
+from .interrupt import PARENT_ENV
 from .worker import Job, run_job_safely
 
 # NVLink multicast stays off in every process this suite starts: on shared multi-GPU hosts a
@@ -38,10 +41,6 @@ TAIL_LINES = 15
 
 
 def child_env(extra: Optional[dict] = None) -> dict:
-    from ..config import PROJECT_ROOT
-
-    from .ddp import strip_dist_env
-
     # torchrun's variables stay out unless given (``extra``): a worker joins only its own group
     env = strip_dist_env(dict(os.environ))
     env.update(SAFE_ENV)
@@ -94,7 +93,6 @@ class _Child:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log_path.write_bytes(b"")
         self.t0 = time.perf_counter()
-        from .interrupt import PARENT_ENV
 
         self.proc = subprocess.Popen([sys.executable, "-m", "bertqa_bench.measuring.worker", str(job_path)],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=stdin,

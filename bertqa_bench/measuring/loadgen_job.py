@@ -18,7 +18,7 @@ from ..errors import BackendUnavailableError
 from ..record.schedule import Batch, batch_inputs, make_plan
 from .flops import model_dims, plan_flops
 from .job_setup import load_job
-from .loadgen_log import find_peak, test_settings
+from .loadgen_log import find_peak, read_result, test_settings
 from .loadgen_sut import SUT, Codec, Shapes, server_window
 from .measure import Probe
 from .runner import check_contract, materialize, sample_batches, timed_passes, warm_up
@@ -31,8 +31,6 @@ def run_test(lg, sut: SUT, qsl, settings, out_dir: Path) -> dict:
     batches and submits, so every batch of the process is submitted from one thread (a Server
     batch in flight is collected on the SUT's collector thread: its waiter only waits for the
     device and copies the outputs out)."""
-    from .loadgen_log import read_result
-
     out_dir.mkdir(parents=True, exist_ok=True)
     log = lg.LogSettings()
     log.log_output.outdir = str(out_dir)

@@ -13,6 +13,7 @@ import numpy as np
 
 from ..config import SCENARIOS, LoadGenConfig
 from ..errors import ConfigError
+from ..record.schedule import PAD_LOGIT
 
 NS_PER_MS = 1e6
 PERCENTILES = {"p50": "50.00", "p90": "90.00", "p99": "99.00", "p999": "99.90"}
@@ -128,8 +129,6 @@ def decode_accuracy_log(path: Path, layout: list, lengths: np.ndarray, max_seq_l
     """LoadGen's accuracy log back to dataset-order outputs (PAD_LOGIT where nothing came back),
     and how many times each feature was answered. ``layout`` is the SUT's response layout:
     [[name, "token" | number of values], ...] (loadgen_sut.Codec)."""
-    from ..record.schedule import PAD_LOGIT
-
     n = len(lengths)
     out: dict = {}
     for name, kind in layout:

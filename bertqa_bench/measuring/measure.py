@@ -12,8 +12,12 @@
 """
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Optional
+
+from ..envinfo import cuda_visible_devices
+from .machine_state import MachineState
 
 _STATUS = Path("/proc/self/status")
 _CLEAR = Path("/proc/self/clear_refs")
@@ -51,8 +55,6 @@ def _nvml_handle():
         return None, None
     try:
         import torch
-
-        from ..envinfo import cuda_visible_devices
 
         pynvml.nvmlInit()
         index = torch.cuda.current_device()
@@ -98,8 +100,6 @@ class Probe:
 
     def start_timed(self, threads: Optional[int] = None) -> None:
         """Before the first timed pass: energy counters, and the machine's state (machine_state.py)."""
-        from .machine_state import MachineState
-
         self._machine = MachineState(threads, cuda=self.cuda, nvml=self._nvml, handle=self._handle)
         self._machine.start()
         self._energy_sum, self._rapl_sum = 0.0, 0.0
@@ -170,8 +170,6 @@ class UtilizationSampler:
     thread, for training's metrics; a no-op without a GPU or NVML."""
 
     def __init__(self, device, every_s: float = 0.5):
-        import threading
-
         self.samples: list[int] = []
         self._stop = threading.Event()
         self._nvml, self._handle = (None, None)

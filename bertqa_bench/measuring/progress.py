@@ -2,9 +2,12 @@
 seconds in a log (CI, a device run's captured output), nothing when disabled."""
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Optional
+
+from tqdm.auto import tqdm
 
 
 class Progress:
@@ -17,8 +20,6 @@ class Progress:
         self._enabled = enabled
         self._t0 = self._last = time.perf_counter()
         if enabled and getattr(self.stream, "isatty", lambda: False)():
-            from tqdm.auto import tqdm
-
             self._bar = tqdm(total=total, desc=desc, unit=unit, leave=False, file=self.stream)
 
     def update(self, n: int = 1, postfix: Optional[str] = None) -> None:
@@ -80,7 +81,6 @@ def quiet_library_bars(stream=None) -> None:
     stream = stream or sys.stderr
     if getattr(stream, "isatty", lambda: False)():
         return
-    import os
 
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:

@@ -27,6 +27,7 @@ import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Iterable, Iterator, Mapping, Optional
 
 import numpy as np
@@ -89,8 +90,6 @@ def sample_batches(plan: Plan, batches: list, n: int = 8) -> tuple:
 def make_context(model_dir, task: str, artifacts_dir, output_names, plan: Plan, batches: list,
                  max_seq_len: int) -> BackendContext:
     """What a backend prepares from: the model, and the run's shapes and real batches."""
-    from pathlib import Path
-
     return BackendContext(model_dir=Path(model_dir), task=task, artifacts_dir=Path(artifacts_dir),
                           output_names=tuple(output_names), sample_batches=sample_batches(plan, batches),
                           shapes=tuple(plan.shapes), max_batch_size=max(s[0] for s in plan.shapes),

@@ -25,9 +25,13 @@ import numpy as np
 from ..errors import BackendUnavailableError, BenchError, format_error  # noqa: F401 - format_error: worker's callers
 from ..io import atomic_write_json, atomic_write_with
 from ..record.schedule import shard_plan
+from .ddp import execute_distributed
 from .flops import model_dims, plan_flops
+from .interrupt import watch_parent
 from .job_setup import load_job
+from .loadgen_job import execute as execute_loadgen
 from .measure import Probe
+from .progress import quiet_library_bars
 from .runner import PreparedBackend, RunOutput, make_context, materialize, run_block
 
 
@@ -174,12 +178,8 @@ def run_job_safely(job: Job, channel=None) -> dict:
         if job.kind == "rounds":
             record, outputs = serve_rounds(job, *channel)
         elif job.kind == "loadgen":
-            from .loadgen_job import execute as execute_loadgen
-
             record, outputs = execute_loadgen(job)
         elif job.shard_count > 1:  # one rank of a data-parallel job (ddp.py)
-            from .ddp import execute_distributed
-
             record, outputs = execute_distributed(job, execute)
         else:
             record, outputs = execute(job)
@@ -208,9 +208,6 @@ def rounds_channel():
 
 
 def main(argv=None) -> int:
-    from .interrupt import watch_parent
-    from .progress import quiet_library_bars
-
     watch_parent()  # a parent killed without cleaning up (kill -9) must not leave this process running
     quiet_library_bars()  # the parent keeps this process's output in a log file
     argv = sys.argv[1:] if argv is None else argv

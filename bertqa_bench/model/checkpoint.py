@@ -31,7 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from ..errors import BenchError
+from ..config import resolve_path
+from ..errors import BenchError, MissingDependencyError
+from .weights_file import check_fits, check_weight_files, load_folder_tokenizer, safetensors_header
 
 
 class CheckpointError(BenchError):
@@ -104,8 +106,6 @@ class Checkpoint:
 
 
 def _is_local(spec: str) -> Optional[Path]:
-    from ..config import resolve_path
-
     for p in (Path(spec).expanduser(), resolve_path(spec)):
         if p.is_dir():
             return p.resolve()
@@ -120,8 +120,6 @@ def _download(spec: str, allow_pickle: bool) -> Path:
     try:
         from huggingface_hub import snapshot_download
     except ImportError:
-        from ..errors import MissingDependencyError
-
         raise MissingDependencyError("huggingface_hub", f"downloading checkpoint '{spec}'") from None
     patterns = [CONFIG_FILE, "*.safetensors", SAFETENSORS_INDEX, *TOKENIZER_FILES]
     if allow_pickle:
@@ -135,8 +133,6 @@ def _download(spec: str, allow_pickle: bool) -> Path:
 
 
 def _safetensors_keys(path: Path) -> list[str]:
-    from .weights_file import safetensors_header
-
     return list(safetensors_header(path))
 
 
@@ -202,8 +198,6 @@ def inspect_folder(name: str, folder: Path, *, allow_pickle: bool = False) -> Ch
     architectures = list(config.get("architectures") or [])
     entries: dict = {}
     if weights == "safetensors":
-        from .weights_file import check_weight_files
-
         entries = check_weight_files(folder)  # a damaged, empty or truncated file is named here
         keys = list(entries)
         has_head = any(k.startswith(QA_HEAD_PREFIX) or f".{QA_HEAD_PREFIX}" in k for k in keys)
@@ -246,8 +240,6 @@ def usable_positions(config: dict) -> Optional[int]:
 
 def check_model_fits(folder: Path, entries: dict) -> None:
     """The span head has 2 outputs and the tokenizer's ids fit the embedding matrix (weights_file)."""
-    from .weights_file import check_fits, load_folder_tokenizer
-
     check_fits(folder, entries, load_folder_tokenizer(folder))
 
 

@@ -22,6 +22,9 @@ import json
 from pathlib import Path
 from typing import Iterable, Optional
 
+from ..io import atomic_dir
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
 FAMILY_NAMES = ("bert", "roberta", "distilbert", "albert", "electra", "deberta-v2")
 TOKENIZER_KIND = {"bert": "wordpiece", "distilbert": "wordpiece", "electra": "wordpiece",
                   "roberta": "bpe", "albert": "unigram", "deberta-v2": "unigram"}
@@ -57,8 +60,6 @@ def config_kwargs(family: str, size: str, vocab_size: int, special: dict) -> dic
 
 
 def _train_bpe(texts: list[str], vocab_size: int):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -71,8 +72,6 @@ def _train_bpe(texts: list[str], vocab_size: int):
 
 
 def _train_unigram(texts: list[str], vocab_size: int, special: list[str], unk: str):
-    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
-
     tok = Tokenizer(models.Unigram())
     tok.normalizer = normalizers.NFKC()
     tok.pre_tokenizer = pre_tokenizers.Metaspace()
@@ -201,7 +200,6 @@ def build_checkpoint(family: str, out_dir: str | Path, *, texts: Optional[Iterab
     if with_head and head_scale != 1.0:
         with torch.no_grad():
             model.qa_outputs.weight.mul_(head_scale)
-    from ..io import atomic_dir
 
     out = Path(out_dir)
     with atomic_dir(out) as tmp:  # a folder appears whole or not at all

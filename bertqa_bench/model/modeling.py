@@ -8,7 +8,9 @@ TensorRT use too.
 """
 from __future__ import annotations
 
+import inspect
 import json
+import logging
 from pathlib import Path
 from typing import Optional
 
@@ -17,6 +19,7 @@ import torch
 from ..config import resolve_path
 from ..errors import MissingDependencyError
 from ..tasks import get_task
+from .grow import grow_encoder
 
 EMBEDDED_PREFIX = "embedded:"
 
@@ -61,7 +64,6 @@ def build_model(task: str, base: str, *, random_init: bool = False, config_overr
         model = cls.from_config(config) if hasattr(cls, "from_config") else cls(config)
         if not grow_from:
             return model, {"init": "random"}
-        from .grow import grow_encoder
 
         encoder, info = grow_encoder(resolve_base(grow_from), config, stack=grow_stack)
         own = model.bert.state_dict()
@@ -92,22 +94,16 @@ class _load_report:
         return True
 
     def __enter__(self) -> "_load_report":
-        import logging
-
         logging.getLogger(self.LOGGER).addFilter(self)
         return self
 
     def __exit__(self, *exc) -> bool:
-        import logging
-
         logging.getLogger(self.LOGGER).removeFilter(self)
         if exc[0] is not None:
             self.release()  # loading failed: whatever transformers said is part of the error
         return False
 
     def release(self) -> None:
-        import logging
-
         logger = logging.getLogger(self.LOGGER)
         for record in self.held:
             logger.handle(record)
@@ -132,8 +128,6 @@ def takes_token_type_ids(model) -> bool:
     """Whether the model uses segment ids: DistilBERT's forward has no such argument, and
     DeBERTa-v2 with type_vocab_size 0 ignores them. Passing them where they are not taken would
     fail (DistilBERT) or export a dead input."""
-    import inspect
-
     if "token_type_ids" not in inspect.signature(model.forward).parameters:
         return False
     return int(getattr(model.config, "type_vocab_size", 1) or 0) > 0

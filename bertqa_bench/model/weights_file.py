@@ -17,6 +17,8 @@ import json
 import math
 from pathlib import Path
 
+from safetensors import safe_open
+
 from ..errors import BenchError
 
 # Bytes per element of the safetensors dtypes (the format's own list).
@@ -75,8 +77,6 @@ def safetensors_header(path: str | Path) -> dict:
         raise ModelFileError(path, "empty file (0 bytes): the weights were never written, or were lost; "
                                    "copy, download or train them again")
     try:
-        from safetensors import safe_open
-
         with safe_open(str(path), framework="pt"):
             pass
     except Exception as e:  # noqa: BLE001 - SafetensorError and OS errors alike: the file is unusable

@@ -18,6 +18,7 @@ import dataclasses
 import io
 import json
 import math
+import secrets
 import typing
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -26,14 +27,13 @@ from typing import Any, Optional
 
 from ..errors import BenchError
 from ..io import atomic_write_json, atomic_write_text
+from ..tasks.squad.reader import read_json
 from .parity import ParityResult
 
 
 def new_run_id(suite: str) -> str:
     """``<UTC timestamp>-<4 random hex>-<suite>``: runs started in the same second differ (the
     folder is then claimed exclusively, run_folder.claim), and names still sort by start time."""
-    import secrets
-
     return datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S") + f"-{secrets.token_hex(2)}-{suite}"
 
 
@@ -343,8 +343,6 @@ def read_json_object(path: Path) -> dict:
     """A JSON object from one of a bundle's files, or a one-line error naming the file: the
     dataset reader's strict parse (encoding, syntax with line and column, nesting, huge numbers),
     then the object check a bundle's files need."""
-    from ..tasks.squad.reader import read_json
-
     value = read_json(path)
     if not isinstance(value, dict):
         raise BenchError(f"{path}: holds a JSON {type(value).__name__}, not an object")

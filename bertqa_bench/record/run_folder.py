@@ -19,12 +19,14 @@ predictions and logs beside its own. Now:
 from __future__ import annotations
 
 import errno
+import json
 import re
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Callable, Optional
 
+from ..config import resolve_path
 from ..errors import BenchError
 
 # Names under results/ that are not runs: the MLflow store and artifacts, profiles, committed
@@ -55,8 +57,6 @@ def describe(d: Path) -> str:
     """What an existing folder holds, for the refusal message."""
     meta = d / "run.json"
     if meta.exists():
-        import json
-
         try:
             m = json.loads(meta.read_text())
             return f"run {m.get('run_id', d.name)} of suite {m.get('suite', '?')}, {m.get('status', '?')}"
@@ -143,8 +143,6 @@ def check_writable(path: Path, what: str, need_mib: int) -> None:
 
 def preflight(cfg, run_id: Optional[str] = None, overwrite: bool = False, resume: bool = False) -> None:
     """Everything a run's folders must allow, checked before the model or the data is touched."""
-    from ..config import resolve_path
-
     if not resume:
         refuse_taken(cfg.results_root, run_id, overwrite)
     for what, path in (("results", cfg.results_root), ("cache", cfg.cache_root),

@@ -11,6 +11,7 @@ from typing import Optional
 from ..io import atomic_write_text
 from ..record.parity import noise_note
 from ..record.results import BackendResult, RunBundle, RunMeta, rows_to_csv
+from .colors import for_results
 from .loadgen_results import loadgen_table
 from .recommend import for_run
 
@@ -266,8 +267,6 @@ def plot(results: list[BackendResult], meta: RunMeta, path: Path) -> Optional[Pa
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from .colors import for_results
 
     colour = for_results(results, meta.variants)
     metric = meta.primary_metric

@@ -9,6 +9,8 @@ from typing import Optional, Sequence
 
 from ..io import atomic_write_text
 from ..record.results import BackendResult, RunBundle
+from .colors import for_results
+from .report import recommendation
 
 
 def point_name(variant: str, batch_size: int, batching: str, devices: int = 1) -> str:
@@ -82,8 +84,6 @@ def plot(results: list[BackendResult], path: Path, variants: Sequence[str] = ())
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .colors import for_results
-
     colour = for_results(results, variants)  # the same colour as the backend's bar in comparison.png
     fig, ax = plt.subplots(figsize=(9, 5))
     for (name, batching), pts in sorted(series.items()):
@@ -121,8 +121,6 @@ def sweep_tables(bundle: RunBundle) -> str:
 
 def write_sweep_report(bundle: RunBundle) -> str:
     """sweep.md (the run's recommendation first, then its tables) and sweep.png."""
-    from .report import recommendation
-
     md = "\n".join([f"# Sweep {bundle.meta.run_id}", "", *recommendation(bundle).lines(), "", sweep_tables(bundle)])
     atomic_write_text(bundle.dir / "sweep.md", md)
     plot(bundle.results, bundle.dir / "sweep.png", bundle.meta.variants)

@@ -42,6 +42,7 @@ nor stop a training.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -51,10 +52,14 @@ from pathlib import Path
 from typing import Iterable, Optional
 from urllib.parse import quote
 
+from filelock import FileLock
+
 from ..errors import BenchError
+from ..record.parity import Verdict
 from .colors import BackendColors
 from ..record.results import BackendResult, RunBundle, RunMeta
 from .mlflow_views import comparison_charts, comparison_frame, result_view, view_columns
+from .recommend import for_run
 from .training_run import TrainingRun
 
 # MLflow's experiment "kind" (set_experiment_tag; the UI's kind selector writes the same tag):
@@ -88,11 +93,8 @@ def default_tracking_uri(results_root: Path) -> str:
 def store_lock(uri: str, results_root: Path, timeout_s: float = 300.0):
     """An inter-process lock around opening a SQLite store (its creation and schema migration
     are not safe to run twice at once); a no-op for server stores, which serialize themselves."""
-    import contextlib
-
     if not uri.startswith("sqlite:///"):
         return contextlib.nullcontext()
-    from filelock import FileLock
 
     db = Path(uri[len("sqlite:///"):])
     db.parent.mkdir(parents=True, exist_ok=True)
@@ -327,8 +329,6 @@ class Tracker:
 
     def finish_bench(self, bundle: RunBundle, verdict) -> None:
         def go():
-            from .recommend import for_run
-
             ok = [r for r in bundle.results if r.ok]
             rec = for_run(bundle.results, bundle.meta)  # decided parity passes only
             metrics = {"n_backends_ok": len(ok),
@@ -452,8 +452,6 @@ def ui_links(results_root: Path, base: str = DEFAULT_UI) -> list[str]:
 def import_bundle(bundle: RunBundle, results_root: Path) -> str:
     """Log a result bundle written without MLflow (e.g. on a GPU machine) as a parent run with one
     child per backend, exactly as a live ``bench`` would have."""
-    from ..record.parity import Verdict
-
     tracker = Tracker(results_root)
     if not tracker.active:
         raise RuntimeError("MLflow is not available")

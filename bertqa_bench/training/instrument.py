@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import queue
+import threading
 import time
 from pathlib import Path
 from typing import Optional
 
 import torch
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from ..io import atomic_write_json
+from ..measuring.trace_tables import phase_times, top_kernels, write_profile
 
 
 def profile_window(total_steps: int, n: int) -> Optional[tuple[int, int]]:
@@ -39,7 +43,6 @@ class StepProfiler:
     def begin(self, step: int) -> None:
         if step != self.start or self.prof is not None:
             return
-        from torch.profiler import ProfilerActivity, profile
 
         t = time.perf_counter()
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
@@ -63,16 +66,12 @@ class StepProfiler:
         self.overhead_s += time.perf_counter() - t
 
     def phase(self, name: str):
-        from torch.profiler import record_function
-
         return record_function(f"train/{name}") if self.active else contextlib.nullcontext()
 
     def write(self, out: Path, top: int = 25) -> dict:
         """trace.json, top_kernels.{txt,csv} (profile.py's tables), kernels.md (kernel name,
         calls, total ms, % of the window) and profile.json (step time, GPU idle fraction, time
         per phase on the host)."""
-        from ..measuring.trace_tables import phase_times, top_kernels, write_profile
-
         res = write_profile(self.prof, out, self.cuda, top=top)
         kernels = top_kernels(res["trace"], top=top) if self.cuda else []
         what = "kernel" if kernels else "operator (self CPU)"
@@ -105,9 +104,6 @@ class Prefetcher:
     """Builds the next micro-batches (trim, gather, pin) in a thread while the GPU works."""
 
     def __init__(self, make, items, depth: int = 4):
-        import queue
-        import threading
-
         self._q: "queue.Queue" = queue.Queue(maxsize=depth)
         self._err: list = []
 

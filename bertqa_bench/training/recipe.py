@@ -2,9 +2,13 @@
 beside it and compared before reuse; fields that only change speed or evaluation are left out."""
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 from pathlib import Path
 from typing import Optional
+
+import tokenizers
 
 from ..config import ADDED_DEFAULTS, METRICS_FILE, SuiteConfig
 
@@ -32,9 +36,6 @@ _HOW_FAST = {"num_threads", "compile", "compile_scope", "graph_layers", "compile
 def recipe_fields(cfg: SuiteConfig) -> dict:
     """What the trained weights depend on — model, training, training data and windowing, the
     task's options and the featurizing libraries — flattened to ``section.field`` keys."""
-    import dataclasses
-
-    import tokenizers
     import transformers
 
     opts = cfg.task.options
@@ -63,8 +64,6 @@ def model_recipe(cfg: SuiteConfig, fields: Optional[dict] = None) -> str:
     """The recipe's hash (of ``fields`` when the caller has them already). A saved model whose
     recipe differs is retrained (the log names the fields that differ), so a changed suite never
     silently reuses a stale model, and an unchanged one is trained once per machine."""
-    import hashlib
-
     fields = recipe_fields(cfg) if fields is None else fields
     return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
 

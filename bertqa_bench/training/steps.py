@@ -10,7 +10,10 @@ from typing import Optional
 
 import numpy as np
 import torch
+import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
+from .graphed_layers import GraphedLayers, first_layer_inputs
 from .prepared_mask import PreparedMask, has_padding
 
 
@@ -53,7 +56,6 @@ def register_comm_hook(ddp_model, name: str) -> None:
     DDP's built-in FP32 all-reduce, which divides each gradient on its own."""
     if name == "none":
         return
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     ddp_model.register_comm_hook(None, {"allreduce": default_hooks.allreduce_hook,
                                         "bf16": default_hooks.bf16_compress_hook,
@@ -100,8 +102,6 @@ def masked_span_loss(start_logits: torch.Tensor, end_logits: torch.Tensor, atten
     positions ignored; NQ's: plus the answer-type cross-entropy, over 3) with the padding
     positions' logits masked out of the softmax, in FP32. Padding then adds exactly nothing to the
     loss, so trimming a batch to 200 or to 256 tokens trains the same model up to numerics."""
-    import torch.nn.functional as F
-
     pad = attention_mask == 0
     ignored = start_logits.size(1)
 
@@ -206,8 +206,6 @@ def capture_layers(model: torch.nn.Module, loss_fn, label_keys: tuple, amp_dtype
     see the mask exactly as the model builds it. The capture's warm-up runs draw dropout masks
     and compute gradients that autograd does not keep; the RNG state is put back after. Returns
     (the GraphedLayers, now routing the layers' calls, and seconds)."""
-    from .graphed_layers import GraphedLayers, first_layer_inputs
-
     blocks = repeated_blocks(model)
     if not blocks:
         raise ValueError(f"train.graph_layers: {type(model).__name__} has no repeated layer stack to capture")

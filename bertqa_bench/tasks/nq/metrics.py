@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence, Union
 
+import numpy as np
+
 from ...errors import DatasetFormatError
 from .reader import NQExample, YES_NO_VALUES, load_nq_jsonl
 
@@ -250,8 +252,6 @@ def question_scores(gold_examples: Sequence[NQExample], predictions: Union[Mappi
     at this run's own F1-optimal thresholds; ``metrics_from_sums`` of their column sums gives
     ``nq_evaluate``'s long_f1, short_f1 and micro_f1. The bootstrap holds the thresholds fixed
     (re-optimizing them per resample would widen the interval slightly)."""
-    import numpy as np
-
     long_stats, short_stats, _ = _example_stats(gold_examples, predictions, "<predictions>",
                                                 long_non_null_threshold, short_non_null_threshold)
     out = np.zeros((len(gold_examples), 2 * _KIND_COLUMNS), dtype=np.float64)
@@ -266,8 +266,6 @@ def question_scores(gold_examples: Sequence[NQExample], predictions: Union[Mappi
 
 def metrics_from_sums(sums, n: int) -> dict:
     """long_f1, short_f1, micro_f1 (percent) from column sums of ``question_scores``."""
-    import numpy as np
-
     s = np.asarray(sums, dtype=np.float64)
 
     def f1(p, r):

@@ -16,7 +16,12 @@ from ...config import DataConfig, SuiteConfig, resolve_path
 from ...errors import ConfigError
 from ..features import Features
 from ..base import Task
-from .model import NQ_OUTPUTS
+from .features import featurize_nq
+from .metrics import metrics_from_sums, nq_evaluate, question_scores, score_nq_files
+from .model import NQ_OUTPUTS, BertJointForNaturalQuestions
+from .postprocess import postprocess_nq
+from .reader import load_nq_jsonl
+from .synthetic import ensure_nq_files
 
 
 @dataclass
@@ -61,14 +66,10 @@ class NQTask(Task):
     Options = NQOptions
 
     def model_class(self) -> type:
-        from .model import BertJointForNaturalQuestions
-
         return BertJointForNaturalQuestions
 
     def data_files(self, data: DataConfig, split: str) -> list[Path]:
         if data.source == "nq-synthetic":
-            from .synthetic import ensure_nq_files
-
             train, dev = ensure_nq_files(resolve_path(data.data_dir), data.synthetic)
             return [train if split == "train" else dev]
         f = data.train_file if split == "train" else data.dev_file
@@ -77,16 +78,12 @@ class NQTask(Task):
         return [resolve_path(f)]
 
     def load_examples(self, cfg: SuiteConfig, split: str) -> list:
-        from .reader import load_nq_jsonl
-
         d = cfg.data
         cap = d.max_train_examples if split == "train" else d.max_eval_examples
         # The cap is applied while reading: real NQ train is ~17 GB of jsonl.
         return load_nq_jsonl(self.data_files(d, split)[0], limit=cap or None)
 
     def featurize(self, examples, tokenizer, cfg, *, train=False):
-        from .features import featurize_nq
-
         d, o = cfg.data, cfg.task.options
         return featurize_nq(examples, tokenizer, max_seq_len=d.max_seq_len, doc_stride=d.doc_stride,
                             max_query_len=d.max_query_len, train=train, markers=o.markers,
@@ -98,8 +95,6 @@ class NQTask(Task):
         return {**super().train_labels(features), "answer_types": features.extra["answer_types"]}
 
     def postprocess(self, examples, features, outputs, cfg):
-        from .postprocess import postprocess_nq
-
         o = cfg.task.options
         return postprocess_nq(examples, features, outputs["start_logits"], outputs["end_logits"],
                               outputs["answer_type_logits"], top_k=o.top_k, max_answer_len=o.max_answer_len)
@@ -107,28 +102,20 @@ class NQTask(Task):
     def score_files(self, gold, predictions, long_non_null_threshold: int = 2, short_non_null_threshold: int = 2,
                     **_) -> dict:
         """The official NQ evaluator's long/short P/R/F1 and the micro-F1 of a predictions file."""
-        from .metrics import score_nq_files
-
         return score_nq_files(gold, predictions, long_non_null_threshold=long_non_null_threshold,
                               short_non_null_threshold=short_non_null_threshold)
 
     def score(self, examples, predictions, cfg):
-        from .metrics import nq_evaluate
-
         o = cfg.task.options
         return nq_evaluate(examples, predictions, long_non_null_threshold=o.long_non_null_threshold,
                            short_non_null_threshold=o.short_non_null_threshold)
 
     def question_scores(self, examples, predictions, cfg):
-        from .metrics import question_scores
-
         o = cfg.task.options
         return question_scores(examples, predictions, long_non_null_threshold=o.long_non_null_threshold,
                                short_non_null_threshold=o.short_non_null_threshold)
 
     def metrics_from_sums(self, sums, n):
-        from .metrics import metrics_from_sums
-
         return metrics_from_sums(sums, n)
 
     def agreement(self, predictions, reference):

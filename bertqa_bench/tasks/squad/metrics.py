@@ -20,7 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Optional
 
+import numpy as np
+
 from ...errors import DatasetFormatError
+from .reader import read_json
 from .types import QAExample
 
 log = logging.getLogger(__name__)
@@ -98,8 +101,6 @@ def squad_evaluate(examples: list[QAExample], predictions: Mapping[str, str]) ->
 def question_scores(examples: list[QAExample], predictions: Mapping[str, str]):
     """[questions, 2] per-question (exact match, F1) in 0-1, in ``examples`` order: the terms whose
     means are ``squad_evaluate``'s scores (a missing prediction scores 0, as there)."""
-    import numpy as np
-
     out = np.zeros((len(examples), 2), dtype=np.float64)
     for i, ex in enumerate(examples):
         if ex.id in predictions:
@@ -133,8 +134,6 @@ def _pairs_hook(pairs: list) -> dict:
 
 def _read_predictions_object(path: Path) -> dict:
     """The predictions file's top-level JSON object (values unchecked), as ``json.load`` reads it."""
-    from .reader import read_json
-
     obj = read_json(path, object_pairs_hook=_pairs_hook)
     if not isinstance(obj, dict):
         raise DatasetFormatError(path, "<top level>", "<predictions>",
@@ -210,8 +209,6 @@ def read_scoring_dataset(path) -> ScoringDataset:
     Raises DatasetFormatError (file, record, field) for what the official script cannot score and
     for a file with no questions; records everything else it tolerates in ``.tolerated``.
     """
-    from .reader import read_json
-
     path = Path(path)
     obj = read_json(path)
     ds = ScoringDataset(path)

@@ -24,8 +24,11 @@ from collections import Counter
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Optional
 
+import numpy as np
+
 from ...errors import DatasetFormatError
-from .metrics import normalize_answer
+from .metrics import normalize_answer, read_scoring_files, warn_stderr
+from .reader import read_json
 
 
 def _tokens(s: str) -> list[str]:
@@ -122,15 +125,11 @@ def question_scores_v2(examples, predictions: Mapping[str, str]):
     """[questions, 2] per-question (exact, F1) in 0-1, in ``examples`` order: the terms whose
     means are ``squad_v2_evaluate``'s exact_match and f1 (parity's paired bootstrap resamples
     them). A missing prediction scores 0."""
-    import numpy as np
-
     exact, f1, _ = raw_scores(((ex.id, [a.text for a in ex.answers]) for ex in examples), predictions)
     return np.array([[exact.get(ex.id, 0.0), f1.get(ex.id, 0.0)] for ex in examples], dtype=np.float64).reshape(-1, 2)
 
 
 def _read_na_probs(path: Path) -> dict:
-    from .reader import read_json
-
     obj = read_json(path)
     if not isinstance(obj, dict):
         raise DatasetFormatError(path, "<top level>", "<na probs>", "expected a JSON object: question id -> number")
@@ -143,8 +142,6 @@ def _read_na_probs(path: Path) -> dict:
 def score_v2_files(dataset_path, predictions_path, *, na_prob_file=None, na_prob_thresh: float = 1.0,
                    warn: Optional[Callable[[str], None]] = None) -> dict:
     """``bertqa-bench score`` on a v2.0 dataset: the official script's keys, in its order."""
-    from .metrics import read_scoring_files, warn_stderr
-
     warn = warn or warn_stderr
     dataset_path, predictions_path, ds, raw = read_scoring_files(dataset_path, predictions_path)
     ids = [qid for qid, _, _ in ds.questions]

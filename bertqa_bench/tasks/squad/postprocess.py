@@ -10,6 +10,7 @@ the higher-ranked start, then the higher-ranked end.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence
 
 import numpy as np
@@ -140,8 +141,6 @@ def na_probability(na_score: float, threshold: float = 0.0) -> float:
     whose value is above 0.5 answers "" (so does one whose windows hold no valid span). Above
     a difference of ~37 past the threshold, float64 rounds the value to 1.0 (ties there keep the
     file's order, in the suite's scores and the evaluator's alike: both read these values)."""
-    import math
-
     x = float(na_score) - float(threshold)
     if x >= 0:
         return 1.0 / (1.0 + math.exp(-x))

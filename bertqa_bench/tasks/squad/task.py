@@ -18,6 +18,12 @@ import numpy as np
 from ...config import DataConfig, SuiteConfig, resolve_path
 from ...errors import ConfigError
 from ..base import Task
+from .features import tokenize_examples
+from .metrics import question_scores, score_files, squad_evaluate
+from .metrics_v2 import question_scores_v2, score_v2_files, squad_v2_evaluate
+from .postprocess import postprocess_qa, postprocess_qa_v2
+from .reader import is_v2, load_squad_hf, load_squad_json, read_json
+from .synthetic import ensure_squad_files
 
 
 @dataclass
@@ -54,8 +60,6 @@ class SquadTask(Task):
 
     def data_files(self, data: DataConfig, split: str) -> list[Path]:
         if data.source == "synthetic":
-            from .synthetic import ensure_squad_files
-
             train, dev = ensure_squad_files(resolve_path(data.data_dir), data.synthetic)
             return [train if split == "train" else dev]
         if data.source == "squad-json":
@@ -66,8 +70,6 @@ class SquadTask(Task):
         return []
 
     def load_examples(self, cfg: SuiteConfig, split: str) -> list:
-        from .reader import load_squad_hf, load_squad_json
-
         d = cfg.data
         files = self.data_files(d, split)
         if files:
@@ -78,8 +80,6 @@ class SquadTask(Task):
         return examples[:cap] if cap else examples
 
     def featurize(self, examples, tokenizer, cfg, *, train=False):
-        from .features import tokenize_examples
-
         d = cfg.data
         return tokenize_examples(examples, tokenizer, max_seq_len=d.max_seq_len, doc_stride=d.doc_stride,
                                  max_query_len=d.max_query_len, train=train)
@@ -91,8 +91,6 @@ class SquadTask(Task):
         return bool(forced) if forced is not None else any(ex.version_2 or ex.is_impossible for ex in examples)
 
     def postprocess(self, examples, features, outputs, cfg):
-        from .postprocess import postprocess_qa, postprocess_qa_v2
-
         o = cfg.task.options
         if self.is_v2(examples, cfg):
             return postprocess_qa_v2(examples, features, outputs["start_logits"], outputs["end_logits"],
@@ -104,10 +102,6 @@ class SquadTask(Task):
     def score_files(self, gold, predictions, na_prob_file=None, na_prob_thresh: float = 1.0, **_) -> dict:
         """The official v1.1 EM/F1, or for a v2.0 file the official v2.0 script's keys (with its
         no-answer probability file and threshold)."""
-        from .metrics import score_files
-        from .metrics_v2 import score_v2_files
-        from .reader import is_v2, read_json
-
         if is_v2(read_json(gold)):
             return score_v2_files(gold, predictions, na_prob_file=na_prob_file, na_prob_thresh=na_prob_thresh)
         if na_prob_file:
@@ -115,11 +109,7 @@ class SquadTask(Task):
         return score_files(gold, predictions)
 
     def score(self, examples, predictions, cfg):
-        from .metrics import squad_evaluate
-
         if self.is_v2(examples, cfg):
-            from .metrics_v2 import squad_v2_evaluate
-
             # exact/f1 and HasAns/NoAns as the official script gives them without a na-prob file
             # (and with the one side_files writes, at its defaults: those values are probabilities,
             # postprocess.na_probability); best_exact/best_f1 and their thresholds from that file's
@@ -138,12 +128,8 @@ class SquadTask(Task):
         return {"na_prob": na} if na is not None else {}
 
     def question_scores(self, examples, predictions, cfg):
-        from .metrics import question_scores
-
         if self.is_v2(examples, cfg):
             # the v2.0 evaluator's per-question exact/F1 (no-answer rules): their means are score()'s
-            from .metrics_v2 import question_scores_v2
-
             return question_scores_v2(examples, predictions)
         return question_scores(examples, predictions)
 
