@@ -622,8 +622,28 @@ class SuiteConfig:
     def cache_root(self) -> Path:
         return resolve_path(self.cache_dir)
 
+    @property
+    def folders(self) -> dict[str, Path]:
+        """The folders a run writes to, by the name its settings give them (``<name>_dir``)."""
+        return {"results": self.results_root, "cache": self.cache_root, "models": resolve_path(self.models_dir)}
+
+    def evalset_spec(self) -> "EvalSetSpec":
+        """What the data stage takes from the suite (the sections it needs, not the whole config)."""
+        return EvalSetSpec(self.data, self.task.options, self.train.seed, self.cache_root)
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class EvalSetSpec:
+    """What an evaluation (or training) set is made from: the data section, the task's own options,
+    the training seed (NQ samples its training windows with it) and the cache folder. The data
+    stage and the tasks take this, not the whole suite."""
+    data: DataConfig
+    options: Any  # the task's Options dataclass (TaskConfig.options)
+    seed: int = 0
+    cache_root: Path = Path("cache")
 
 
 def _number(value, where: str) -> float:

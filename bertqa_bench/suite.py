@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import yaml
 
-from .backends.variants import canonicalize
+from .backends.variants import VariantTable, note_once
 from .config import BENCHMARKS_DIR, SuiteConfig, TaskConfig, build
-from .errors import ConfigError
+from .errors import ConfigError, UnknownBackendError
 from .tasks import get_task
 
 
@@ -171,3 +171,22 @@ def suite_from_dict(raw: dict, where: str = "<saved config>") -> SuiteConfig:
     cfg = build(SuiteConfig, dict(raw), where)
     resolve_task(cfg)
     return cfg
+
+
+def canonicalize(cfg: SuiteConfig, note: Optional[Callable[[str], None]] = note_once) -> VariantTable:
+    """The suite's backend names as their rows will be named (old names: the catalogue's, with a
+    note each); an unknown name fails here, before any work. Returns the suite's table."""
+    table = VariantTable.for_suite(cfg.variants, cfg.bench.device)
+    b = cfg.bench
+    b.reference = table.canonical_names([b.reference], note)[0]
+    b.backends = [b.reference] + [n for n in table.canonical_names(b.backends, note) if n != b.reference]
+    renamed = {}
+    for name, tol in cfg.parity.overrides.items():
+        try:
+            renamed[table.canonical(name)] = tol
+        except UnknownBackendError as e:  # a typo'd name: its tolerance would never apply
+            raise ConfigError(f"parity.overrides: {e}") from None
+        except ConfigError:  # a tolerance for a name this suite never runs
+            renamed[name] = tol
+    cfg.parity.overrides = renamed
+    return table

@@ -137,7 +137,7 @@ def main() -> int:
 
     cfg = load_suite(a.suite, ["loadgen.min_duration_ms=5000", "loadgen.peak_max_runs=8",
                                "loadgen.server_max_batch=256", "loadgen.server_batch_sizes=[8,32,128]", *a.overrides])
-    ev = load_evalset(cfg, get_task(cfg.task.name), resolve_base("embedded:all-MiniLM-L6-v2"))
+    ev = load_evalset(cfg.evalset_spec(), get_task(cfg.task.name), resolve_base("embedded:all-MiniLM-L6-v2"))
     f = ev.features
     inputs = {"input_ids": f.input_ids, "attention_mask": f.attention_mask, "token_type_ids": f.token_type_ids}
     lengths = f.attention_mask.sum(axis=1).astype(np.int64)

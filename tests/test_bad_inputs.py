@@ -156,12 +156,12 @@ def test_a_stale_empty_cache_entry_is_not_reused(checkpoint, corpus, tmp_path):
     dev.write_text(json.dumps({"version": "1.1", "data": []}))
     cfg = load_suite(str(_suite(tmp_path, corpus)), ["data.source=squad-json", f"data.dev_file={json.dumps(str(dev))}"])
     task = get_task(cfg.task.name)
-    key = evalset_key(cfg, task, str(checkpoint), "dev", False)
+    key = evalset_key(cfg.evalset_spec(), task, str(checkpoint), "dev", False)
     stale = cfg.cache_root / "evalsets" / f"{task.name}-dev-{key}"
     stale.mkdir(parents=True)
     (stale / "meta.json").write_text(json.dumps({"key": key, "n_questions": 0, "n_features": 0, "build_s": 0}))
     with pytest.raises(BenchError, match="no questions"):
-        load_evalset(cfg, task, str(checkpoint))
+        load_evalset(cfg.evalset_spec(), task, str(checkpoint))
     assert not stale.exists()
 
 

@@ -7,12 +7,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from bertqa_bench.backends.variants import (ALIASES, CATALOGUE, DERIVED_BATCHINGS, VariantTable, canonicalize,
-                                            experiment_renames,
-                                            default_table)
-from bertqa_bench.config import SuiteConfig
+from bertqa_bench.backends.variants import (ALIASES, CATALOGUE, DERIVED_BATCHINGS, VariantTable, default_table,
+                                            experiment_renames)
 from bertqa_bench.reporting.recommend import _overlap
-from bertqa_bench.suite import load_suite, suite_names
+from bertqa_bench.suite import canonicalize, load_suite, suite_names
 
 REFERENCE = Path(__file__).resolve().parent.parent / "results" / "reference"
 RUNTIMES = ("eager", "torch-compile", "ort", "openvino", "tensorrt")
@@ -22,7 +20,7 @@ GRAMMAR = re.compile(rf"(?P<runtime>{'|'.join(RUNTIMES)})-(?P<precision>{'|'.joi
 
 
 def table(device):
-    return VariantTable.for_suite(SuiteConfig(bench={"device": device}))
+    return VariantTable.for_suite(device=device)
 
 
 def test_every_catalogue_name_follows_the_one_rule_and_says_what_it_is():
@@ -54,7 +52,7 @@ def _suite_rows():
     """(suite, its device, the (name, device) of each backend it runs)."""
     for name in suite_names():
         cfg = load_suite(name)
-        t = VariantTable.for_suite(cfg)
+        t = VariantTable.for_suite(cfg.variants, cfg.bench.device)
         yield name, cfg.bench.device, {(v.name, v.device) for v in t.require(cfg.bench.backends)}
 
 

@@ -81,7 +81,7 @@ def test_the_limit_object_names_its_setting_through_a_data_parallel_failure():
     from bertqa_bench.measuring.launcher import TimeLimit, time_limit
     from bertqa_bench.backends.variants import VariantTable
 
-    table = VariantTable.for_suite(None)
+    table = VariantTable.for_suite()
     ref = table.get("eager-fp32")
     assert time_limit(ref, 1800).setting == "bench.timeout_s" and float(time_limit(ref, 1800)) == 1800.0
     limit = pickle.loads(pickle.dumps(TimeLimit(15, "variant x's own timeout_s, not bench.timeout_s")))

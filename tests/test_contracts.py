@@ -32,7 +32,7 @@ def plugins(tmp_path, monkeypatch):
 def test_a_plugin_variant_with_an_unknown_key_fails_naming_the_valid_ones(plugins, tiny_suite):
     from bertqa_bench.backends.variants import VariantTable
 
-    table = VariantTable.for_suite(None)  # the other backends stay usable
+    table = VariantTable.for_suite()  # the other backends stay usable
     assert "eager-fp32" in table.names() and "misdeclared" in table.broken()
     with pytest.raises(ConfigError, match=r"unknown field\(s\) timout_s; valid: .*timeout_s"):
         load_suite(str(tiny_suite(backends=["eager-fp32", "misdeclared"])))

@@ -48,7 +48,7 @@ def setup(tmp_path):
                            cache_dir=str(tmp_path / "cache"))
 
     def load(c=None):
-        return load_evalset(c or cfg(), task, str(tok))
+        return load_evalset((c or cfg()).evalset_spec(), task, str(tok))
 
     first = load()
     assert not first.cache_hit and len(first.features) > len(first.examples)  # the context spans windows

@@ -633,7 +633,7 @@ def assert_sound(cfg) -> None:
     b, d, t = cfg.bench, cfg.data, cfg.train
     assert b.backends and all(isinstance(n, str) for n in b.backends)
     assert b.backends[0] == b.reference and b.reference not in b.backends[1:]  # the reference runs first, once
-    assert len(VariantTable.for_suite(cfg).require(b.backends)) == len(b.backends)  # every name resolves
+    assert len(VariantTable.for_suite(cfg.variants, cfg.bench.device).require(b.backends)) == len(b.backends)  # every name resolves
     assert b.batching in BATCHINGS and b.batch_size >= 1 and b.warmup_batches >= 1 and b.min_passes >= 1
     assert _finite_number(b.timeout_s) and b.timeout_s > 0 and b.seq_multiple >= 1
     assert _finite_number(b.min_duration_s) and b.min_duration_s >= 0

@@ -45,7 +45,7 @@ def test_the_default_thread_plan_never_exceeds_the_cores_the_process_may_use(aff
         for variant in ("eager-fp32", "onnxruntime", "openvino"):
             from bertqa_bench.backends.variants import VariantTable
 
-            v = VariantTable.for_suite(None).get(variant)
+            v = VariantTable.for_suite().get(variant)
             job = Job(variant=v.to_dict(), model_dir="", task="squad", artifacts_dir="", evalset="", plan="",
                       outputs="", result="", output_names=[], token_outputs=[], max_seq_len=8)
             torch.set_num_threads(64)  # whatever came before must not leak into the plan

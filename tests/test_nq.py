@@ -481,23 +481,23 @@ def test_task_end_to_end_with_fake_outputs(tmp_path, tok):
                       task=TaskConfig("nq", NQOptions()))
     task = get_task("nq")
     assert isinstance(task, NQTask) and task.primary_metric == "micro_f1"
-    dev = task.load_examples(cfg, "dev")
+    dev = task.load_examples(cfg.data, "dev")
     assert len(dev) == 6
-    feats = task.featurize(dev, tok, cfg)
+    feats = task.featurize(dev, tok, cfg.evalset_spec())
     rng = np.random.default_rng(0)
     outs = {"start_logits": rng.normal(size=feats.input_ids.shape).astype(np.float32),
             "end_logits": rng.normal(size=feats.input_ids.shape).astype(np.float32),
             "answer_type_logits": rng.normal(size=(len(feats), 5)).astype(np.float32)}
-    preds = task.postprocess(dev, feats, outs, cfg)
+    preds = task.postprocess(dev, feats, outs, cfg.task.options)
     assert len(preds["predictions"]) == 6
     json.loads(json.dumps(preds))
-    scores = task.score(dev, preds, cfg)
+    scores = task.score(dev, preds, cfg.task.options)
     assert set(task.metric_names) <= set(scores)
     assert task.agreement(preds, preds) == (6, 6)
     other = json.loads(json.dumps(preds))
     other["predictions"][0]["yes_no_answer"] = "NO" if preds["predictions"][0]["yes_no_answer"] != "NO" else "YES"
     assert task.agreement(other, preds) == (5, 6)
-    tr = task.featurize(task.load_examples(cfg, "train"), tok, cfg, train=True)
+    tr = task.featurize(task.load_examples(cfg.data, "train"), tok, cfg.evalset_spec(), train=True)
     labels = task.train_labels(tr)
     assert set(labels) == {"start_positions", "end_positions", "answer_types"}
     assert all(len(v) == len(tr) for v in labels.values())
@@ -571,15 +571,14 @@ def test_task_options_reach_the_metric_and_match_the_restated_official_rules(tmp
     task = get_task("nq")
     base = DataConfig(source="nq-synthetic", data_dir=str(tmp_path), max_seq_len=128, doc_stride=64,
                       synthetic=SyntheticConfig(**{**_TINY, "n_dev_contexts": 8}))
-    dev = task.load_examples(SuiteConfig(data=base, task=TaskConfig("nq", NQOptions())), "dev")
+    dev = task.load_examples(base, "dev")
     records = official_nq.read_jsonl(task.data_files(base, "dev")[0])
     assert [str(r["example_id"]) for r in records] == [ex.key for ex in dev]
     preds = {"predictions": _predictions_from_annotations(records, seed=5)}
     seen = {}
     for long_t, short_t in [(1, 1), (2, 2), (3, 3), (1, 3), (3, 1)]:
-        cfg = SuiteConfig(data=base, task=TaskConfig("nq", NQOptions(long_non_null_threshold=long_t,
-                                                                      short_non_null_threshold=short_t)))
-        got = task.score(dev, preds, cfg)
+        options = NQOptions(long_non_null_threshold=long_t, short_non_null_threshold=short_t)
+        got = task.score(dev, preds, options)
         want = official_nq.nq_scores(records, preds["predictions"], long_non_null_threshold=long_t,
                                      short_non_null_threshold=short_t)
         for k, v in want.items():

@@ -148,15 +148,16 @@ def test_nq_question_scores_reproduce_its_metrics(tmp_path, seed):
                                       synthetic=SyntheticConfig(**tiny)),
                       task=TaskConfig("nq", NQOptions(long_non_null_threshold=1, short_non_null_threshold=1)))
     task = NQTask()
-    dev = task.load_examples(cfg, "dev")
-    feats = task.featurize(dev, load_tokenizer("embedded:all-MiniLM-L6-v2"), cfg)
+    dev = task.load_examples(cfg.data, "dev")
+    feats = task.featurize(dev, load_tokenizer("embedded:all-MiniLM-L6-v2"), cfg.evalset_spec())
     rng = np.random.default_rng(seed)
     outs = {"start_logits": rng.normal(size=feats.input_ids.shape).astype(np.float32),
             "end_logits": rng.normal(size=feats.input_ids.shape).astype(np.float32),
             "answer_type_logits": rng.normal(size=(len(feats), 5)).astype(np.float32)}
-    preds = task.postprocess(dev, feats, outs, cfg)
-    scores = task.score(dev, preds, cfg)
-    q = task.question_scores(dev, preds, cfg)
+    options = cfg.task.options
+    preds = task.postprocess(dev, feats, outs, options)
+    scores = task.score(dev, preds, options)
+    q = task.question_scores(dev, preds, options)
     assert q.shape == (len(dev), 8)
     back = task.metrics_from_sums(q.sum(axis=0), len(dev))
     for m in task.metric_names:

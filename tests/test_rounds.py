@@ -245,6 +245,6 @@ def test_room_for_another_row_process():
 def test_settings_follow_the_suite():
     from bertqa_bench.commands.bench_rows import rounds_settings
 
-    cfg = SimpleNamespace(bench=SimpleNamespace(min_passes=4, max_rounds=9, rounds_budget_s=30.0,
-                                                target_halfwidth_pct=2.5, noise_cv_pct=7.0))
-    assert rounds_settings(cfg) == RoundsSettings(4, 9, 30.0, 2.5, 7.0)
+    bench = SimpleNamespace(min_passes=4, max_rounds=9, rounds_budget_s=30.0, target_halfwidth_pct=2.5,
+                            noise_cv_pct=7.0)
+    assert rounds_settings(bench) == RoundsSettings(4, 9, 30.0, 2.5, 7.0)

@@ -119,13 +119,8 @@ def test_training_run_is_live_with_per_step_metrics(tiny_suite, tmp_path):
 def test_samples_per_s_is_timed_between_the_points_clock_readings_not_their_logging(tmp_path):
     """Points logged late (the loss read back one log step behind, the last two back to back) keep
     the rate of the steps they stand for."""
-    from types import SimpleNamespace
-
     tracker = Tracker(tmp_path)
-    cfg = SimpleNamespace(name="tiny", model=SimpleNamespace(name="m", base="b"), task=SimpleNamespace(name="squad"),
-                          data=SimpleNamespace(max_seq_len=96, doc_stride=48, source="synthetic"),
-                          train=SimpleNamespace(seed=1), model_dir=tmp_path / "m")
-    with tracker.training(cfg) as run:
+    with tracker.training("tiny", "m", {"train.seed": 1, "base": "b"}, tmp_path / "m") as run:
         run.plan(4)
         t0 = run._last_t
         # step k done at t0 + 2k seconds, 8 samples a step; step 3's point is logged at step 4's
@@ -137,13 +132,8 @@ def test_samples_per_s_is_timed_between_the_points_clock_readings_not_their_logg
 
 
 def test_a_long_training_logs_a_few_hundred_points_at_most(tmp_path):
-    from types import SimpleNamespace
-
     tracker = Tracker(tmp_path)
-    cfg = SimpleNamespace(name="tiny", model=SimpleNamespace(name="m", base="b"), task=SimpleNamespace(name="squad"),
-                          data=SimpleNamespace(max_seq_len=96, doc_stride=48, source="synthetic"),
-                          train=SimpleNamespace(seed=1), model_dir=tmp_path / "m")
-    with tracker.training(cfg) as run:
+    with tracker.training("tiny", "m", {"train.seed": 1, "base": "b"}, tmp_path / "m") as run:
         every = run.plan(10_000)
         for step in range(1, 10_001):
             run.step(step, loss=1.0, seen=step * 8, total_steps=10_000)
@@ -176,7 +166,7 @@ def test_a_training_that_raises_ends_failed(tiny_suite, tmp_path, monkeypatch):
 def test_tracking_problems_never_stop_training_and_disabled_tracking_logs_nothing(tiny_suite, tmp_path, capsys):
     cfg = load_suite(str(tiny_suite(backends=["eager-fp32"])))
     off = Tracker(tmp_path / "off", enabled=False)
-    assert not off.training(cfg).active
+    assert not off.training(cfg.name, cfg.model.name, {}, cfg.model_dir).active
     broken = Tracker(tmp_path / "broken")
 
     def fail(*a, **kw):

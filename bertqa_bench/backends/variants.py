@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional
 
 import yaml
 
-from ..config import BENCHMARKS_DIR, SuiteConfig, VariantConfig, build
+from ..config import BENCHMARKS_DIR, VariantConfig, build
 from ..errors import ConfigError, UnknownBackendError
 from .base import DEVICES, Backend, parity_class_of
 
@@ -346,13 +346,15 @@ class VariantTable:
         self._raw[d["name"]] = others + [d]
 
     @classmethod
-    def for_suite(cls, cfg: Optional[SuiteConfig] = None) -> "VariantTable":
-        table = cls(list(BUILTIN) + _entry_point_variants(), getattr(getattr(cfg, "bench", None), "device", None))
+    def for_suite(cls, variants: Optional[dict] = None, device: Optional[str] = None) -> "VariantTable":
+        """The catalogue, plug-ins, research rows and a suite's own ``variants:`` (SuiteConfig.variants),
+        names resolved on ``device`` (bench.device) first."""
+        table = cls(list(BUILTIN) + _entry_point_variants(), device)
         table.aliases = {**ALIASES, **{old: (new, None) for old, new in experiment_renames().items()}}
         for name, decl in experiment_declarations().items():  # never shadowing a catalogue name
             if name not in table._raw:
                 table._raw[name] = [{**table._from_suite(name, decl), "source": "experiments"}]
-        for name, decl in ((cfg.variants if cfg else {}) or {}).items():
+        for name, decl in (variants or {}).items():
             table._raw[name] = [table._from_suite(name, decl)]  # a suite's own name means what it says
         for decls in table._raw.values():  # validate everything now: a bad option fails before any work
             for d in decls:
@@ -519,7 +521,7 @@ def _merge(base: Mapping, top: Mapping) -> dict:
 
 
 def default_table() -> VariantTable:
-    return VariantTable.for_suite(None)
+    return VariantTable.for_suite()
 
 
 _NOTED: set = set()
@@ -529,28 +531,8 @@ def note_once(line: str) -> None:
     """An old name's note, on stderr, once per process."""
     if line not in _NOTED:
         _NOTED.add(line)
-
         print(line, file=sys.stderr)
 
 
-def canonicalize(cfg: SuiteConfig, note: Optional[Callable[[str], None]] = note_once) -> VariantTable:
-    """The suite's backend names as their rows will be named (old names: the catalogue's, with a
-    note each); an unknown name fails here, before any work. Returns the suite's table."""
-    table = VariantTable.for_suite(cfg)
-    b = cfg.bench
-    b.reference = table.canonical_names([b.reference], note)[0]
-    b.backends = [b.reference] + [n for n in table.canonical_names(b.backends, note) if n != b.reference]
-    renamed = {}
-    for name, tol in cfg.parity.overrides.items():
-        try:
-            renamed[table.canonical(name)] = tol
-        except UnknownBackendError as e:  # a typo'd name: its tolerance would never apply
-            raise ConfigError(f"parity.overrides: {e}") from None
-        except ConfigError:  # a tolerance for a name this suite never runs
-            renamed[name] = tol
-    cfg.parity.overrides = renamed
-    return table
-
-
 __all__ = ["ALIASES", "BUILTIN", "CATALOGUE", "ENTRY_POINT_GROUP", "IMPLEMENTATIONS", "Variant", "VariantTable", "default_table",
-           "canonicalize", "import_object", "make_variant"]
+           "import_object", "make_variant"]

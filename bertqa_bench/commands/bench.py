@@ -75,7 +75,7 @@ def run_bench(cfg: SuiteConfig, *, backends: Optional[list[str]] = None, run_id:
     names, variants = _variants(cfg, backends, resume)
     reference = cfg.bench.reference
     # a taken --run-id, an unwritable or full results/cache/models disk: refused before any work
-    preflight(cfg, run_id, overwrite, resume=resume is not None)
+    preflight(cfg.folders, run_id, overwrite, resume=resume is not None)
     tracker = tracker or Tracker(cfg.results_root, enabled=False)
     task = get_task(cfg.task.name)
     _check_resumable(cfg, resume)
@@ -87,7 +87,7 @@ def run_bench(cfg: SuiteConfig, *, backends: Optional[list[str]] = None, run_id:
             log(f"note: {v.name} cannot run here ({reason}); its row will say so")
     model, evalset = _model_and_evalset(cfg, task, resume, cluster, tracker, log)
     plans = _plans(cfg, evalset, variants, resume, log)
-    plan = plans[plan_key(cfg, variants[0])]  # the reference's
+    plan = plans[plan_key(cfg.bench, variants[0])]  # the reference's
     env = environment()
     env_tags = {f"env.{k}": v for k, v in env.items()}
     if model.checkpoint:  # every child run names the checkpoint it measured
@@ -104,7 +104,7 @@ def run_bench(cfg: SuiteConfig, *, backends: Optional[list[str]] = None, run_id:
                      tiling=plan.n_rows / plan.n_features, progress=progress, log=log, cluster=cluster,
                      check_determinism=check_determinism, problems=list(meta.problems))
     try:
-        rows.ref = saved_reference(cfg, task, evalset, bundle, reference) if resume is not None else None
+        rows.ref = saved_reference(cfg.task.options, task, evalset, bundle, reference) if resume is not None else None
         todo = [v for v in variants if not _kept(bundle, v, reference, rows.ref)]
         for v in todo:
             done = next((r for r in bundle.results if r.backend == v.name), None)
@@ -128,7 +128,7 @@ def run_bench(cfg: SuiteConfig, *, backends: Optional[list[str]] = None, run_id:
 def _variants(cfg: SuiteConfig, backends: Optional[list[str]], resume: Optional[RunBundle]) -> tuple[list, list]:
     """The run's variant names (reference first) and variants. Old names become the catalogue's,
     with a note each; an unknown name fails here, before any work. A resumed run keeps its own."""
-    table = VariantTable.for_suite(cfg)
+    table = VariantTable.for_suite(cfg.variants, cfg.bench.device)
     if resume is not None:
         if backends:
             raise ConfigError("--resume finishes the run as it was planned; it takes no --backends")
@@ -159,7 +159,7 @@ def _model_and_evalset(cfg: SuiteConfig, task: Task, resume, cluster, tracker, l
             model = ensure_model(cfg, log, tracker)
     else:
         model = ensure_model(cfg, log, tracker)
-    evalset = load_evalset(cfg, task, str(model.dir), log=log)
+    evalset = load_evalset(cfg.evalset_spec(), task, str(model.dir), log=log)
     if cluster is not None:
         cluster.prepared(model, evalset)
     if resume is not None and resume.meta.evalset_key and resume.meta.evalset_key != evalset.key:
@@ -171,12 +171,14 @@ def _model_and_evalset(cfg: SuiteConfig, task: Task, resume, cluster, tracker, l
 def _plans(cfg: SuiteConfig, evalset: EvalSet, variants: list, resume, log) -> dict:
     """One plan per (batching, batch size) among the variants: each is made once and every
     variant that shares it runs exactly the same batches (a resume reads the run's own)."""
-    keys = list(dict.fromkeys(plan_key(cfg, v) for v in variants))
+    keys = list(dict.fromkeys(plan_key(cfg.bench, v) for v in variants))
+    rows = cfg.data.target_eval_features
     if resume is not None:
-        plans = {k: Plan.load(plan_path(resume, k)) if plan_path(resume, k).exists() else plan_for(cfg, evalset, k)
+        plans = {k: Plan.load(plan_path(resume, k)) if plan_path(resume, k).exists()
+                 else plan_for(cfg.bench, evalset, k, rows)
                  for k in keys}
     else:
-        plans = {k: plan_for(cfg, evalset, k) for k in keys}
+        plans = {k: plan_for(cfg.bench, evalset, k, rows) for k in keys}
     log(f"data: {evalset.n_questions} questions -> {evalset.n_features} features (seq {evalset.features.seq_len}), "
         f"evaluation set {'from cache' if evalset.cache_hit else 'built'}; " + "; ".join(
             f"{k[0]} batching at {k[1]}: {len(p.batches)} batches, {len(p.shapes)} shape(s), {p.n_rows} rows per pass"

@@ -148,7 +148,7 @@ class Cluster:
                     with without_dist_env():
                         task = get_task(cfg.task.name)
                         model = ensure_model(cfg, log)
-                        evalset = load_evalset(cfg, task, str(model.dir), log=log)
+                        evalset = load_evalset(cfg.evalset_spec(), task, str(model.dir), log=log)
                     info.update(digest=model.digest, evalset=evalset.key)
                 except Exception as e:  # noqa: BLE001 - rank 0 reports it and stops
                     info["error"] = format_error(e)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ..backends.variants import Variant
-from ..config import SuiteConfig
+from ..config import BenchConfig, SuiteConfig
 from ..data.evalset import EvalSet
 from ..errors import format_error
 from ..io import atomic_write_json
@@ -48,8 +48,7 @@ MEMORY_MARGIN = 1.5
 CUDA_CONTEXT_MIB = 1024
 
 
-def rounds_settings(cfg: SuiteConfig) -> RoundsSettings:
-    b = cfg.bench
+def rounds_settings(b: BenchConfig) -> RoundsSettings:
     return RoundsSettings(min_rounds=b.min_passes, max_rounds=b.max_rounds, budget_s=b.rounds_budget_s,
                           target_halfwidth_pct=b.target_halfwidth_pct, noise_cv_pct=b.noise_cv_pct)
 
@@ -106,6 +105,15 @@ class RowRunner:
     def reference(self) -> str:
         return self.cfg.bench.reference
 
+    @property
+    def options(self):
+        """The task's own section: what its postprocessing and scoring take."""
+        return self.cfg.task.options
+
+    def _job(self, v: Variant, **kw):
+        return make_job(self.cfg.bench, self.cfg.artifacts_root, self.task, v, self.model, self.evalset, self.bundle,
+                        **kw)
+
     # --- the two ways -------------------------------------------------------------------------
     def run(self, variants: list, *, block_reason: str = "") -> None:
         """Time, score and record ``variants`` (reference first): in rounds unless ``block_reason``
@@ -150,7 +158,7 @@ class RowRunner:
             if alive:
                 self.log(f"rounds: {len(alive)} row(s), one timed pass of each a round in a rotating order, "
                          f"at least {self.cfg.bench.min_passes} rounds ...")
-            rounds = run_rounds(alive, self.reference, rounds_settings(self.cfg), log=self.log) if alive else None
+            rounds = run_rounds(alive, self.reference, rounds_settings(self.cfg.bench), log=self.log) if alive else None
             self._note_rounds(rounds, left)
             for v, s in sessions:
                 self._finish(v, s, rounds)
@@ -161,7 +169,7 @@ class RowRunner:
         return left
 
     def _session(self, v: Variant):
-        job = make_job(self.cfg, self.task, v, self.model, self.evalset, self.bundle, progress=False, kind="rounds")
+        job = self._job(v, progress=False, kind="rounds")
         if self.cfg.bench.isolation == "inprocess":
             return InProcessSession(job)
         return WorkerSession(job, self.bundle.path("logs", f"{v.name}.log"), time_limit(v, self.cfg.bench.timeout_s),
@@ -193,7 +201,7 @@ class RowRunner:
         self.record(r, v)
 
     def _launch_block(self, v: Variant) -> dict:
-        job = make_job(self.cfg, self.task, v, self.model, self.evalset, self.bundle, progress=self.progress)
+        job = self._job(v, progress=self.progress)
         timeout = time_limit(v, self.cfg.bench.timeout_s)  # its message names the setting that applied
         if self.cluster is not None:  # bench-ddp: every torchrun rank predicts its share
             return self.cluster.run(job, timeout, self.bundle.path("logs"))
@@ -205,7 +213,9 @@ class RowRunner:
 
     # --- one row --------------------------------------------------------------------------------
     def _row(self, v: Variant) -> BackendResult:
-        return identity(self.cfg, self.task, v, self.model, self.evalset, self.plans[plan_key(self.cfg, v)])
+        key = plan_key(self.cfg.bench, v)
+        return identity(self.task, v, self.model, self.evalset, self.plans[key], batch_size=key[1],
+                        model_name=self.cfg.model.name)
 
     def _not_run(self, v: Variant) -> tuple[BackendResult, str]:
         r = self._row(v)
@@ -223,12 +233,13 @@ class RowRunner:
             outputs = mask_padding(load_outputs(rec["outputs"]), features.attention_mask, self.task.token_outputs)
             fill_timing(r, rec, self.tiling, self.evalset.n_questions)
             t0 = time.perf_counter()
-            predictions = self.task.postprocess(self.evalset.examples, features, outputs, self.cfg)
+            predictions = self.task.postprocess(self.evalset.examples, features, outputs, self.options)
             r.postprocess_s = (time.perf_counter() - t0) * self.tiling
             r.tokenize_s = self.evalset.build_s * self.tiling
             r.end_to_end_s = r.tokenize_s + r.predict_s + r.postprocess_s
-            r.scores = {k: float(x) for k, x in self.task.score(self.evalset.examples, predictions, self.cfg).items()}
-            per_question = self.task.question_scores(self.evalset.examples, predictions, self.cfg)
+            scores = self.task.score(self.evalset.examples, predictions, self.options)
+            r.scores = {k: float(x) for k, x in scores.items()}
+            per_question = self.task.question_scores(self.evalset.examples, predictions, self.options)
             self.bundle.write_predictions(v.name, predictions)
             for suffix, obj in self.task.side_files(predictions).items():  # e.g. SQuAD v2.0's na-prob file
                 atomic_write_json(self.bundle.path("predictions", f"{v.name}.{suffix}.json"), obj, indent=None)
@@ -237,7 +248,7 @@ class RowRunner:
                 if self.check_determinism:
                     self.problems += self._determinism(v)
             if self.ref is not None:
-                judge(self.cfg, self.task, v, self.ref, r, predictions, per_question, outputs,
+                judge(self.cfg.parity, self.task, v, self.ref, r, predictions, per_question, outputs,
                       features.attention_mask, judged=not self.model.timing_only)
             if v.name != self.reference and not self.cfg.bench.keep_outputs:
                 Path(rec["outputs"]).unlink(missing_ok=True)
@@ -270,7 +281,7 @@ class RowRunner:
     def _determinism(self, v: Variant) -> list[str]:
         """The reference a second time, in a fresh process: identical logits and answers, or the
         differences of every backend below that noise are not the backend's fault."""
-        job = make_job(self.cfg, self.task, v, self.model, self.evalset, self.bundle, tag="-again")
+        job = self._job(v, tag="-again")
         rec = launch(job, timeout_s=self.cfg.bench.timeout_s, log_path=self.bundle.path("logs", f"{v.name}-again.log"),
                      isolation=self.cfg.bench.isolation)
         if rec["status"] != "ok":
@@ -278,7 +289,7 @@ class RowRunner:
         features = self.evalset.features
         again = mask_padding(load_outputs(rec["outputs"]), features.attention_mask, self.task.token_outputs)
         Path(rec["outputs"]).unlink(missing_ok=True)
-        preds = self.task.postprocess(self.evalset.examples, features, again, self.cfg)
+        preds = self.task.postprocess(self.evalset.examples, features, again, self.options)
         det = determinism(self.ref.outputs, again, features.attention_mask, self.ref.predictions, preds)
         self.bundle.meta.notes.append(f"determinism of {v.name} (two processes): max |Δ logit| "
                                       f"{det['max_abs_logit_diff']:.2e}, identical answers: {det['identical_answers']}")
@@ -289,8 +300,7 @@ class RowRunner:
         return []
 
 
-def saved_reference(cfg: SuiteConfig, task: Task, evalset: EvalSet, bundle: RunBundle,
-                    reference: str) -> Optional[Reference]:
+def saved_reference(options, task: Task, evalset: EvalSet, bundle: RunBundle, reference: str) -> Optional[Reference]:
     """The reference as the interrupted run measured it: its kept outputs, its saved predictions,
     its scores and timed passes. None when it did not finish (it then runs first)."""
     row = next((r for r in bundle.results if r.backend == reference and r.ok), None)
@@ -302,9 +312,9 @@ def saved_reference(cfg: SuiteConfig, task: Task, evalset: EvalSet, bundle: RunB
     predictions = json.loads(preds_file.read_text())
     # Scores recomputed from the saved predictions: results.csv keeps 6 significant digits, and a
     # delta against a rounded reference would differ from an uninterrupted run's.
-    scores = {k: float(v) for k, v in task.score(evalset.examples, predictions, cfg).items()}
+    scores = {k: float(v) for k, v in task.score(evalset.examples, predictions, options).items()}
     return Reference(outputs, predictions, scores, json.loads(worker_file.read_text())["pass_s"],
-                     task.question_scores(evalset.examples, predictions, cfg))
+                     task.question_scores(evalset.examples, predictions, options))
 
 
 def _log_row(log, task: Task, r: BackendResult) -> None:

@@ -50,9 +50,9 @@ from ..tasks import get_task
 # --- the parent side: one row per variant ---------------------------------------------------
 def _job(cfg: SuiteConfig, task, variant, model, evalset, bundle, scenario: str, find_peak_qps: bool):
     b = cfg.bench
-    batching, batch_size = plan_key(cfg, variant)
+    batching, batch_size = plan_key(b, variant)
     tokens = b.tokens_per_batch * batch_size // b.batch_size if b.tokens_per_batch else None
-    job = make_job(cfg, task, variant, model, evalset, bundle)
+    job = make_job(b, cfg.artifacts_root, task, variant, model, evalset, bundle)
     spec = {"scenario": scenario, "settings": dataclasses.asdict(cfg.loadgen), "find_peak": bool(find_peak_qps),
             "out_dir": str(bundle.path("loadgen", variant.name)), "batch_size": batch_size,
             "seq_multiple": b.seq_multiple, "tokens_per_batch": tokens, "max_batch_rows": b.max_batch_rows}
@@ -151,18 +151,19 @@ def run_loadgen(cfg: SuiteConfig, scenario: str, *, backends: Optional[list[str]
         import mlperf_loadgen  # noqa: F401
     except ImportError:
         raise ConfigError("LoadGen is not installed: pip install mlcommons-loadgen (module mlperf_loadgen)") from None
-    table = VariantTable.for_suite(cfg)
+    table = VariantTable.for_suite(cfg.variants, cfg.bench.device)
     names = table.canonical_names([cfg.bench.reference] + list(backends or cfg.bench.backends), note_once)
     reference = cfg.bench.reference = names[0]
     variants = table.require(names)
 
-    preflight(cfg, run_id, overwrite)  # a taken --run-id, an unwritable or full disk: refused before any work
+    preflight(cfg.folders, run_id, overwrite)  # a taken --run-id, an unwritable or full disk: refused before any work
     tracker = tracker or Tracker(cfg.results_root, enabled=False)
     task = get_task(cfg.task.name)
     model = ensure_model(cfg, log, tracker)
-    evalset = load_evalset(cfg, task, str(model.dir), log=log)
-    plans = {k: plan_for(cfg, evalset, k) for k in dict.fromkeys(plan_key(cfg, v) for v in variants)}
-    plan = plans[plan_key(cfg, variants[0])]
+    evalset = load_evalset(cfg.evalset_spec(), task, str(model.dir), log=log)
+    plans = {k: plan_for(cfg.bench, evalset, k, cfg.data.target_eval_features)
+             for k in dict.fromkeys(plan_key(cfg.bench, v) for v in variants)}
+    plan = plans[plan_key(cfg.bench, variants[0])]
     lg = cfg.loadgen
     env = environment()
     tracker.active  # opens (or creates) the MLflow store now: one that cannot be opened fails the run here
@@ -211,7 +212,8 @@ def _rows_of(cfg, scenario, find_peak_qps, variants, task, model, evalset, plans
     features = evalset.features
     lengths = evalset.lengths()
     for variant in variants:
-        r = identity(cfg, task, variant, model, evalset, plans[plan_key(cfg, variant)])
+        key = plan_key(cfg.bench, variant)
+        r = identity(task, variant, model, evalset, plans[key], batch_size=key[1], model_name=cfg.model.name)
         r.scenario = scenario
         why = (variant.backend_class.batching_reason(variant.options, r.batching)
                or variant.backend_class.family_reason(variant.options, model.family))  # as bench does
@@ -242,21 +244,22 @@ def _rows_of(cfg, scenario, find_peak_qps, variants, task, model, evalset, plans
                                        "without every answer the row cannot be scored")
                 outputs = mask_padding(lg_out, features.attention_mask, task.token_outputs)
                 t0 = time.perf_counter()
-                predictions = task.postprocess(evalset.examples, features, outputs, cfg)
+                options = cfg.task.options
+                predictions = task.postprocess(evalset.examples, features, outputs, options)
                 r.postprocess_s = time.perf_counter() - t0
-                r.scores = {k: float(v) for k, v in task.score(evalset.examples, predictions, cfg).items()}
-                per_question = task.question_scores(evalset.examples, predictions, cfg)
+                r.scores = {k: float(v) for k, v in task.score(evalset.examples, predictions, options).items()}
+                per_question = task.question_scores(evalset.examples, predictions, options)
                 r.accuracy_run = f"ok: {r.accuracy_samples} samples"
                 pred_path = bundle.write_predictions(variant.name, predictions)
                 if rec.get("bench"):  # the same process's bench outputs: LoadGen's path changes no answer
                     bench_out = mask_padding(load_outputs(job.outputs), features.attention_mask, task.token_outputs)
-                    k, n = task.agreement(task.postprocess(evalset.examples, features, bench_out, cfg), predictions)
+                    k, n = task.agreement(task.postprocess(evalset.examples, features, bench_out, options), predictions)
                     r.bench_answer_agreement = k / n if n else 1.0
                 if variant.name == reference:
                     ref, ref_row = Reference(outputs, predictions, r.scores, [], per_question), r
                 if ref is not None:  # exactly bench's comparison, paired bootstrap included
-                    judge(cfg, task, variant, ref, r, predictions, per_question, outputs, features.attention_mask,
-                          judged=not model.timing_only)
+                    judge(cfg.parity, task, variant, ref, r, predictions, per_question, outputs,
+                          features.attention_mask, judged=not model.timing_only)
                     a, b = headline(r), headline(ref_row) if ref_row else None
                     r.speedup = a / b if a and b else None
                 if r.loadgen_result != "VALID":

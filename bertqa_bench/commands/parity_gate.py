@@ -63,7 +63,7 @@ def read_expected(path: Path) -> list[dict]:
 def canonical_rows(cfg: SuiteConfig, rows: list[dict]) -> list[dict]:
     """Expected rows keyed by old backend names (an expected file written before the catalogue's
     names) under the names the rows of this run get."""
-    table = VariantTable.for_suite(cfg)
+    table = VariantTable.for_suite(cfg.variants, cfg.bench.device)
     out = []
     for row in rows:
         try:

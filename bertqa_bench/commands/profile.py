@@ -27,14 +27,14 @@ def profile_backend(cfg: SuiteConfig, name: str, *, n_batches: int = 5, top: int
 
     from .provision import ensure_model
 
-    variant = VariantTable.for_suite(cfg).get(name)
+    variant = VariantTable.for_suite(cfg.variants, cfg.bench.device).get(name)
     reason = variant.unavailable_reason()
     if reason:
         raise BackendUnavailableError(f"{name}: {reason}")
     task = get_task(cfg.task.name)
     model = ensure_model(cfg, print, None)
-    evalset = load_evalset(cfg, task, str(model.dir), log=print)
-    plan = plan_for(cfg, evalset, plan_key(cfg, variant))
+    evalset = load_evalset(cfg.evalset_spec(), task, str(model.dir), log=print)
+    plan = plan_for(cfg.bench, evalset, plan_key(cfg.bench, variant), cfg.data.target_eval_features)
     batches = materialize(evalset.features.inputs(), plan)
     ctx = make_context(model.dir, task.name, cfg.artifacts_root / name, task.output_names, plan, batches,
                        evalset.features.seq_len)

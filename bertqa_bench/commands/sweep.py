@@ -26,7 +26,8 @@ def expand(cfg: SuiteConfig, backends: Sequence[str], batch_sizes: Sequence[int]
     if not backends or not batch_sizes or not batchings:
         raise ConfigError("a sweep needs at least one backend, batch size and batching")
 
-    backends = VariantTable.for_suite(cfg).canonical_names(backends, note_once)  # old names: the catalogue's
+    table = VariantTable.for_suite(cfg.variants, cfg.bench.device)
+    backends = table.canonical_names(backends, note_once)  # old names: the catalogue's
     names = []
     for v in backends:
         for bt in batchings:

@@ -26,7 +26,7 @@ from typing import Callable, Optional
 import numpy as np
 import tokenizers
 
-from ..config import ADDED_DEFAULTS, SuiteConfig
+from ..config import ADDED_DEFAULTS, DataConfig, EvalSetSpec
 from ..errors import BenchError
 from ..model.checkpoint import TOKENIZER_FILES
 from ..tasks.features import INPUT_NAMES, Features
@@ -79,46 +79,47 @@ def _tokenizer_fingerprint(tokenizer_source: str) -> str:
     return h.hexdigest()
 
 
-def evalset_key(cfg: SuiteConfig, task: Task, tokenizer_source: str, split: str, train: bool) -> str:
-    d = cfg.data
-    options = dataclasses.asdict(cfg.task.options) if dataclasses.is_dataclass(cfg.task.options) else {}
+def evalset_key(spec: EvalSetSpec, task: Task, tokenizer_source: str, split: str, train: bool) -> str:
+    d = spec.data
+    options = dataclasses.asdict(spec.options) if dataclasses.is_dataclass(spec.options) else {}
     # options added later, at their defaults, keep existing keys (config.ADDED_DEFAULTS)
     options = {k: v for k, v in options.items() if ADDED_DEFAULTS.get(f"task_options.{k}", object()) != v}
     import transformers
 
     # The library versions too: the same tokenizer files gave different overflow windows under
     # transformers 5.17 and 5.24 (924 vs 1,091 training features of the ci suite).
-    parts = {"source": task.source_fingerprint(cfg, split), "tokenizer": _tokenizer_fingerprint(tokenizer_source),
+    parts = {"source": task.source_fingerprint(d, split), "tokenizer": _tokenizer_fingerprint(tokenizer_source),
              "libraries": [transformers.__version__, tokenizers.__version__],
              "max_seq_len": d.max_seq_len, "doc_stride": d.doc_stride, "max_query_len": d.max_query_len,
-             "train": train, "task_options": options, "seed": cfg.train.seed if train else None}
+             "train": train, "task_options": options, "seed": spec.seed if train else None}
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 
-def load_evalset(cfg: SuiteConfig, task: Task, tokenizer_source: str, *, split: str = "dev", train: bool = False,
+def load_evalset(spec: EvalSetSpec, task: Task, tokenizer_source: str, *, split: str = "dev", train: bool = False,
                  log: Optional[Callable[[str], None]] = None) -> EvalSet:
-    """The cached evaluation set for this suite and tokenizer, built first if missing."""
-    key = evalset_key(cfg, task, tokenizer_source, split, train)
-    path = cfg.cache_root / "evalsets" / f"{task.name}-{split}-{key}"
+    """The cached evaluation set for this suite's data (``SuiteConfig.evalset_spec()``) and
+    tokenizer, built first if missing."""
+    key = evalset_key(spec, task, tokenizer_source, split, train)
+    path = Path(spec.cache_root) / "evalsets" / f"{task.name}-{split}-{key}"
     if (path / "meta.json").exists():
         if json.loads((path / "meta.json").read_text()).get("n_features"):
             evalset = _read(path, key, split)
-            warn_empty_questions(evalset.examples, _source_name(cfg, task, split), log)
+            warn_empty_questions(evalset.examples, _source_name(spec.data, task, split), log)
             return evalset
         # an empty entry an older version cached: removed, and the set is refused below
         shutil.rmtree(path, ignore_errors=True)
     from ..model.modeling import load_tokenizer
 
     t0 = time.perf_counter()
-    examples = task.load_examples(cfg, split)
+    examples = task.load_examples(spec.data, split)
     if not examples:  # refused before anything is tokenized or cached: an empty entry would be reused
-        raise BenchError(f"{_source_name(cfg, task, split)}: the {split} set has no questions; nothing to "
+        raise BenchError(f"{_source_name(spec.data, task, split)}: the {split} set has no questions; nothing to "
                          f"{'train on' if train else 'evaluate'} (give a file with at least one question)")
-    warn_empty_questions(examples, _source_name(cfg, task, split), log)
-    features = task.featurize(examples, load_tokenizer(tokenizer_source), cfg, train=train)
+    warn_empty_questions(examples, _source_name(spec.data, task, split), log)
+    features = task.featurize(examples, load_tokenizer(tokenizer_source), spec, train=train)
     if not len(features):
-        raise BenchError(f"{_source_name(cfg, task, split)}: its {len(examples)} {split} questions gave no "
-                         f"features at max_seq_len {cfg.data.max_seq_len} (every one dropped in tokenizing)")
+        raise BenchError(f"{_source_name(spec.data, task, split)}: its {len(examples)} {split} questions gave no "
+                         f"features at max_seq_len {spec.data.max_seq_len} (every one dropped in tokenizing)")
     build_s = time.perf_counter() - t0
     if log:
         log(f"data: {split} {len(examples)} questions -> {len(features)} features (seq {features.seq_len}) "
@@ -150,14 +151,14 @@ def warn_empty_questions(examples, source: str, log: Optional[Callable[[str], No
             f"(first: id '{empty[0].id}'); they are kept, and their answers come from the context alone")
 
 
-def _source_name(cfg: SuiteConfig, task: Task, split: str) -> str:
+def _source_name(data: DataConfig, task: Task, split: str) -> str:
     """The file a split is read from, else the data source's name."""
     try:
-        files = task.data_files(cfg.data, split)
+        files = task.data_files(data, split)
     except BenchError:
         files = []
-    return str(files[0]) if files else f"data source {cfg.data.source}" + (
-        f" ({cfg.data.hf_name})" if getattr(cfg.data, "hf_name", None) else "")
+    return str(files[0]) if files else f"data source {data.source}" + (
+        f" ({data.hf_name})" if getattr(data, "hf_name", None) else "")
 
 
 def _read(path: Path, key: str, split: str) -> EvalSet:

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..backends.variants import Variant
-from ..config import SuiteConfig
+from ..config import BenchConfig
 from ..data.evalset import EvalSet
 from ..record.results import RunBundle
 from ..record.schedule import Plan, make_plan
@@ -14,35 +14,36 @@ from ..tasks import Task
 from .worker import Job
 
 
-def plan_key(cfg: SuiteConfig, variant: Optional[Variant] = None) -> tuple[str, int]:
+def plan_key(b: BenchConfig, variant: Optional[Variant] = None) -> tuple[str, int]:
     """(batching, batch size) a variant runs with: its own, else the bench section's."""
-    b = cfg.bench
     return ((variant.batching if variant and variant.batching else b.batching),
             (variant.batch_size if variant and variant.batch_size else b.batch_size))
 
 
-def plan_for(cfg: SuiteConfig, evalset: EvalSet, key: Optional[tuple[str, int]] = None) -> Plan:
-    b = cfg.bench
-    batching, batch_size = key or plan_key(cfg)
+def plan_for(b: BenchConfig, evalset: EvalSet, key: Optional[tuple[str, int]],
+             target_rows: Optional[int]) -> Plan:
+    """The batches of one (batching, batch size) over the evaluation set; ``target_rows``: the
+    rows a pass covers when the set is tiled to a size (data.target_eval_features), else None."""
+    batching, batch_size = key or plan_key(b)
     tokens = b.tokens_per_batch * batch_size // b.batch_size if b.tokens_per_batch else None
     return make_plan(evalset.lengths(), batching=batching, batch_size=batch_size,
                      max_seq_len=evalset.features.seq_len, seq_multiple=b.seq_multiple,
                      tokens_per_batch=tokens, max_batch_rows=b.max_batch_rows,
-                     target_rows=cfg.data.target_eval_features)
+                     target_rows=target_rows)
 
 
 def plan_path(bundle: RunBundle, key: tuple[str, int]) -> Path:
     return bundle.path("plans", f"{key[0]}-b{key[1]}.npz")
 
 
-def make_job(cfg: SuiteConfig, task: Task, variant: Variant, model, evalset: EvalSet, bundle: RunBundle,
-             tag: str = "", progress: bool = False, kind: str = "bench") -> Job:
-    """``model``: the provisioned model (commands/provision.ModelInfo: its folder)."""
+def make_job(b: BenchConfig, artifacts_root: Path, task: Task, variant: Variant, model, evalset: EvalSet,
+             bundle: RunBundle, tag: str = "", progress: bool = False, kind: str = "bench") -> Job:
+    """``model``: the provisioned model (commands/provision.ModelInfo: its folder); ``b``: the
+    bench section (passes, threads); ``artifacts_root``: where the variants' built files live."""
     name = variant.name + tag
-    b = cfg.bench
     return Job(variant=variant.to_dict(), model_dir=str(model.dir), task=task.name,
-               artifacts_dir=str(cfg.artifacts_root / variant.name), evalset=str(evalset.path),
-               plan=str(plan_path(bundle, plan_key(cfg, variant))), outputs=str(bundle.path("outputs", f"{name}.npz")),
+               artifacts_dir=str(Path(artifacts_root) / variant.name), evalset=str(evalset.path),
+               plan=str(plan_path(bundle, plan_key(b, variant))), outputs=str(bundle.path("outputs", f"{name}.npz")),
                result=str(bundle.path("workers", f"{name}.json")), output_names=list(task.output_names),
                token_outputs=list(task.token_outputs), max_seq_len=evalset.features.seq_len,
                warmup_batches=b.warmup_batches, min_passes=b.min_passes, min_duration_s=b.min_duration_s,

@@ -7,7 +7,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..config import SuiteConfig
+from ..config import ParityConfig
 from ..envinfo import device_name
 from ..tasks import Task
 from .parity import compare, tolerance_for
@@ -25,15 +25,15 @@ class Reference:
     question_scores: Optional[np.ndarray] = None  # per-question contributions (parity's bootstrap)
 
 
-def identity(cfg: SuiteConfig, task: Task, variant, model, evalset, plan: Plan) -> BackendResult:
-    """A row's identity: the variant, its plan and the model (commands/provision.ModelInfo)."""
-    batch_size = variant.batch_size or cfg.bench.batch_size
+def identity(task: Task, variant, model, evalset, plan: Plan, *, batch_size: int, model_name: str) -> BackendResult:
+    """A row's identity: the variant, its plan (of ``batch_size``) and the model
+    (commands/provision.ModelInfo, the suite's ``model_name``)."""
     return BackendResult(
         backend=variant.name, implementation=variant.implementation, precision=variant.precision,
         parity_class=variant.parity_class, device=variant.device, device_name=device_name(variant.device),
         batching=plan.batching, batch_size=batch_size, max_seq_len=evalset.features.seq_len,
         n_shapes=len(plan.shapes), n_devices=variant.devices or 1, n_features=plan.n_rows,
-        n_questions=evalset.n_questions, model=cfg.model.name, model_params=model.params,
+        n_questions=evalset.n_questions, model=model_name, model_params=model.params,
         model_dev_f1=model.dev_primary, model_checkpoint=model.checkpoint, model_digest=model.digest,
         model_family=model.family, task=task.name)
 
@@ -60,7 +60,7 @@ def apply_speedup(r: BackendResult, sp: Optional[PairedSpeedup], mode: str, note
     r.pct_change_vs_ref = (1.0 / sp.speedup - 1.0) * 100.0
 
 
-def judge(cfg: SuiteConfig, task: Task, variant, ref: Reference, r: BackendResult, predictions,
+def judge(parity: ParityConfig, task: Task, variant, ref: Reference, r: BackendResult, predictions,
           per_question, outputs: dict, attention_mask: np.ndarray, *, judged: bool) -> None:
     """One row's parity against the reference, into the row: the comparison bench and loadgen
     both make (paired bootstrap over questions when the task decomposes its metric). ``judged``
@@ -68,7 +68,7 @@ def judge(cfg: SuiteConfig, task: Task, variant, ref: Reference, r: BackendResul
     paired = (ref.question_scores, per_question) if (
         ref.question_scores is not None and per_question is not None) else None
     p = compare(parity_class=variant.parity_class,
-                tolerance=tolerance_for(cfg.parity, variant.name, variant.parity_class),
+                tolerance=tolerance_for(parity, variant.name, variant.parity_class),
                 primary_metric=task.primary_metric, ref_scores=ref.scores, scores=r.scores,
                 agreement=task.agreement(predictions, ref.predictions), ref_outputs=ref.outputs,
                 outputs=outputs, attention_mask=attention_mask, question_scores=paired,

@@ -26,7 +26,6 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Optional
 
-from ..config import resolve_path
 from ..errors import BenchError
 
 # Names under results/ that are not runs: the MLflow store and artifacts, profiles, committed
@@ -141,11 +140,12 @@ def check_writable(path: Path, what: str, need_mib: int) -> None:
                              f"needs at least {need_mib:,} MiB there. Free some space or set {what}_dir elsewhere")
 
 
-def preflight(cfg, run_id: Optional[str] = None, overwrite: bool = False, resume: bool = False) -> None:
-    """Everything a run's folders must allow, checked before the model or the data is touched."""
+def preflight(folders: dict[str, Path], run_id: Optional[str] = None, overwrite: bool = False,
+              resume: bool = False) -> None:
+    """Everything a run's folders (SuiteConfig.folders: results, cache, models) must allow,
+    checked before the model or the data is touched."""
     if not resume:
-        refuse_taken(cfg.results_root, run_id, overwrite)
-    for what, path in (("results", cfg.results_root), ("cache", cfg.cache_root),
-                       ("models", resolve_path(cfg.models_dir))):
+        refuse_taken(folders["results"], run_id, overwrite)
+    for what, path in folders.items():
         check_writable(path, what, MIN_FREE_MIB[what])
 

@@ -405,17 +405,15 @@ class Tracker:
         self._client.log_table(run_id, data=comparison_frame(bundle), artifact_file=COMPARISON_TABLE)
 
     # --- training ---------------------------------------------------------------------------
-    def training(self, cfg) -> "TrainingRun":
-        """A live training run, started now: params now, ``step()`` while training, ``finish()``
-        (FINISHED) or ``fail()`` at the end. Used as a context manager, an exception ends it FAILED.
-        Without a working store every call is a no-op."""
+    def training(self, suite: str, model: str, params: dict, model_dir: Path) -> "TrainingRun":
+        """A live training run of ``model`` in the suite's experiment, started now: ``params`` now
+        (training/train.training_params), ``step()`` while training, ``finish()`` (FINISHED) or
+        ``fail()`` at the end. Used as a context manager, an exception ends it FAILED. Without a
+        working store every call is a no-op."""
         def go():
-            exp = self.experiment(cfg.name)
-            run = self._client.create_run(exp, run_name=f"train {cfg.model.name}", tags={"kind": "train"})
-            params = {f"train.{k}": v for k, v in vars(cfg.train).items()} | {
-                "model": cfg.model.name, "base": cfg.model.base, "task": cfg.task.name,
-                "max_seq_len": cfg.data.max_seq_len, "doc_stride": cfg.data.doc_stride, "data": cfg.data.source}
-            self.log(run.info.run_id, {}, params, {"model_dir": str(cfg.model_dir)})
+            exp = self.experiment(suite)
+            run = self._client.create_run(exp, run_name=f"train {model}", tags={"kind": "train"})
+            self.log(run.info.run_id, {}, params, {"model_dir": str(model_dir)})
             return run.info.run_id
 
         return TrainingRun(self, self._try(go) if self.active else None)

@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Mapping, Optional
 
 import numpy as np
 
-from ..config import DataConfig, SuiteConfig
+from ..config import DataConfig, EvalSetSpec
 from .features import Features
 
 # Bump when featurization changes in a way that changes the features of the same inputs:
@@ -57,9 +57,8 @@ class Task(abc.ABC):
     def data_files(self, data: DataConfig, split: str) -> list[Path]:
         """The files ``split`` is read from (generated first for synthetic sources); [] for hub data."""
 
-    def source_fingerprint(self, cfg: SuiteConfig, split: str) -> str:
+    def source_fingerprint(self, d: DataConfig, split: str) -> str:
         """What the examples of ``split`` depend on, for the evaluation-set cache key."""
-        d = cfg.data
         files = self.data_files(d, split)
         parts = [self.name, split, d.source, FEATURIZER_VERSION]
         parts += [file_fingerprint(f) for f in files] if files else [d.hf_name]
@@ -67,11 +66,12 @@ class Task(abc.ABC):
         return repr(parts + [cap])
 
     @abc.abstractmethod
-    def load_examples(self, cfg: SuiteConfig, split: str) -> list:
+    def load_examples(self, data: DataConfig, split: str) -> list:
         """split: "train" or "dev"."""
 
     @abc.abstractmethod
-    def featurize(self, examples: list, tokenizer, cfg: SuiteConfig, *, train: bool = False) -> Features: ...
+    def featurize(self, examples: list, tokenizer, spec: EvalSetSpec, *, train: bool = False) -> Features:
+        """The model's inputs (windows of ``spec.data.max_seq_len``), with labels when ``train``."""
 
     def train_labels(self, features: Features) -> dict[str, np.ndarray]:
         """Label arrays the model's forward takes, one row per training feature."""
@@ -79,11 +79,12 @@ class Task(abc.ABC):
 
     @abc.abstractmethod
     def postprocess(self, examples: list, features: Features, outputs: Mapping[str, np.ndarray],
-                    cfg: SuiteConfig) -> Any:
-        """Backend outputs for every feature -> predictions (JSON-serializable)."""
+                    options) -> Any:
+        """Backend outputs for every feature -> predictions (JSON-serializable). ``options``: the
+        task's own section (``Options``, TaskConfig.options), as every method below takes it."""
 
     @abc.abstractmethod
-    def score(self, examples: list, predictions: Any, cfg: SuiteConfig) -> dict[str, float]: ...
+    def score(self, examples: list, predictions: Any, options) -> dict[str, float]: ...
 
     def score_files(self, gold: Path, predictions: Path, **options) -> dict:
         """The task's official evaluation of a predictions file against its gold file (``bertqa-bench
@@ -99,7 +100,7 @@ class Task(abc.ABC):
     def agreement(self, predictions: Any, reference: Any) -> tuple[int, int]:
         """(questions whose predicted answer is identical to the reference's, questions compared)."""
 
-    def question_scores(self, examples: list, predictions: Any, cfg: SuiteConfig) -> Optional[np.ndarray]:
+    def question_scores(self, examples: list, predictions: Any, options) -> Optional[np.ndarray]:
         """Per-question contributions [questions, k], in ``examples`` order, whose column sums
         ``metrics_from_sums`` turns back into ``score``'s metrics: what parity's paired bootstrap
         resamples. None: the task's metric does not decompose (no interval is reported)."""

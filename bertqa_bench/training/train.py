@@ -52,6 +52,13 @@ def seed_everything(seed: int) -> None:
         torch.cuda.manual_seed_all(seed)
 
 
+def training_params(cfg: SuiteConfig) -> dict:
+    """The training run's MLflow params: the recipe's sections, flat."""
+    return {f"train.{k}": v for k, v in vars(cfg.train).items()} | {
+        "model": cfg.model.name, "base": cfg.model.base, "task": cfg.task.name,
+        "max_seq_len": cfg.data.max_seq_len, "doc_stride": cfg.data.doc_stride, "data": cfg.data.source}
+
+
 def train(cfg: SuiteConfig, *, log: Callable[[str], None] = print, tracker=None, evaluate: bool = True,
           command: str = "") -> dict:
     """Fine-tune per ``cfg`` and save to ``cfg.model_dir``. Returns the training metrics
@@ -61,7 +68,8 @@ def train(cfg: SuiteConfig, *, log: Callable[[str], None] = print, tracker=None,
     samples/s every few optimizer steps, and ends FINISHED when the model is saved, FAILED if
     training raises (tracking problems themselves never stop training)."""
     _, rank, _ = dist_info()
-    mlrun = tracker.training(cfg) if tracker is not None and rank == 0 else None
+    mlrun = (tracker.training(cfg.name, cfg.model.name, training_params(cfg), cfg.model_dir)
+             if tracker is not None and rank == 0 else None)
     try:
         return _train(cfg, log=log, mlrun=mlrun, evaluate=evaluate, command=command)
     except BaseException as e:
@@ -121,11 +129,11 @@ def _load_trainset(cfg: SuiteConfig, task: Task, world: int, rank: int, log) -> 
     """Rank 0 builds the training set (and its cache entry); the others wait, then read the cache."""
     t0 = time.perf_counter()
     if rank == 0:
-        trainset = load_evalset(cfg, task, cfg.model.base, split="train", train=True, log=log)
+        trainset = load_evalset(cfg.evalset_spec(), task, cfg.model.base, split="train", train=True, log=log)
     if world > 1:
         torch.distributed.barrier()
     if rank != 0:
-        trainset = load_evalset(cfg, task, cfg.model.base, split="train", train=True)
+        trainset = load_evalset(cfg.evalset_spec(), task, cfg.model.base, split="train", train=True)
     return trainset, time.perf_counter() - t0
 
 
@@ -432,10 +440,10 @@ def _save(cfg, task, model, metrics: dict, device, world, rank, evaluate, mlrun,
 def evaluate_model(cfg: SuiteConfig, task: Task, model_dir: Path, device: torch.device, log) -> dict:
     """Dev scores with the benchmark's own reference backend, batch plan, postprocessing and
     scorer (in this process: the model was just trained here)."""
-    evalset = load_evalset(cfg, task, str(model_dir), log=log)
+    evalset = load_evalset(cfg.evalset_spec(), task, str(model_dir), log=log)
     plan = make_plan(evalset.lengths(), batching="padded", batch_size=cfg.bench.batch_size,
                      max_seq_len=evalset.features.seq_len)
-    variant = VariantTable.for_suite(cfg).get("eager-fp32", device=device.type)
+    variant = VariantTable.for_suite(cfg.variants, cfg.bench.device).get("eager-fp32", device=device.type)
     job = Job(variant=variant.to_dict(), model_dir=str(model_dir), task=task.name,
               artifacts_dir=str(cfg.artifacts_root), evalset=str(evalset.path), plan="", outputs="", result="",
               output_names=list(task.output_names), token_outputs=list(task.token_outputs),
@@ -444,8 +452,8 @@ def evaluate_model(cfg: SuiteConfig, task: Task, model_dir: Path, device: torch.
     if outputs is None:
         raise RuntimeError(f"evaluation with {variant.name} did not run: {record.get('error')}")
     mask_padding(outputs, evalset.features.attention_mask, task.token_outputs)
-    predictions = task.postprocess(evalset.examples, evalset.features, outputs, cfg)
-    scores = task.score(evalset.examples, predictions, cfg)
+    predictions = task.postprocess(evalset.examples, evalset.features, outputs, cfg.task.options)
+    scores = task.score(evalset.examples, predictions, cfg.task.options)
     return {f"dev_{k}": float(v) for k, v in scores.items()} | {"dev_questions": evalset.n_questions}
 
 

@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ...config import DataConfig, SuiteConfig, resolve_path
+from ...config import DataConfig, resolve_path
 from ...errors import ConfigError
 from ..features import Features
 from ..base import Task
@@ -77,25 +77,24 @@ class NQTask(Task):
             raise ConfigError(f"data.{split}_file is not set for source nq-jsonl")
         return [resolve_path(f)]
 
-    def load_examples(self, cfg: SuiteConfig, split: str) -> list:
-        d = cfg.data
+    def load_examples(self, d: DataConfig, split: str) -> list:
         cap = d.max_train_examples if split == "train" else d.max_eval_examples
         # The cap is applied while reading: real NQ train is ~17 GB of jsonl.
         return load_nq_jsonl(self.data_files(d, split)[0], limit=cap or None)
 
-    def featurize(self, examples, tokenizer, cfg, *, train=False):
-        d, o = cfg.data, cfg.task.options
+    def featurize(self, examples, tokenizer, spec, *, train=False):
+        d, o = spec.data, spec.options
         return featurize_nq(examples, tokenizer, max_seq_len=d.max_seq_len, doc_stride=d.doc_stride,
                             max_query_len=d.max_query_len, train=train, markers=o.markers,
-                            null_window_keep=o.null_window_keep, seed=cfg.train.seed)
+                            null_window_keep=o.null_window_keep, seed=spec.seed)
 
     def train_labels(self, features: Features) -> dict[str, np.ndarray]:
         if "answer_types" not in features.extra:
             raise ValueError("these features carry no answer_types: featurize them with train=True")
         return {**super().train_labels(features), "answer_types": features.extra["answer_types"]}
 
-    def postprocess(self, examples, features, outputs, cfg):
-        o = cfg.task.options
+    def postprocess(self, examples, features, outputs, options):
+        o = options
         return postprocess_nq(examples, features, outputs["start_logits"], outputs["end_logits"],
                               outputs["answer_type_logits"], top_k=o.top_k, max_answer_len=o.max_answer_len)
 
@@ -105,13 +104,13 @@ class NQTask(Task):
         return score_nq_files(gold, predictions, long_non_null_threshold=long_non_null_threshold,
                               short_non_null_threshold=short_non_null_threshold)
 
-    def score(self, examples, predictions, cfg):
-        o = cfg.task.options
+    def score(self, examples, predictions, options):
+        o = options
         return nq_evaluate(examples, predictions, long_non_null_threshold=o.long_non_null_threshold,
                            short_non_null_threshold=o.short_non_null_threshold)
 
-    def question_scores(self, examples, predictions, cfg):
-        o = cfg.task.options
+    def question_scores(self, examples, predictions, options):
+        o = options
         return question_scores(examples, predictions, long_non_null_threshold=o.long_non_null_threshold,
                                short_non_null_threshold=o.short_non_null_threshold)
 

@@ -15,7 +15,7 @@ from typing import Optional
 
 import numpy as np
 
-from ...config import DataConfig, SuiteConfig, resolve_path
+from ...config import DataConfig, resolve_path
 from ...errors import ConfigError
 from ..base import Task
 from .features import tokenize_examples
@@ -69,8 +69,7 @@ class SquadTask(Task):
             return [resolve_path(f)]
         return []
 
-    def load_examples(self, cfg: SuiteConfig, split: str) -> list:
-        d = cfg.data
+    def load_examples(self, d: DataConfig, split: str) -> list:
         files = self.data_files(d, split)
         if files:
             examples = load_squad_json(files[0])
@@ -79,20 +78,19 @@ class SquadTask(Task):
         cap = d.max_train_examples if split == "train" else d.max_eval_examples
         return examples[:cap] if cap else examples
 
-    def featurize(self, examples, tokenizer, cfg, *, train=False):
-        d = cfg.data
+    def featurize(self, examples, tokenizer, spec, *, train=False):
+        d = spec.data
         return tokenize_examples(examples, tokenizer, max_seq_len=d.max_seq_len, doc_stride=d.doc_stride,
                                  max_query_len=d.max_query_len, train=train)
 
     @staticmethod
-    def is_v2(examples, cfg) -> bool:
-        o = cfg.task.options
-        forced = getattr(o, "version_2", None)
+    def is_v2(examples, options) -> bool:
+        forced = getattr(options, "version_2", None)
         return bool(forced) if forced is not None else any(ex.version_2 or ex.is_impossible for ex in examples)
 
-    def postprocess(self, examples, features, outputs, cfg):
-        o = cfg.task.options
-        if self.is_v2(examples, cfg):
+    def postprocess(self, examples, features, outputs, options):
+        o = options
+        if self.is_v2(examples, o):
             return postprocess_qa_v2(examples, features, outputs["start_logits"], outputs["end_logits"],
                                      n_best=o.n_best, max_answer_len=o.max_answer_len,
                                      null_score_diff_threshold=o.null_score_diff_threshold)
@@ -108,8 +106,8 @@ class SquadTask(Task):
             raise ConfigError(f"{gold} is a SQuAD v1.1 file: --na-prob-file applies to v2.0 files only")
         return score_files(gold, predictions)
 
-    def score(self, examples, predictions, cfg):
-        if self.is_v2(examples, cfg):
+    def score(self, examples, predictions, options):
+        if self.is_v2(examples, options):
             # exact/f1 and HasAns/NoAns as the official script gives them without a na-prob file
             # (and with the one side_files writes, at its defaults: those values are probabilities,
             # postprocess.na_probability); best_exact/best_f1 and their thresholds from that file's
@@ -127,8 +125,8 @@ class SquadTask(Task):
         na = getattr(predictions, "na_probs", None)
         return {"na_prob": na} if na is not None else {}
 
-    def question_scores(self, examples, predictions, cfg):
-        if self.is_v2(examples, cfg):
+    def question_scores(self, examples, predictions, options):
+        if self.is_v2(examples, options):
             # the v2.0 evaluator's per-question exact/F1 (no-answer rules): their means are score()'s
             return question_scores_v2(examples, predictions)
         return question_scores(examples, predictions)
