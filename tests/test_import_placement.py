@@ -183,6 +183,11 @@ def reasons(paths=None) -> dict[str, int]:
             key = ("own module pulling " if own else "") + (
                 "optional" if new & OPTIONAL.keys() else "slow" if new else "none")
             count[key] = count.get(key, 0) + 1
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        in_functions = {n.lineno for fn in ast.walk(tree) if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
+                        for n in ast.walk(fn) if isinstance(n, (ast.Import, ast.ImportFrom))}
+        guarded = len(in_functions & _guarded(tree))
+        count["guarded by except ImportError"] = count.get("guarded by except ImportError", 0) + guarded
     return count
 
 

@@ -13,13 +13,13 @@ from pathlib import Path
 from typing import Optional
 
 from ..backends.variants import VariantTable
-from ..errors import BenchError
-from .bench import run_bench
 from ..config import SuiteConfig, resolve_path
+from ..errors import BenchError
 from ..io import atomic_write_text
 from ..record.parity import check_expected, noise_note, verdict
 from ..record.results import BackendResult, rows_to_csv
 from ..tasks import get_task
+from .bench import run_bench
 
 
 def expected_path(cfg: SuiteConfig) -> Path:

@@ -13,12 +13,12 @@ from pathlib import Path
 
 from ..backends.variants import VariantTable
 from ..config import SuiteConfig
-from ..errors import BackendUnavailableError
 from ..data.evalset import load_evalset
+from ..errors import BackendUnavailableError
 from ..measuring.jobs import plan_for, plan_key
 from ..measuring.runner import make_context, materialize, stream, warm_up
-from ..tasks import get_task
 from ..measuring.trace_tables import write_profile
+from ..tasks import get_task
 
 
 def profile_backend(cfg: SuiteConfig, name: str, *, n_batches: int = 5, top: int = 25) -> dict:

@@ -28,10 +28,10 @@ import tokenizers
 
 from ..config import ADDED_DEFAULTS, DataConfig, EvalSetSpec
 from ..errors import BenchError
-from ..model.checkpoint import TOKENIZER_FILES
-from ..tasks.features import INPUT_NAMES, Features
 from ..io import atomic_dir
+from ..model.checkpoint import TOKENIZER_FILES
 from ..tasks import Task
+from ..tasks.features import INPUT_NAMES, Features
 
 _ARRAYS = INPUT_NAMES + ("example_index",)
 

@@ -67,8 +67,8 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from .runner import in_flight_window
 from ..record.schedule import Batch, batch_inputs
+from .runner import in_flight_window
 
 LENGTH_AWARE = ("sorted", "trimmed", "packed")
 

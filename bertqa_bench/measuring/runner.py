@@ -34,9 +34,9 @@ import numpy as np
 
 from ..backends.base import Backend, BackendContext
 from ..errors import BenchError
+from ..record.schedule import Plan, batch_inputs, empty_outputs, scatter, spread
 from .machine_state import runtime_threads
 from .progress import Progress
-from ..record.schedule import Plan, batch_inputs, empty_outputs, scatter, spread
 
 
 @dataclass

@@ -27,8 +27,8 @@ from typing import Mapping, Optional
 
 import numpy as np
 
-from ..tasks.features import INPUT_NAMES
 from ..io import atomic_write_with
+from ..tasks.features import INPUT_NAMES
 
 PAD_LOGIT = np.float32(-1e4)  # fills positions a trimmed batch never computed; postprocessing skips them
 

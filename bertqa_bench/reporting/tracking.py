@@ -56,8 +56,8 @@ from filelock import FileLock
 
 from ..errors import BenchError
 from ..record.parity import Verdict
-from .colors import BackendColors
 from ..record.results import BackendResult, RunBundle, RunMeta
+from .colors import BackendColors
 from .mlflow_views import comparison_charts, comparison_frame, result_view, view_columns
 from .recommend import for_run
 from .training_run import TrainingRun

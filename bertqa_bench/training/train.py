@@ -26,18 +26,18 @@ from ..backends.variants import VariantTable
 from ..config import METRICS_FILE, SuiteConfig
 from ..data.evalset import load_evalset
 from ..envinfo import device_name
+from ..io import atomic_dir, atomic_write_json
 from ..measuring.launcher import SAFE_ENV
 from ..measuring.measure import UtilizationSampler
 from ..measuring.progress import Progress
 from ..measuring.worker import Job, execute
-from ..record.schedule import make_plan, mask_padding
-from ..io import atomic_dir, atomic_write_json
 from ..model.modeling import build_model, load_tokenizer
+from ..record.schedule import make_plan, mask_padding
 from ..tasks import Task, get_task
+from .instrument import GcWatch, Prefetcher, StepProfiler, compiled_graphs, profile_window
 from .loss_readback import DeferredLoss
 from .optimizer_step import make_adamw, optimizer_step
 from .prepared_mask import PreparedMask, has_padding
-from .instrument import GcWatch, Prefetcher, StepProfiler, compiled_graphs, profile_window
 from .recipe import model_recipe, recipe_fields
 from .steps import (autocast_dtype, capture_layers, compile_blocks, compile_warmup, ddp_kwargs, ddp_settings, dist_info,
                     length_grouped_batches, masked_span_loss, model_mask, rank_micro_batches, register_comm_hook,

@@ -14,8 +14,8 @@ import numpy as np
 
 from ...config import DataConfig, resolve_path
 from ...errors import ConfigError
-from ..features import Features
 from ..base import Task
+from ..features import Features
 from .features import featurize_nq
 from .metrics import metrics_from_sums, nq_evaluate, question_scores, score_nq_files
 from .model import NQ_OUTPUTS, BertJointForNaturalQuestions
