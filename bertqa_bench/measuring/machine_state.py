@@ -238,12 +238,16 @@ def _ppid(pid: int) -> Optional[int]:
 
 
 def same_run(pid: int, depth: int = 6) -> bool:
-    """The process is another of this bench's own: a descendant of this worker's parent (the
-    bench), such as another row's worker waiting for its turn in the rounds with its CUDA context
-    open, or a compile worker. Idle while this row is timed, so not another user of the GPU."""
+    """The process is another of this bench's own: this worker's parent (the bench, which waits
+    for the row's reply; it holds a CUDA context when it trained the model in the same run) or a
+    descendant of it, such as another row's worker waiting for its turn in the rounds with its
+    CUDA context open, or a compile worker. Idle while this row is timed, so not another user of
+    the GPU."""
     parent = os.getppid()
     if parent <= 1:
         return False
+    if pid == parent:
+        return True
     for _ in range(depth):
         pid = _ppid(pid)
         if pid is None or pid <= 1:
