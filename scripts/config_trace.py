@@ -53,7 +53,7 @@ class Trace:
         self.cfg, self.uses = cfg, []
 
     def __enter__(self):
-        cls, uses, cfg = type(self.cfg), self.uses, self.cfg
+        cls, cfg = type(self.cfg), self.cfg
 
         def __getattribute__(obj, name):  # a read on the config: its reader
             if obj is cfg and not name.startswith("_"):
