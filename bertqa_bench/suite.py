@@ -145,7 +145,6 @@ def load_suite(name_or_path: str = "default", overrides: Optional[list[str]] = N
     except ConfigError as e:
         raise _from_override(e, path, overrides or []) from None
     resolve_task(cfg)
-
     canonicalize(cfg)  # old names -> the catalogue's (a note each); unknown names fail before any work
     return cfg
 
