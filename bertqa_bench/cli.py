@@ -355,10 +355,11 @@ def cmd_track(a) -> int:
 
 
 def cmd_backends(a) -> int:
-    table = VariantTable.for_suite()
     if a.suite or a.overrides:  # --set alone applies to the default suite, as everywhere else
         cfg = load_suite(_suite(a), a.overrides)
         table = VariantTable.for_suite(cfg.variants, cfg.bench.device)
+    else:
+        table = VariantTable.for_suite()
     print(show(table, a.show) if a.show else listing(table, show_all=a.all))
     return 0
 

@@ -74,15 +74,15 @@ MUTANTS = [
       "`bertqa-bench score` scores against the first gold answer only"),
     # --- NQ: the task's options reach its metric (tests/official_nq.py is the reference)
     M("nq-task-ignores-thresholds", "bertqa_bench/tasks/nq/task.py",
-      "return nq_evaluate(examples, predictions, long_non_null_threshold=o.long_non_null_threshold,\n"
-      "                           short_non_null_threshold=o.short_non_null_threshold)",
-      "return nq_evaluate(examples, predictions)",
+      "return metrics.nq_evaluate(examples, predictions, long_non_null_threshold=o.long_non_null_threshold,\n"
+      "                                   short_non_null_threshold=o.short_non_null_threshold)",
+      "return metrics.nq_evaluate(examples, predictions)",
       ("tests/test_nq.py", "-k", "restated"), "NQTask.score ignores the suite's non-null thresholds"),
     M("nq-task-short-threshold-from-long", "bertqa_bench/tasks/nq/task.py",
-      "nq_evaluate(examples, predictions, long_non_null_threshold=o.long_non_null_threshold,\n"
-      "                           short_non_null_threshold=o.short_non_null_threshold)",
-      "nq_evaluate(examples, predictions, long_non_null_threshold=o.long_non_null_threshold,\n"
-      "                           short_non_null_threshold=o.long_non_null_threshold)",
+      "metrics.nq_evaluate(examples, predictions, long_non_null_threshold=o.long_non_null_threshold,\n"
+      "                                   short_non_null_threshold=o.short_non_null_threshold)",
+      "metrics.nq_evaluate(examples, predictions, long_non_null_threshold=o.long_non_null_threshold,\n"
+      "                                   short_non_null_threshold=o.long_non_null_threshold)",
       ("tests/test_nq.py", "-k", "restated"), "the short threshold option wired to the long one"),
     M("nq-gold-rule-strict", "bertqa_bench/tasks/nq/metrics.py",
       "return (sum(a.has_long for a in ex.annotations) >= long_needed,",

@@ -1597,6 +1597,20 @@ def test_tanh_gelu_triton_op_on_gpu_matches_torch_and_compiles():
     assert torch.equal(compiled(x8).view(torch.uint8), got.view(torch.uint8))
 
 
+
+def test_a_torch_without_triton_op_still_imports_the_fp8_rows():
+    """torch.library.triton_op came with torch 2.6; the FP8 modules and the packed encoder import
+    the GELU kernel's module at their top, so on an older torch they must still import, and the
+    GELU runs through torch, saying why (a fresh process: the op registers once per process)."""
+    code = ("import torch.library as L\ndel L.triton_op\n"
+            "import bertqa_bench.backends.fp8_modules, bertqa_bench.backends.packed_bert\n"
+            "from bertqa_bench.backends import gelu_fp8\n"
+            "assert gelu_fp8.gelu_tanh_fp8_op is None and not gelu_fp8._runs_triton(True)\n"
+            "print(gelu_fp8.implementation(True))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "triton_op" in out.stdout or "triton is not installed" in out.stdout, out.stdout
+
 # --------------------------------------------------------------------------- INT8 and the sensitivity sweep
 
 def test_int8_linear_matches_linear_within_int8_error():

@@ -220,23 +220,31 @@ def test_a_recommendation_names_the_rows_timed_on_a_busy_machine():
     assert busy.headline().endswith("(timing unreliable)") and busy.tags()["recommendation"] == busy.headline()
 
 
-def test_the_benchs_own_processes_are_not_other_users_of_the_gpu():
+def test_the_benchs_own_processes_are_not_other_users_of_the_gpu(monkeypatch):
     """In rounds the other rows' workers hold CUDA contexts while one row is timed, and the bench
     itself holds one when it trained the model in the same run (seen on the H200: every row was
-    marked ⚠ '1 other process' after an in-run training): the worker's parent and every process
-    descended from it are this run's own, never 'another process on the GPU'."""
+    marked ⚠ '1 other process' after an in-run training): the bench that launched the worker
+    (named by BERTQA_PARENT_PID) and every process descended from it are this run's own, never
+    'another process on the GPU'. A process the launcher did not start owns only its children:
+    whatever started it may be using the GPU."""
     import subprocess
     import sys
 
+    from bertqa_bench.measuring.interrupt import PARENT_ENV
     from bertqa_bench.measuring.machine_state import same_run
 
+    parent = os.getppid()
+    grandparent = int(Path(f"/proc/{parent}/stat").read_text().rsplit(")", 1)[1].split()[1])
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
-        assert same_run(child.pid)  # a child of this process, which descends from its own parent
+        monkeypatch.delenv(PARENT_ENV, raising=False)  # not started by the launcher
+        assert same_run(child.pid) and not same_run(parent)
+        monkeypatch.setenv(PARENT_ENV, str(parent))  # a worker the bench launched
+        assert same_run(parent) and same_run(child.pid)  # the bench, and what descends from it
+        assert all(not same_run(p) for p in (grandparent, 1) if p != parent)  # above the bench
+        monkeypatch.setenv(PARENT_ENV, str(parent + 1))  # another process's name: not our parent
+        assert not same_run(parent)
     finally:
         child.kill()
         child.wait()
-    assert same_run(os.getppid())  # the bench itself
-    grandparent = int(Path(f"/proc/{os.getppid()}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    assert not same_run(grandparent) and not same_run(1)  # above the bench: not this run's
     assert not same_run(2 ** 22 + 12345)  # no such process

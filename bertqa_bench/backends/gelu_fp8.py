@@ -22,7 +22,11 @@ tests) the same formula in torch (``gelu_tanh_fp8_reference``), with torch's tan
 import functools
 
 import torch
-from torch.library import triton_op, wrap_triton
+
+try:  # torch >= 2.6: the custom-op wrapper that keeps the kernel inside torch.compile's graph
+    from torch.library import triton_op, wrap_triton
+except ImportError:  # older torch: the FP8 rows still import and run GELU through torch
+    triton_op = wrap_triton = None
 
 E4M3_MAX = 448.0
 _C = 0.7978845608028654  # sqrt(2 / pi)
@@ -69,6 +73,11 @@ def triton_unavailable_reason() -> str:
     return ""
 
 
+def op_unavailable_reason() -> str:
+    """Why this kernel cannot run as a torch op here ('' when it can)."""
+    return "" if triton_op is not None else f"torch {torch.__version__} has no torch.library.triton_op (2.6 and newer)"
+
+
 @functools.lru_cache(maxsize=None)
 def _kernel():
     import triton
@@ -111,8 +120,7 @@ def launch(x8, y8, in_scale: float, out_inv_scale: float, *, fast_tanh: bool = T
                                 FAST_TANH=fast_tanh, num_warps=8)
 
 
-@triton_op("bertqa::gelu_tanh_fp8", mutates_args=())
-def gelu_tanh_fp8_op(x8: torch.Tensor, in_scale: float, out_inv_scale: float) -> torch.Tensor:
+def _gelu_tanh_fp8_op(x8: torch.Tensor, in_scale: float, out_inv_scale: float) -> torch.Tensor:
     """The Triton kernel as a torch op (e4m3 in, e4m3 out, same shape)."""
     x8 = x8.contiguous()
     y8 = torch.empty_like(x8)
@@ -120,15 +128,19 @@ def gelu_tanh_fp8_op(x8: torch.Tensor, in_scale: float, out_inv_scale: float) ->
     return y8
 
 
+gelu_tanh_fp8_op = triton_op("bertqa::gelu_tanh_fp8", mutates_args=())(_gelu_tanh_fp8_op) if triton_op else None
+
+
 def _runs_triton(on_cuda: bool) -> bool:
-    return on_cuda and HAS_TRITON
+    return on_cuda and HAS_TRITON and gelu_tanh_fp8_op is not None
 
 
 def implementation(on_cuda: bool) -> str:
     """What gelu_tanh_fp8 runs for tensors on CUDA (or not), in words."""
     if _runs_triton(on_cuda):
         return "Triton kernel (tanh.approx.f32)"
-    return f"torch ({'triton is not installed' if on_cuda else 'not on CUDA'})"
+    why = "not on CUDA" if not on_cuda else "triton is not installed" if not HAS_TRITON else op_unavailable_reason()
+    return f"torch ({why})"
 
 
 def gelu_tanh_fp8(x8, in_scale: float, out_inv_scale: float):

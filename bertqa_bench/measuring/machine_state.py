@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from .interrupt import PARENT_ENV
+
 SLACK_CORES = 0.15
 MAX_STEAL = 0.05
 _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -238,23 +240,28 @@ def _ppid(pid: int) -> Optional[int]:
 
 
 def same_run(pid: int, depth: int = 6) -> bool:
-    """The process is another of this bench's own: this worker's parent (the bench, which waits
-    for the row's reply; it holds a CUDA context when it trained the model in the same run) or a
-    descendant of it, such as another row's worker waiting for its turn in the rounds with its
-    CUDA context open, or a compile worker. Idle while this row is timed, so not another user of
-    the GPU."""
-    parent = os.getppid()
-    if parent <= 1:
-        return False
-    if pid == parent:
+    """The process is another of this run's own, idle while this row is timed, so not another
+    user of the GPU: the bench that launched this worker (``BERTQA_PARENT_PID`` names it; it waits
+    for the row's reply, and holds a CUDA context when it trained the model in the same run) or a
+    process descended from it, such as another row's worker waiting for its turn in the rounds
+    with its CUDA context open, or a compile worker. A process the launcher did not start (in
+    process, or by hand) counts only its own descendants: whatever started it may be using the GPU."""
+    root = bench_pid()
+    if pid == root:
         return True
     for _ in range(depth):
         pid = _ppid(pid)
-        if pid is None or pid <= 1:
+        if pid is None or pid <= 0:
             return False
-        if pid == parent:
+        if pid == root:
             return True
     return False
+
+
+def bench_pid() -> int:
+    """The bench this worker belongs to: its parent when the launcher started it, else itself."""
+    parent, named = os.getppid(), os.environ.get(PARENT_ENV, "")
+    return parent if named.isdigit() and int(named) == parent else os.getpid()
 
 
 def judge(v: dict, demand: Optional[int] = None) -> tuple[Optional[bool], str]:

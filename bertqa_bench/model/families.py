@@ -22,8 +22,9 @@ import json
 from pathlib import Path
 from typing import Iterable, Optional
 
-from ..io import atomic_dir
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+from ..io import atomic_dir
 
 FAMILY_NAMES = ("bert", "roberta", "distilbert", "albert", "electra", "deberta-v2")
 TOKENIZER_KIND = {"bert": "wordpiece", "distilbert": "wordpiece", "electra": "wordpiece",

@@ -9,6 +9,7 @@ plan, postprocessing and scorer. ``commands/provision.py`` calls it only when mo
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import math
 import os
@@ -76,6 +77,10 @@ def train(cfg: SuiteConfig, *, log: Callable[[str], None] = print, tracker=None,
         if mlrun is not None:
             mlrun.fail(e)
         raise
+    finally:  # a bench that trained its model goes on to measure rows beside it: free the GPU's cache
+        gc.collect()  # (captured graphs and compiled code hold their memory until collected)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def _train(cfg: SuiteConfig, *, log: Callable[[str], None], mlrun, evaluate: bool, command: str = "") -> dict:

@@ -17,7 +17,7 @@ from ...errors import ConfigError
 from ..base import Task
 from ..features import Features
 from .features import featurize_nq
-from .metrics import metrics_from_sums, nq_evaluate, question_scores, score_nq_files
+from . import metrics
 from .model import NQ_OUTPUTS, BertJointForNaturalQuestions
 from .postprocess import postprocess_nq
 from .reader import load_nq_jsonl
@@ -101,21 +101,21 @@ class NQTask(Task):
     def score_files(self, gold, predictions, long_non_null_threshold: int = 2, short_non_null_threshold: int = 2,
                     **_) -> dict:
         """The official NQ evaluator's long/short P/R/F1 and the micro-F1 of a predictions file."""
-        return score_nq_files(gold, predictions, long_non_null_threshold=long_non_null_threshold,
-                              short_non_null_threshold=short_non_null_threshold)
+        return metrics.score_nq_files(gold, predictions, long_non_null_threshold=long_non_null_threshold,
+                                      short_non_null_threshold=short_non_null_threshold)
 
     def score(self, examples, predictions, options):
         o = options
-        return nq_evaluate(examples, predictions, long_non_null_threshold=o.long_non_null_threshold,
-                           short_non_null_threshold=o.short_non_null_threshold)
+        return metrics.nq_evaluate(examples, predictions, long_non_null_threshold=o.long_non_null_threshold,
+                                   short_non_null_threshold=o.short_non_null_threshold)
 
     def question_scores(self, examples, predictions, options):
         o = options
-        return question_scores(examples, predictions, long_non_null_threshold=o.long_non_null_threshold,
-                               short_non_null_threshold=o.short_non_null_threshold)
+        return metrics.question_scores(examples, predictions, long_non_null_threshold=o.long_non_null_threshold,
+                                       short_non_null_threshold=o.short_non_null_threshold)
 
     def metrics_from_sums(self, sums, n):
-        return metrics_from_sums(sums, n)
+        return metrics.metrics_from_sums(sums, n)
 
     def agreement(self, predictions, reference):
         ref, pred = _by_id(reference), _by_id(predictions)

@@ -19,10 +19,10 @@ from ...config import DataConfig, resolve_path
 from ...errors import ConfigError
 from ..base import Task
 from .features import tokenize_examples
-from .metrics import question_scores, score_files, squad_evaluate
+from . import metrics, reader
 from .metrics_v2 import question_scores_v2, score_v2_files, squad_v2_evaluate
 from .postprocess import postprocess_qa, postprocess_qa_v2
-from .reader import is_v2, load_squad_hf, load_squad_json, read_json
+from .reader import load_squad_hf, load_squad_json, read_json
 from .synthetic import ensure_squad_files
 
 
@@ -100,11 +100,11 @@ class SquadTask(Task):
     def score_files(self, gold, predictions, na_prob_file=None, na_prob_thresh: float = 1.0, **_) -> dict:
         """The official v1.1 EM/F1, or for a v2.0 file the official v2.0 script's keys (with its
         no-answer probability file and threshold)."""
-        if is_v2(read_json(gold)):
+        if reader.is_v2(read_json(gold)):  # the file's own version (the method below: the examples')
             return score_v2_files(gold, predictions, na_prob_file=na_prob_file, na_prob_thresh=na_prob_thresh)
         if na_prob_file:
             raise ConfigError(f"{gold} is a SQuAD v1.1 file: --na-prob-file applies to v2.0 files only")
-        return score_files(gold, predictions)
+        return metrics.score_files(gold, predictions)
 
     def score(self, examples, predictions, options):
         if self.is_v2(examples, options):
@@ -118,7 +118,7 @@ class SquadTask(Task):
                 with_na = squad_v2_evaluate(examples, predictions, na_probs=na)
                 scores.update({k: v for k, v in with_na.items() if k.startswith("best_")})
             return scores
-        return squad_evaluate(examples, predictions)
+        return metrics.squad_evaluate(examples, predictions)
 
     def side_files(self, predictions) -> dict:
         # v2.0: the no-answer probabilities beside the predictions, for `bertqa-bench score --na-prob-file`
@@ -129,7 +129,7 @@ class SquadTask(Task):
         if self.is_v2(examples, options):
             # the v2.0 evaluator's per-question exact/F1 (no-answer rules): their means are score()'s
             return question_scores_v2(examples, predictions)
-        return question_scores(examples, predictions)
+        return metrics.question_scores(examples, predictions)
 
     def metrics_from_sums(self, sums, n):
         sums = np.asarray(sums, dtype=np.float64)  # columns: exact match, F1 (0-1 per question)
