@@ -80,6 +80,16 @@ def layer_of(module: str) -> str:
     return parts[1] if len(parts) > 1 else ""
 
 
+def from_target(node: ast.ImportFrom, module: str, is_package: bool) -> str:
+    """The absolute module a ``from ... import`` statement in ``module`` reads from (relative
+    levels resolved; an ``__init__`` is its own package)."""
+    if not node.level:
+        return node.module or ""
+    base = module.split(".") if is_package else module.split(".")[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
 def _import_lines(path: Path, root: Path = PKG.parent):
     """(line, imported module, names) for every bertqa_bench import in the file, function-level
     ones too; ``from bertqa_bench import x`` is read as importing ``bertqa_bench.x``."""
@@ -87,12 +97,7 @@ def _import_lines(path: Path, root: Path = PKG.parent):
     is_pkg = path.name == "__init__.py"
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = mod.split(".") if is_pkg else mod.split(".")[:-1]
-                base = base[: len(base) - (node.level - 1)]
-                target = ".".join(base + ([node.module] if node.module else []))
-            else:
-                target = node.module or ""
+            target = from_target(node, mod, is_pkg)
             names = [a.name for a in node.names]
             if target == "bertqa_bench":
                 for n in names:

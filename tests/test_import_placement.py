@@ -18,6 +18,8 @@ import sys
 from functools import lru_cache
 from pathlib import Path
 
+from test_architecture import _module_name, from_target
+
 PACKAGE = Path(__file__).resolve().parent.parent / "bertqa_bench"
 
 # Optional: not in pyproject's `dependencies`; the function that needs one says what to install.
@@ -53,11 +55,7 @@ REASONS = OPTIONAL | SLOW
 
 def module_name(path: Path) -> str:
     """``.../bertqa_bench/record/x.py`` -> ``bertqa_bench.record.x`` (a copy of the package elsewhere too)."""
-    root = next(p for p in path.parents if p.name == PACKAGE.name).parent
-    parts = list(path.relative_to(root).with_suffix("").parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
+    return _module_name(path, next(p for p in path.parents if p.name == PACKAGE.name).parent)
 
 
 MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
@@ -67,12 +65,7 @@ def _target(node: ast.AST, here: str, is_package: bool) -> list[str]:
     """The modules an import statement loads: absolute names, own submodules resolved."""
     if isinstance(node, ast.Import):
         return [a.name for a in node.names]
-    if node.level:
-        base = here.split(".") if is_package else here.split(".")[:-1]
-        base = base[: len(base) - (node.level - 1)]
-        mod = ".".join(base + ([node.module] if node.module else []))
-    else:
-        mod = node.module or ""
+    mod = from_target(node, here, is_package)
     subs = [f"{mod}.{a.name}" for a in node.names if f"{mod}.{a.name}" in MODULES]
     return [mod] + subs
 
