@@ -13,7 +13,7 @@ import traceback
 from pathlib import Path
 
 from . import exit_codes
-from .backends.catalogue import listing, show
+from .reporting.backend_listing import listing, show
 from .backends.variants import VariantTable
 from .cli_parser import build_parser
 from .commands.bench_ddp import Cluster

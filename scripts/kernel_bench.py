@@ -11,7 +11,7 @@ would replace, with its numerics checked against a reference on the same inputs:
   against its fp16 output quantized by a compiled pass of its own (``triton+quantize``, today's);
 * the FFN's first half: the FP8 up-projection writing e4m3 then the Triton tanh-GELU kernel
   (``ffn_gelu: tanh``) against cuBLASLt's GELU_BIAS epilogue through nvmath-python
-  (``ffn_gelu: epilogue``); reference: the epilogue's formula in fp32 (gemm_epilogue.py);
+  (``ffn_gelu: epilogue``); reference: the epilogue's formula in fp32 (cublaslt_epilogues.py);
 * the layer's other FP8 GEMMs (QKV, attention output, FFN down, fp16 out with their bias): torch's
   ``_scaled_mm`` (cuBLASLt's heuristic choice, today's path) against the same cuBLASLt GEMM through
   nvmath-python, first at the heuristic's choice, then autotuned among its candidates; for the two
@@ -99,7 +99,7 @@ def epilogue_support(emit) -> None:
     """Which cuBLASLt epilogues nvmath plans for an e4m3 x e4m3 GEMM with an e4m3 result here."""
     from nvmath.linalg.advanced import Matmul, MatmulEpilog
 
-    from bertqa_bench.backends.gemm_epilogue import _e4m3_type
+    from bertqa_bench.kernels.cublaslt_epilogues import _e4m3_type
 
     w8 = torch.randn(256, 128, device="cuda").to(torch.float8_e4m3fn)
     x8 = torch.randn(64, 128, device="cuda").to(torch.float8_e4m3fn)
@@ -213,7 +213,7 @@ def attention_over_plan(args, plan: tuple[list[list[int]], int], hidden, heads, 
         # does (the run's own tile where Triton's cache holds it: see triton_attention.tuning_source)
         tuned = next((r["triton_config"] for r in seen if r.get("what") == "attention"
                       and r.get("kernel") == "triton-e4m3" and r.get("triton_config")), None)
-        from bertqa_bench.backends import triton_attention
+        from bertqa_bench.kernels import varlen_attention as triton_attention
 
         emit({**tiles_summary(seen, tuned, len(batches)), "tuning_source": triton_attention.tuning_source()})
     for rec in pass_records(seen, len(batches)):
@@ -241,7 +241,7 @@ def pass_records(records: list[dict], n_batches: int) -> list[dict]:
 
 
 def attention(args, hidden, heads, emit, lens=None, tag=None, tuning_call: bool = True) -> None:
-    from bertqa_bench.backends.packed_bert import _cudnn_kernel, _varlen_kernel
+    from bertqa_bench.backends.transforms.packed_encoder import _cudnn_kernel, _varlen_kernel
 
     d = hidden // heads
     if lens is None:
@@ -269,18 +269,18 @@ def attention(args, hidden, heads, emit, lens=None, tag=None, tuning_call: bool 
     # output in e4m3 at scale 1/16 (|O| <= max |V|)
     one, o_inv = torch.ones((), device="cuda"), torch.tensor(16.0, device="cuda")
     if wanted("cudnn-fp8"):
-        from bertqa_bench.backends.cudnn_fp8_attention import fp8_varlen_attention
+        from bertqa_bench.kernels.cudnn_fp8_attention import fp8_varlen_attention
 
         q8, k8, v8 = qkv.to(torch.float8_e4m3fn).unbind(1)
         kernels["cudnn-fp8"] = lambda: fp8_varlen_attention(q8, k8, v8, cu, max_len, scale, one, o_inv)
     # the hand-written Triton varlen kernel; its first (eager) call below autotunes, before any
     # timing or graph capture
-    from bertqa_bench.backends import triton_attention
+    from bertqa_bench.kernels import varlen_attention as triton_attention
 
     kernels["triton"] = lambda: triton_attention.varlen_attention(q, k, v, cu, max_len, scale)
     # the e4m3 output at the scale cuDNN's FP8 row uses (1/16), fused or as a pass of its own (what
     # Inductor generates for the output GEMM's quantize of a 16-bit input)
-    from bertqa_bench.backends.torch_fp8 import saturate_to_e4m3
+    from bertqa_bench.kernels.fp8_math import saturate_to_e4m3
 
     quantize = torch.compile(lambda x: saturate_to_e4m3(x, o_inv))
     o_inv1 = o_inv.reshape(1)
@@ -391,8 +391,9 @@ def tiles_summary(records: list[dict], tuned: str | None, n_batches: int) -> dic
 def ffn_up(args, hidden, ffn, emit) -> None:
     from transformers.activations import GELUActivation
 
-    from bertqa_bench.backends import gemm_epilogue
-    from bertqa_bench.backends.torch_fp8 import e4m3_codes_apart, fp8_classes, static_act_scale
+    from bertqa_bench.kernels import cublaslt_epilogues
+    from bertqa_bench.backends.transforms.fp8_surgery import fp8_classes
+    from bertqa_bench.kernels.fp8_math import e4m3_codes_apart, static_act_scale
 
     Fp8Linear, _, Fp8Intermediate = fp8_classes()
     torch.manual_seed(0)
@@ -401,7 +402,7 @@ def ffn_up(args, hidden, ffn, emit) -> None:
     x = torch.randn(args.tokens, hidden, device="cuda").half()
     y = x.float() @ w.float().t() + b.float()
     out_scale = static_act_scale(float(y.abs().amax()))
-    down_scale = static_act_scale(float(gemm_epilogue.gelu_tanh(y).abs().amax()))
+    down_scale = static_act_scale(float(cublaslt_epilogues.gelu_tanh(y).abs().amax()))
     act = static_act_scale(float(x.abs().amax()))
     rec0 = {"what": "ffn_up", "tokens": args.tokens, "hidden": hidden, "ffn": ffn,
             "epilogue_saturates": None, "nvmath": None}
@@ -409,7 +410,7 @@ def ffn_up(args, hidden, ffn, emit) -> None:
         import nvmath
 
         rec0["nvmath"] = nvmath.__version__
-        rec0["epilogue_saturates"] = gemm_epilogue.epilogue_saturates("cuda")
+        rec0["epilogue_saturates"] = cublaslt_epilogues.epilogue_saturates("cuda")
     except Exception as e:  # noqa: BLE001
         rec0["error"] = f"{type(e).__name__}: {e}"[:2000]
     emit(rec0)
@@ -433,7 +434,7 @@ def ffn_up(args, hidden, ffn, emit) -> None:
         alone["gemm_gelu_bias_epilogue (nvmath, heuristic, fast accumulation)"] = lambda: paths["epilogue"](x8)
         ep = paths["epilogue"]
         alone["gemm_gelu_bias_epilogue (nvmath, heuristic, fp32 promotion: no fast accumulation)"] = \
-            lambda: gemm_epilogue.gemm_gelu_fp8(x8, up.weight_fp8, ep.epilogue_bias, up.weight_scale, sa,
+            lambda: cublaslt_epilogues.gemm_gelu_fp8(x8, up.weight_fp8, ep.epilogue_bias, up.weight_scale, sa,
                                                 ep.down_inv_scale, False)
     for label, fn in alone.items():
         rec = {"what": "ffn_up_kernels", "kernel": label, "tokens": args.tokens, "hidden": hidden, "ffn": ffn}
@@ -448,13 +449,13 @@ def ffn_up(args, hidden, ffn, emit) -> None:
         rec = {"what": "ffn_up_kernels", "kernel": f"gemm_gelu_bias_epilogue (nvmath, autotuned x{args.autotune}, fast accumulation)",
                "tokens": args.tokens}
         try:
-            replay, _ = graphed(lambda: gemm_epilogue.gemm_gelu_fp8(x8, up.weight_fp8, ep.epilogue_bias, up.weight_scale,
+            replay, _ = graphed(lambda: cublaslt_epilogues.gemm_gelu_fp8(x8, up.weight_fp8, ep.epilogue_bias, up.weight_scale,
                                                                      sa, ep.down_inv_scale, True, args.autotune))
             rec["graph"] = timed(replay, args.warmup, args.iters)
         except Exception as e:  # noqa: BLE001
             rec["error"] = f"{type(e).__name__}: {e}"[:1000]
         emit(rec)
-    ref = gemm_epilogue.fp8_gemm_gelu_reference(x8, up.weight_fp8, up.bias_unscaled.to(gemm_epilogue.BIAS_DTYPE),
+    ref = cublaslt_epilogues.fp8_gemm_gelu_reference(x8, up.weight_fp8, up.bias_unscaled.to(cublaslt_epilogues.BIAS_DTYPE),
                                                 up.weight_scale, sa, torch.tensor(1 / down_scale, device="cuda"))
     for gelu, mod in paths.items():
         rec = {"what": "ffn_up", "gelu": gelu, "tokens": args.tokens, "hidden": hidden, "ffn": ffn}
@@ -479,8 +480,9 @@ def ffn_up(args, hidden, ffn, emit) -> None:
 
 def gemms(args, hidden, ffn, emit) -> None:
     """The FP8 GEMMs with a 16-bit output, torch's path against nvmath's, with and without the residual."""
-    from bertqa_bench.backends import gemm_epilogue
-    from bertqa_bench.backends.torch_fp8 import fp8_classes, static_act_scale
+    from bertqa_bench.kernels import cublaslt_epilogues
+    from bertqa_bench.backends.transforms.fp8_surgery import fp8_classes
+    from bertqa_bench.kernels.fp8_math import static_act_scale
 
     Fp8Linear = fp8_classes()[0]
     torch.manual_seed(0)
@@ -496,15 +498,15 @@ def gemms(args, hidden, ffn, emit) -> None:
         r = torch.randn(m, n, device="cuda").half()
         base = {"what": "gemm", "gemm": name, "M": m, "N": n, "K": k, "tflop": round(2 * m * n * k / 1e12, 4)}
         paths = {"torch._scaled_mm (fast accum)": (lambda: lin(x8), False)}
-        # the backend's own ops (gemm_epilogue.py): cuBLASLt planned through nvmath-python, one plan
+        # the backend's own ops (cublaslt_epilogues.py): cuBLASLt planned through nvmath-python, one plan
         # per shape and autotune setting, so the heuristic's and the autotuned plans stand side by side
         for tune in sorted({0, args.autotune}):
             how = f"autotuned x{tune}" if tune else "heuristic"
             paths[f"nvmath BIAS, {how}"] = (
-                lambda t=tune: gemm_epilogue.gemm_bias_fp8(x8, lin.weight_fp8, b, lin.weight_scale, sx, True, t), False)
+                lambda t=tune: cublaslt_epilogues.gemm_bias_fp8(x8, lin.weight_fp8, b, lin.weight_scale, sx, True, t), False)
             if residual:
                 paths[f"nvmath BIAS + residual (C, beta 1), {how}"] = (
-                    lambda t=tune: gemm_epilogue.gemm_add_fp8(x8, lin.weight_fp8, b, lin.weight_scale, sx, r, True, t),
+                    lambda t=tune: cublaslt_epilogues.gemm_add_fp8(x8, lin.weight_fp8, b, lin.weight_scale, sx, r, True, t),
                     True)
         for label, (fn, adds_residual) in paths.items():
             rec = {**base, "kernel": label}
@@ -525,7 +527,7 @@ def _layernorm_after(args, y, r, emit, base) -> None:
     """Residual + LayerNorm + e4m3 quantize (the packed encoder's pass after this GEMM), compiled by
     Inductor, reading the GEMM's output and the residual, against LayerNorm + quantize reading one
     tensor (the residual already added in the GEMM)."""
-    from bertqa_bench.backends.torch_fp8 import static_act_scale
+    from bertqa_bench.kernels.fp8_math import static_act_scale
 
     ln = torch.nn.LayerNorm(y.shape[1], device="cuda", dtype=torch.float16)
     s = y + r

@@ -64,7 +64,10 @@ LAYERS = [
     ("measuring",),      # one backend's process: launcher, worker, timed passes, LoadGen SUT, data-parallel ranks
     ("record",),         # the typed record (BackendResult, run bundle), parity verdicts, batch plans
     ("suite",),          # a suite YAML read into the typed config, its variants and task checked
-    ("backends",),       # the Backend interface, the variants table, the implementations
+    ("backends",),       # the Backend interface, the variants table, the implementations (torch_backend; exported/:
+                         # ONNX Runtime, OpenVINO, TensorRT) and the model transforms they apply (transforms/)
+    ("kernels",),        # GPU kernels (Triton, cuBLASLt epilogues, cuDNN FP8 attention) and the e4m3 arithmetic they
+                         # share: torch, triton and the optional GPU libraries only, nothing of the suite above
     ("data",),           # the evaluation set, built once and cached
     ("model",),          # locate, validate, grow and build a QA model
     ("tasks",),          # SQuAD, NQ: reader, features record, head, postprocessing, metric
@@ -149,7 +152,7 @@ def test_the_layer_check_sees_a_function_level_upward_import(tmp_path):
 @pytest.mark.parametrize("module", ["measuring.runner", "record.schedule", "measuring.launcher",
                                     "measuring.worker", "record.parity", "record.results", "commands.bench",
                                     "reporting.report", "reporting.tracking", "backends.base",
-                                    "backends.torch_backend", "backends.onnxruntime", "data.evalset"])
+                                    "backends.torch_backend", "backends.exported.onnxruntime", "data.evalset"])
 def test_nothing_outside_a_task_branches_on_a_task_name(module):
     src = (PKG / (module.replace(".", "/") + ".py")).read_text()
     for needle in ('"nq"', "'nq'", '"squad"', "'squad'", "micro_f1", "answer_type"):

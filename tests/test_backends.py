@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from bertqa_bench.backends import BackendContext, default_table
-from bertqa_bench.backends.onnx_export import (OnnxExportError, check_against_reference, in_row_chunks,
+from bertqa_bench.backends.exported.onnx_export import (OnnxExportError, check_against_reference, in_row_chunks,
                                                model_fingerprint, torch_reference, validation_batches)
 from bertqa_bench.errors import ConfigError, UnknownBackendError
 
@@ -276,7 +276,7 @@ def test_export_traces_a_few_rows_without_autograd_and_validates_at_the_run_shap
     """The exporter's trace held autograd's saved activations of the whole sample batch (77.7 GiB of
     host memory at 256 x 384 on the H100 host): it traces EXPORT_ROWS rows with grad off, and the
     graph still validates at the run's larger batch."""
-    from bertqa_bench.backends import onnx_export
+    from bertqa_bench.backends.exported import onnx_export
 
     traced = []
     real_export = torch.onnx.export
@@ -474,7 +474,7 @@ def test_packed_refuses_cuda_graphs_with_the_reason():
 
 
 def test_token_buckets_fill_the_length_vector_with_dummy_sequences_of_1_to_max_len_tokens():
-    from bertqa_bench.backends.packed_bert import TokenBuckets
+    from bertqa_bench.backends.transforms.packed_encoder import TokenBuckets
 
     tb = TokenBuckets(None, bucket=16, max_len=6, max_rows=4, max_tokens=40)
     assert tb.min_dummies == 4 and tb.cu_len == 4 + 4 + 1  # 15 extra tokens over >= 4 sequences of <= 6
@@ -536,7 +536,7 @@ def test_head_first_gives_every_position_what_the_hidden_state_scatter_gives():
 
     from transformers import BertConfig, BertForQuestionAnswering
 
-    from bertqa_bench.backends.packed_bert import pack_model
+    from bertqa_bench.backends.transforms.packed_encoder import pack_model
 
     torch.manual_seed(0)
     m = BertForQuestionAnswering(BertConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2,
@@ -563,7 +563,7 @@ def test_head_first_refuses_a_pooled_head_and_an_unpacked_model_with_the_reason(
     from transformers import BertConfig
 
     from bertqa_bench.backends import make_variant
-    from bertqa_bench.backends.packed_bert import pack_model
+    from bertqa_bench.backends.transforms.packed_encoder import pack_model
     from bertqa_bench.errors import BackendUnavailableError
     from bertqa_bench.tasks.nq.model import BertJointForNaturalQuestions
 
@@ -605,7 +605,7 @@ def test_gpu_head_first_gives_the_scatter_paths_logits_at_every_position(make_ct
 def test_packed_encoder_keeps_the_nq_answer_type_head(tmp_path):
     from transformers import BertConfig
 
-    from bertqa_bench.backends.packed_bert import pack_model
+    from bertqa_bench.backends.transforms.packed_encoder import pack_model
     from bertqa_bench.tasks.nq.model import BertJointForNaturalQuestions
 
     torch.manual_seed(0)
@@ -705,7 +705,7 @@ def test_onnxruntime_int8_static_bound_fails_for_a_wrongly_scaled_calibration(ti
 
 
 def test_onnxruntime_int8_static_options_validate_and_change_the_cache_key(tiny_model, tmp_path):
-    from bertqa_bench.backends.ort_static import Int8StaticOptions, cpu_features, layer_of
+    from bertqa_bench.backends.exported.ort_static import Int8StaticOptions, cpu_features, layer_of
     from bertqa_bench.errors import ConfigError
 
     with pytest.raises(ConfigError, match="minmax, entropy, percentile"):
@@ -777,7 +777,7 @@ def test_openvino_int8_is_calibrated_keeps_the_head_fp32_stays_close_and_is_cach
 def test_openvino_options_are_checked_and_a_missing_package_names_what_to_install(monkeypatch):
     import sys
 
-    from bertqa_bench.backends.openvino_backend import OvOptions
+    from bertqa_bench.backends.exported.openvino import OvOptions
     from bertqa_bench.backends.variants import make_variant
 
     with pytest.raises(ConfigError, match="fp32, bf16, int8"):

@@ -228,3 +228,33 @@ def test_the_ci_gate_keys_its_expected_scores_by_the_names_its_rows_get():
     assert [r["backend"] for r in rows] == cfg.bench.backends
     canonicalize(cfg)  # loading twice names nothing new
     assert [r["backend"] for r in rows] == cfg.bench.backends
+
+
+def test_an_old_plugin_path_still_resolves_and_names_the_new_one(caplog):
+    """A suite written before the kernels/, transforms/ and exported/ folders (issue 61) names
+    ``bertqa_bench.backends.onnxruntime:OnnxRuntimeBackend``: it gets the same class, and one
+    warning (per path) says what to write instead."""
+    from bertqa_bench.backends import variants
+    from bertqa_bench.backends.exported.onnxruntime import OnnxRuntimeBackend
+
+    old = "bertqa_bench.backends.onnxruntime:OnnxRuntimeBackend"
+    variants._WARNED_MOVED.discard(old)
+    with caplog.at_level("WARNING", logger=variants.__name__):
+        assert variants.import_object(old) is OnnxRuntimeBackend
+        assert variants.import_object(old) is OnnxRuntimeBackend
+        v = variants.make_variant("my-ort", old, "cpu", {"graph": "fp32"})
+    warned = [r.getMessage() for r in caplog.records if "moved to" in r.getMessage()]
+    assert len(warned) == 1, warned
+    assert "bertqa_bench.backends.exported.onnxruntime:OnnxRuntimeBackend" in warned[0]
+    assert v.backend_class is OnnxRuntimeBackend
+
+
+def test_every_moved_module_is_gone_from_its_old_place_and_imports_from_its_new_one():
+    import importlib
+
+    from bertqa_bench.backends.variants import MOVED_MODULES
+
+    root = Path(__file__).resolve().parent.parent
+    for old, new in MOVED_MODULES.items():
+        assert not (root / (old.replace(".", "/") + ".py")).exists(), f"{old} is back: drop it from MOVED_MODULES"
+        importlib.import_module(new)

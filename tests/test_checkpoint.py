@@ -220,7 +220,7 @@ def test_quant_families_have_their_target_linears(family_checkpoints):
     """QUANT_FAMILIES is a claim about module names: each family named there has the Linears the
     FP8/INT8 swap looks for, and each family left out has none of the q/k/v ones."""
     from bertqa_bench.backends.torch_options import QUANT_FAMILIES
-    from bertqa_bench.backends.torch_fp8 import target_linears
+    from bertqa_bench.backends.transforms.fp8_surgery import target_linears
     from bertqa_bench.model.modeling import load_inference_module
 
     for fam, folder in family_checkpoints.items():
@@ -306,7 +306,7 @@ def test_packed_encoder_matches_the_padded_model(family, head_first, family_chec
 
     import torch
 
-    from bertqa_bench.backends.packed_bert import pack_model
+    from bertqa_bench.backends.transforms.packed_encoder import pack_model
     from bertqa_bench.model.modeling import load_inference_module
 
     m = load_inference_module(family_checkpoints[family], "squad")

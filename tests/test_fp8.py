@@ -1,4 +1,4 @@
-"""FP8 (bertqa_bench/backends/torch_fp8.py + the torch backend's fp8 option): availability reasons, quantization math,
+"""FP8 (bertqa_bench/backends/transforms/fp8_surgery.py + the torch backend's fp8 option): availability reasons, quantization math,
 module surgery on a tiny BERT (all on CPU: float8 dtypes and torch._scaled_mm exist in CPU
 torch), and GPU end-to-end checks marked ``gpu`` (skipped without CUDA)."""
 from __future__ import annotations
@@ -18,7 +18,9 @@ from torch import nn
 
 from bertqa_bench.backends import BackendContext, default_table, make_variant
 from bertqa_bench.backends import torch_backend, torch_builder, torch_options
-from bertqa_bench.backends import torch_fp8 as fp8
+from bertqa_bench.backends.transforms import fp8_rules
+from bertqa_bench.backends.transforms import fp8_surgery as fp8
+from bertqa_bench.kernels import fp8_math
 
 TABLE = default_table()
 
@@ -98,8 +100,8 @@ def test_fp8_variants_are_reduced_precision_cuda_backends():
         assert backend.name == v.name and backend.device == "cuda"  # a measured name: its row's name now
     assert TABLE.get("torch-compile-fp8").options.fp8.scaling == "tensor"
     assert TABLE.get("torch-compile-fp8-rowwise").options.fp8.scaling == "rowwise"
-    assert fp8.parse_gemms(TABLE.get("torch-compile-fp8").options.fp8.gemms) == fp8.DEFAULT_GEMMS
-    assert fp8.parse_gemms(TABLE.get("torch-compile-fp8-all").options.fp8.gemms) == fp8.GEMM_KINDS
+    assert fp8_rules.parse_gemms(TABLE.get("torch-compile-fp8").options.fp8.gemms) == fp8_rules.DEFAULT_GEMMS
+    assert fp8_rules.parse_gemms(TABLE.get("torch-compile-fp8-all").options.fp8.gemms) == fp8_rules.GEMM_KINDS
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
@@ -142,22 +144,22 @@ def test_fp8_options_are_checked_when_a_variant_is_declared():
 # --------------------------------------------------------------------------- quantization math
 
 def test_static_activation_scale_from_amax():
-    assert fp8.static_act_scale(10.0, margin=2.0) == pytest.approx(20.0 / 448.0)
-    assert fp8.static_act_scale(7.0, margin=1.0) == pytest.approx(7.0 / 448.0)
-    assert fp8.static_act_scale(0.0) > 0  # never a zero scale (division)
+    assert fp8_math.static_act_scale(10.0, margin=2.0) == pytest.approx(20.0 / 448.0)
+    assert fp8_math.static_act_scale(7.0, margin=1.0) == pytest.approx(7.0 / 448.0)
+    assert fp8_math.static_act_scale(0.0) > 0  # never a zero scale (division)
 
 
 def test_weight_scales_per_channel_and_per_tensor():
     torch.manual_seed(0)
     w = torch.randn(48, 32) * torch.linspace(0.1, 3.0, 48)[:, None]
-    per_ch = fp8.weight_scale(w, per_channel=True)
-    per_t = fp8.weight_scale(w, per_channel=False)
+    per_ch = fp8_math.weight_scale(w, per_channel=True)
+    per_t = fp8_math.weight_scale(w, per_channel=False)
     assert per_ch.shape == (48, 1) and per_ch.dtype == torch.float32
     assert per_t.dim() == 0 and per_t.dtype == torch.float32
     torch.testing.assert_close(per_ch[:, 0], w.abs().amax(1) / 448.0)
     torch.testing.assert_close(per_t, w.abs().amax() / 448.0)
     # Each row's largest magnitude lands exactly on the e4m3 maximum.
-    q = fp8.quantize_fp8(w, per_ch)
+    q = fp8_math.quantize_e4m3(w, per_ch)
     assert q.dtype == torch.float8_e4m3fn
     torch.testing.assert_close(q.float().abs().amax(1), torch.full((48,), 448.0))
 
@@ -166,8 +168,8 @@ def test_weight_scales_per_channel_and_per_tensor():
 def test_quantize_dequantize_round_trip_within_fp8_error(per_channel):
     torch.manual_seed(1)
     x = torch.randn(64, 96) * torch.logspace(-2, 1, 64)[:, None]
-    scale = fp8.weight_scale(x, per_channel)
-    deq = fp8.dequantize_fp8(fp8.quantize_fp8(x, scale), scale)
+    scale = fp8_math.weight_scale(x, per_channel)
+    deq = fp8_math.dequantize_e4m3(fp8_math.quantize_e4m3(x, scale), scale)
     # Normal e4m3 numbers: relative error <= 2^-4; subnormals (below 2^-6 * scale): absolute <= 2^-10 * scale.
     bound = E4M3_REL * x.abs() + (2.0 ** -10) * scale.expand_as(x) * (1 + 1e-6)
     assert bool(((deq - x).abs() <= bound).all())
@@ -175,11 +177,11 @@ def test_quantize_dequantize_round_trip_within_fp8_error(per_channel):
 
 
 def test_quantize_clamps_to_e4m3_range_instead_of_nan():
-    scale = torch.tensor(fp8.static_act_scale(1.0, margin=1.0))  # calibrated for |x| <= 1
+    scale = torch.tensor(fp8_math.static_act_scale(1.0, margin=1.0))  # calibrated for |x| <= 1
     x = torch.tensor([-1e6, -5.0, -1.0, 0.0, 0.25, 1.0, 3.0, 1e6])
-    q = fp8.quantize_fp8(x, scale)
+    q = fp8_math.quantize_e4m3(x, scale)
     assert not torch.isnan(q.float()).any()
-    deq = fp8.dequantize_fp8(q, scale)
+    deq = fp8_math.dequantize_e4m3(q, scale)
     assert deq[0] == pytest.approx(-1.0) and deq[-1] == pytest.approx(1.0)  # clamped to ±448 * scale
     assert deq[1] == pytest.approx(-1.0) and deq[6] == pytest.approx(1.0)
     assert deq[3] == 0.0 and deq[5] == pytest.approx(1.0)
@@ -192,29 +194,29 @@ def test_saturate_to_e4m3_saturates_and_keeps_division_apart_from_multiplication
     codes, so the callers that divide must not be turned into multiplications. From torch 2.12 the
     cast saturates by itself, so a missing clamp fails the first part only on older torch (such as
     the GPU machine's 2.11)."""
-    q = fp8.saturate_to_e4m3(torch.tensor([-1e6, -449.0, 465.0, float("inf"), float("nan"), 3.0]), 2.0)
+    q = fp8_math.saturate_to_e4m3(torch.tensor([-1e6, -449.0, 465.0, float("inf"), float("nan"), 3.0]), 2.0)
     assert q.dtype == torch.float8_e4m3fn
     assert q.float()[:4].tolist() == [-448.0, -448.0, 448.0, 448.0] and q.float()[5] == 6.0
     assert torch.isnan(q.float()[4])
     s = torch.tensor(1.1)
     x = torch.tensor(1.1875) * s  # 1.1875: halfway between the e4m3 codes 1.125 and 1.25
     assert x / s == 1.1875 and x * (1 / s) < 1.1875  # the tie, and multiplying's last-bit miss
-    assert float(fp8.saturate_to_e4m3(x, scale=s).float()) == 1.25  # tie to even
-    assert float(fp8.saturate_to_e4m3(x, 1 / s).float()) == 1.125
-    assert torch.equal(fp8.quantize_fp8(x, s).view(torch.uint8), fp8.saturate_to_e4m3(x, scale=s).view(torch.uint8))
+    assert float(fp8_math.saturate_to_e4m3(x, scale=s).float()) == 1.25  # tie to even
+    assert float(fp8_math.saturate_to_e4m3(x, 1 / s).float()) == 1.125
+    assert torch.equal(fp8_math.quantize_e4m3(x, s).view(torch.uint8), fp8_math.saturate_to_e4m3(x, scale=s).view(torch.uint8))
     with pytest.raises(ValueError, match="inv_scale or scale"):
-        fp8.saturate_to_e4m3(x, 1 / s, scale=s)
+        fp8_math.saturate_to_e4m3(x, 1 / s, scale=s)
 
 
 @needs_cpu_scaled_mm
-@pytest.mark.parametrize("scaling", fp8.SCALINGS)
+@pytest.mark.parametrize("scaling", fp8_rules.SCALINGS)
 def test_fp8_linear_matches_linear_on_cpu(scaling):
     skip_without_cpu_scaling(scaling)
     torch.manual_seed(2)
     lin = nn.Linear(64, 48)
     x = torch.randn(5, 7, 64)
     amax = float(x.abs().amax())
-    act_scale = None if scaling == "rowwise" else fp8.static_act_scale(amax, 1.0)
+    act_scale = None if scaling == "rowwise" else fp8_math.static_act_scale(amax, 1.0)
     f = fp8.fp8_classes()[0].from_linear(lin, scaling=scaling, act_scale=act_scale)
     assert f.weight_fp8.dtype == torch.float8_e4m3fn and f.weight_fp8.shape == (48, 64)
     assert f.weight_fp8.t().stride() == (1, 64)  # the column-major operand _scaled_mm wants
@@ -242,18 +244,18 @@ def test_fp8_linear_with_an_output_scale_writes_e4m3_and_saturates():
     lin = nn.Linear(64, 48)
     x = torch.randn(5, 7, 64)
     ref = lin(x).detach()
-    act = fp8.static_act_scale(float(x.abs().amax()), 1.0)
-    out_scale = fp8.static_act_scale(float(ref.abs().amax()), 2.0)
+    act = fp8_math.static_act_scale(float(x.abs().amax()), 1.0)
+    out_scale = fp8_math.static_act_scale(float(ref.abs().amax()), 2.0)
     f = fp8.fp8_classes()[0].from_linear(lin, scaling="tensor", act_scale=act, out_scale=out_scale)
     # a tenth of the output's range: most outputs overflow e4m3
     tight = fp8.fp8_classes()[0].from_linear(lin, scaling="tensor", act_scale=act,
-                                             out_scale=fp8.static_act_scale(float(ref.abs().amax()), 0.1))
+                                             out_scale=fp8_math.static_act_scale(float(ref.abs().amax()), 0.1))
     with torch.no_grad():
         y = f(x)
         big = tight(x)
     assert y.dtype == torch.float8_e4m3fn and y.shape == ref.shape
     assert rel_l2(y.float() * out_scale, ref) < 0.08
-    assert torch.isfinite(big.float()).all() and float(big.float().abs().max()) == fp8.E4M3_MAX
+    assert torch.isfinite(big.float()).all() and float(big.float().abs().max()) == fp8_math.E4M3_MAX
     with pytest.raises(ValueError, match="static per-tensor"):
         fp8.fp8_classes()[0].from_linear(lin, scaling="static-rowwise", act_scale=act, out_scale=out_scale)
 
@@ -265,13 +267,13 @@ def _nan_on_overflow_scaled_mm(a, b, *, scale_a, scale_b, bias=None, out_dtype, 
     if bias is not None:
         y = y + bias.float()
     if out_dtype == torch.float8_e4m3fn:
-        y = torch.where(y.abs() > fp8.E4M3_MAX, torch.full_like(y, float("nan")), y)
+        y = torch.where(y.abs() > fp8_math.E4M3_MAX, torch.full_like(y, float("nan")), y)
     return y.to(out_dtype)
 
 
 def _saturating_scaled_mm(a, b, *, scale_a, scale_b, bias=None, out_dtype, use_fast_accum=False, **_):
     y = (a.float() * scale_a) @ (b.float() * scale_b) + (0 if bias is None else bias.float())
-    return (y.clamp(-fp8.E4M3_MAX, fp8.E4M3_MAX) if out_dtype == torch.float8_e4m3fn else y).to(out_dtype)
+    return (y.clamp(-fp8_math.E4M3_MAX, fp8_math.E4M3_MAX) if out_dtype == torch.float8_e4m3fn else y).to(out_dtype)
 
 
 def test_an_fp8_output_saturates_even_where_the_gemm_kernel_writes_nan(monkeypatch):
@@ -282,17 +284,17 @@ def test_an_fp8_output_saturates_even_where_the_gemm_kernel_writes_nan(monkeypat
     lin = nn.Linear(64, 48)
     x = torch.randn(5, 7, 64)
     ref = lin(x).detach()
-    act = fp8.static_act_scale(float(x.abs().amax()), 1.0)
+    act = fp8_math.static_act_scale(float(x.abs().amax()), 1.0)
     tight = fp8.fp8_classes()[0].from_linear(lin, scaling="tensor", act_scale=act,
-                                             out_scale=fp8.static_act_scale(float(ref.abs().amax()), 0.1))
+                                             out_scale=fp8_math.static_act_scale(float(ref.abs().amax()), 0.1))
     assert tight.gemm_dtype == torch.float32 and tight.out_dtype == torch.float8_e4m3fn  # CPU: explicit path
     outs = []
     for kernel in (_nan_on_overflow_scaled_mm, _saturating_scaled_mm):
         monkeypatch.setattr(torch, "_scaled_mm", kernel)
         with torch.no_grad():
             outs.append(tight(x).float())
-    assert torch.isfinite(outs[0]).all() and float(outs[0].abs().max()) == fp8.E4M3_MAX
-    assert int((outs[0].abs() == fp8.E4M3_MAX).sum()) > outs[0].numel() // 2  # most outputs overflowed
+    assert torch.isfinite(outs[0]).all() and float(outs[0].abs().max()) == fp8_math.E4M3_MAX
+    assert int((outs[0].abs() == fp8_math.E4M3_MAX).sum()) > outs[0].numel() // 2  # most outputs overflowed
     assert torch.equal(outs[0], outs[1])
 
 
@@ -301,18 +303,18 @@ def test_the_saturation_probe_tells_a_nan_writing_kernel_from_a_saturating_one(m
     kernels): a kernel that writes NaN, or loses the sign, or raises, is not trusted to saturate."""
     cpu = torch.device("cpu")
     monkeypatch.setattr(torch, "_scaled_mm", _nan_on_overflow_scaled_mm)
-    assert fp8._probe_saturation(cpu) is False
+    assert fp8_math._probe_saturation(cpu) is False
     monkeypatch.setattr(torch, "_scaled_mm", _saturating_scaled_mm)
-    assert fp8._probe_saturation(cpu) is True
+    assert fp8_math._probe_saturation(cpu) is True
     monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: _saturating_scaled_mm(*a, **k).abs())
-    assert fp8._probe_saturation(cpu) is False
+    assert fp8_math._probe_saturation(cpu) is False
 
     def raises(*a, **k):
         raise RuntimeError("no FP8 output on this device")
 
     monkeypatch.setattr(torch, "_scaled_mm", raises)
-    assert fp8._probe_saturation(cpu) is False
-    assert fp8.gemm_writes_saturated_e4m3("cpu") is False  # the CPU always clamps itself
+    assert fp8_math._probe_saturation(cpu) is False
+    assert fp8_math.gemm_writes_saturated_e4m3("cpu") is False  # the CPU always clamps itself
 
 
 def _ffn8_model(hidden: int = 64):
@@ -320,7 +322,7 @@ def _ffn8_model(hidden: int = 64):
     them in 16 bits, on the same calibration."""
     model = qa(tiny_bert(hidden=hidden))
     x = inputs()
-    targets = fp8.target_linears(model, fp8.DEFAULT_GEMMS)
+    targets = fp8.target_linears(model, fp8_rules.DEFAULT_GEMMS)
     amax = fp8.calibrate_amax(model, [x], targets, fp8.ffn_up_names(targets))
     plain = copy.deepcopy(model)
     fp8.swap_to_fp8(plain, amax)
@@ -341,7 +343,7 @@ def test_ffn_hidden_fp8_is_the_16bit_hidden_path_with_one_more_rounding():
         got = layer.intermediate(h)
         up = layer.intermediate.dense
         hidden = ref_layer.intermediate.intermediate_act_fn(up(h).float() * up.out_scale_value)
-        want = fp8.quantize_fp8(hidden, layer.output.dense.act_scale_value)
+        want = fp8_math.quantize_e4m3(hidden, layer.output.dense.act_scale_value)
         assert got.dtype == torch.float8_e4m3fn
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
         # the down-projection takes the e4m3 input as it is: what it gives for its dequantized self
@@ -355,7 +357,7 @@ def test_ffn_hidden_fp8_is_the_16bit_hidden_path_with_one_more_rounding():
 
 def test_ffn_hidden_fp8_needs_per_tensor_scales_both_ffn_gemms_and_the_output_range():
     model = qa(tiny_bert())
-    targets = fp8.target_linears(model, fp8.DEFAULT_GEMMS)
+    targets = fp8.target_linears(model, fp8_rules.DEFAULT_GEMMS)
     amax = fp8.calibrate_amax(model, [inputs()], targets)  # inputs only
     with pytest.raises(ValueError, match="output amax of model.bert.encoder.layer.0.intermediate.dense"):
         fp8.swap_to_fp8(copy.deepcopy(model), amax, ffn_hidden_fp8=True)
@@ -373,7 +375,7 @@ def test_ffn_hidden_fp8_needs_per_tensor_scales_both_ffn_gemms_and_the_output_ra
     assert type(model.model.bert.encoder.layer[0].intermediate.dense) is nn.Linear
 
 
-e4m3_codes_apart = fp8.e4m3_codes_apart
+e4m3_codes_apart = fp8_math.e4m3_codes_apart
 
 
 def _hidden_e4m3(n: int = 3 * 4099, seed: int = 0):
@@ -385,23 +387,23 @@ def _hidden_e4m3(n: int = 3 * 4099, seed: int = 0):
 def test_tanh_gelu_on_e4m3_is_erf_gelu_up_to_one_e4m3_step():
     """The tanh form's error (< 1e-3 before rounding) moves an element by at most one e4m3 code,
     and most not at all; values past the range saturate."""
-    from bertqa_bench.backends import gelu_fp8
+    from bertqa_bench.kernels import gelu_fp8
 
     x8, s_in, s_out = _hidden_e4m3(), 0.05, 0.06  # GELU up to 22.4: inside 448 x s_out
     h = x8.float() * s_in
     tanh_pre = gelu_fp8.gelu_tanh_scaled(x8, s_in, 1 / s_out) * s_out
     assert (tanh_pre - nn.functional.gelu(h)).abs().max() < 1e-3
     got = gelu_fp8.gelu_tanh_fp8_reference(x8, s_in, 1 / s_out)
-    exact = fp8.quantize_fp8(nn.functional.gelu(h), s_out)
+    exact = fp8_math.quantize_e4m3(nn.functional.gelu(h), s_out)
     apart = e4m3_codes_apart(got, exact)
     assert float((apart == 0).float().mean()) > 0.8 and int(apart.max()) == 1
     big = gelu_fp8.gelu_tanh_fp8_reference(x8, s_in, 1 / (s_out / 50))
-    assert torch.isfinite(big.float()).all() and float(big.float().max()) == fp8.E4M3_MAX
+    assert torch.isfinite(big.float()).all() and float(big.float().max()) == fp8_math.E4M3_MAX
     # A finer output scale resolves GELU's negative tail (h ~ -3.5, GELU ~ -1e-3), where the tanh
     # form is relatively farthest from erf: more than one code apart there (measured: up to 4 at
     # 0.02), but never where |GELU| / s_out >= 1, and within 0.0625 (in e4m3 units) in the tail.
     fine = 0.02
-    got, exact = gelu_fp8.gelu_tanh_fp8_reference(x8, s_in, 1 / fine), fp8.quantize_fp8(nn.functional.gelu(h), fine)
+    got, exact = gelu_fp8.gelu_tanh_fp8_reference(x8, s_in, 1 / fine), fp8_math.quantize_e4m3(nn.functional.gelu(h), fine)
     apart, large = e4m3_codes_apart(got, exact), exact.float().abs() >= 1
     assert int(apart[large].max()) <= 1 and int(apart[~large].max()) > 1
     assert float((got.float() - exact.float())[~large].abs().max()) <= 0.0625
@@ -409,7 +411,7 @@ def test_tanh_gelu_on_e4m3_is_erf_gelu_up_to_one_e4m3_step():
 
 _INTERPRETED = """
 import torch
-from bertqa_bench.backends import gelu_fp8
+from bertqa_bench.kernels import gelu_fp8
 g = torch.Generator().manual_seed(0)
 x8 = (torch.randn(3 * 4099, generator=g) * 60).clamp(-448, 448).to(torch.float8_e4m3fn).reshape(3, -1)
 for s_out in (0.02, 0.02 / 50):  # in range; mostly saturated
@@ -427,7 +429,7 @@ def test_tanh_gelu_triton_kernel_in_the_interpreter_matches_torch(tmp_path):
     own: the interpreter patches triton.language for good, and a kernel compiled later in the same
     process (the sm_90 test below, with a cold Triton cache) fails to lower."""
     pytest.importorskip("triton", reason="triton is not installed (CUDA builds of torch bring it)")
-    from bertqa_bench.backends import gelu_fp8
+    from bertqa_bench.kernels import gelu_fp8
 
     root = str(Path(gelu_fp8.__file__).resolve().parents[2])  # the same package as this process's
     env = {**os.environ, "TRITON_INTERPRET": "1", "TRITON_CACHE_DIR": str(tmp_path),
@@ -451,7 +453,7 @@ def test_tanh_gelu_kernel_compiles_for_hopper_with_the_hardware_tanh_and_16_byte
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from bertqa_bench.backends import gelu_fp8
+    from bertqa_bench.kernels import gelu_fp8
 
     sig = {"x_ptr": "*fp8e4nv", "y_ptr": "*fp8e4nv", "n": "i32", "in_scale": scale_type, "out_inv_scale": scale_type,
            "BLOCK": "constexpr", "FAST_TANH": "constexpr"}
@@ -471,7 +473,7 @@ def test_tanh_gelu_kernel_compiles_for_hopper_with_the_hardware_tanh_and_16_byte
 def test_tanh_gelu_op_is_registered_and_its_dispatch_traces_without_graph_breaks():
     """The custom op exists once the module is imported (registered outside traced code), and
     gelu_tanh_fp8's choice between it and torch's formula breaks no torch.compile graph."""
-    from bertqa_bench.backends import gelu_fp8
+    from bertqa_bench.kernels import gelu_fp8
 
     schema = str(torch.ops.bertqa.gelu_tanh_fp8.default._schema)
     assert schema.startswith("bertqa::gelu_tanh_fp8(Tensor x8, float in_scale, float out_inv_scale) -> Tensor"), schema
@@ -517,11 +519,11 @@ def test_gemm_kinds_and_targets_of_a_tiny_bert():
     all_targets = fp8.target_linears(model)
     assert len(all_targets) == 2 * 6
     assert all(".encoder.layer." in n for n in all_targets)
-    assert len(fp8.target_linears(model, fp8.DEFAULT_GEMMS)) == 2 * 5
+    assert len(fp8.target_linears(model, fp8_rules.DEFAULT_GEMMS)) == 2 * 5
     with pytest.raises(ValueError):
-        fp8.parse_gemms("qkv,conv")
-    assert fp8.parse_gemms("all") == fp8.GEMM_KINDS
-    assert fp8.parse_gemms("ffn_out, qkv") == ("qkv", "ffn_out")
+        fp8_rules.parse_gemms("qkv,conv")
+    assert fp8_rules.parse_gemms("all") == fp8_rules.GEMM_KINDS
+    assert fp8_rules.parse_gemms("ffn_out, qkv") == ("qkv", "ffn_out")
 
 
 def _linears(model):
@@ -595,7 +597,7 @@ def test_fp8_swapped_model_packed_padding_free_matches_its_padded_self(fuse_qkv,
     """FP8 on the padding-free path: quantize on the padded model, then pack; the packed encoder
     calls the same FP8 GEMMs (the fused QKV one and the e4m3 FFN hidden path included), so on
     every real token it computes what the padded FP8 model does."""
-    from bertqa_bench.backends.packed_bert import pack_model
+    from bertqa_bench.backends.transforms.packed_encoder import pack_model
 
     model = qa(tiny_bert(hidden=64))
     ids, mask, types = inputs()
@@ -618,7 +620,7 @@ def test_fp8_swapped_model_packed_padding_free_matches_its_padded_self(fuse_qkv,
         assert (p - r)[real].abs().max() < 1e-4
 
 
-# --------------------------------------------------------------------------- the GELU epilogue (gemm_epilogue.py)
+# --------------------------------------------------------------------------- the GELU epilogue (cublaslt_epilogues.py)
 
 def _epilogue_operands(m=64, k=96, n=128, seed=0):
     g = torch.Generator().manual_seed(seed)
@@ -633,7 +635,7 @@ def test_gelu_epilogue_formula_rounds_the_exact_value_once_and_saturates():
     GELU's tanh form, the output scale, one rounding to e4m3. Against the same in fp64, fp32
     accumulation moves a value by far less than an e4m3 step, so every element is the exact
     value's nearest code or, at a rounding boundary, its neighbour; past +-448 it saturates."""
-    from bertqa_bench.backends import gemm_epilogue as ge
+    from bertqa_bench.kernels import cublaslt_epilogues as ge
 
     x8, w8, bias, sw, sx = _epilogue_operands()
     inv = torch.tensor(1 / 0.05)
@@ -643,13 +645,13 @@ def test_gelu_epilogue_formula_rounds_the_exact_value_once_and_saturates():
     exact = (0.5 * y * (1 + torch.tanh(0.7978845608028654 * (y + 0.044715 * y ** 3))) * float(inv)).clamp(-448, 448)
     assert int(e4m3_codes_apart(got, exact.float().to(torch.float8_e4m3fn)).max()) <= 1
     big = ge.fp8_gemm_gelu(x8, w8, bias, sw, sx, torch.tensor(1e4))
-    assert not big.float().isnan().any() and float(big.float().max()) == fp8.E4M3_MAX
+    assert not big.float().isnan().any() and float(big.float().max()) == fp8_math.E4M3_MAX
     # saturated before the cast, so the result does not hang on what a cast does past the range
-    assert float(ge.fp8_gemm_gelu_scaled(x8, w8, bias, sw, sx, torch.tensor(1e4)).max()) == fp8.E4M3_MAX
+    assert float(ge.fp8_gemm_gelu_scaled(x8, w8, bias, sw, sx, torch.tensor(1e4)).max()) == fp8_math.E4M3_MAX
 
 
 def test_gelu_epilogue_op_traces_without_graph_breaks():
-    from bertqa_bench.backends import gemm_epilogue as ge
+    from bertqa_bench.kernels import cublaslt_epilogues as ge
 
     schema = str(torch.ops.bertqa.fp8_gemm_gelu.default._schema)
     assert schema.startswith("bertqa::fp8_gemm_gelu(Tensor x8, Tensor w8, Tensor bias, Tensor w_scale"), schema
@@ -665,20 +667,20 @@ def test_ffn_epilogue_path_is_the_epilogue_formula_on_the_layers_own_operands():
     path (which rounds GELU's input to e4m3 once more) for nearly every element."""
     from transformers.activations import GELUActivation
 
-    from bertqa_bench.backends import gemm_epilogue as ge
+    from bertqa_bench.kernels import cublaslt_epilogues as ge
 
     Fp8Linear, _, Fp8Intermediate = fp8.fp8_classes()
     g = torch.Generator().manual_seed(1)
     w, b = torch.randn(128, 64, generator=g) * 0.1, torch.randn(128, generator=g) * 0.1
     x = torch.randn(5, 7, 64, generator=g)
     y = x.reshape(-1, 64) @ w.t() + b
-    up = Fp8Linear(w, b, scaling="tensor", act_scale=fp8.static_act_scale(float(x.abs().max())),
-                   out_scale=fp8.static_act_scale(float(y.abs().max())))
-    down_scale = fp8.static_act_scale(float(ge.gelu_tanh(y).abs().max()))
+    up = Fp8Linear(w, b, scaling="tensor", act_scale=fp8_math.static_act_scale(float(x.abs().max())),
+                   out_scale=fp8_math.static_act_scale(float(y.abs().max())))
+    down_scale = fp8_math.static_act_scale(float(ge.gelu_tanh(y).abs().max()))
     epi = Fp8Intermediate(up, GELUActivation(), down_scale, gelu="epilogue")
     got = epi(x)
     assert got.shape == (5, 7, 128) and got.dtype == torch.float8_e4m3fn
-    x8 = fp8.quantize_fp8(x.reshape(-1, 64), up.act_scale)
+    x8 = fp8_math.quantize_e4m3(x.reshape(-1, 64), up.act_scale)
     want = ge.fp8_gemm_gelu_reference(x8, up.weight_fp8, b.to(ge.BIAS_DTYPE), up.weight_scale, up.act_scale,
                                       torch.tensor(1 / down_scale))
     assert torch.equal(got.reshape(-1, 128).view(torch.uint8), want.view(torch.uint8))
@@ -724,7 +726,9 @@ def test_packed_attention_option_is_checked_and_cudnn_needs_a_gpu():
 def test_missing_cudnn_frontend_or_nvmath_names_the_package(monkeypatch):
     """With a GPU but without the packages, the reasons say what to install (checked before any
     work: unavailable_reason runs before prepare)."""
-    from bertqa_bench.backends import gemm_epilogue, packed_bert, torch_backend
+    from bertqa_bench.backends import torch_backend
+    from bertqa_bench.backends.transforms import packed_encoder
+    from bertqa_bench.kernels import cublaslt_epilogues
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
@@ -732,12 +736,12 @@ def test_missing_cudnn_frontend_or_nvmath_names_the_package(monkeypatch):
     monkeypatch.setitem(sys.modules, "nvmath", None)
     monkeypatch.setitem(sys.modules, "nvmath.linalg", None)
     monkeypatch.setitem(sys.modules, "nvmath.linalg.advanced", None)
-    assert "pip install nvidia-cudnn-frontend" in packed_bert.cudnn_unavailable_reason()
-    assert "pip install nvmath-python" in gemm_epilogue.nvmath_unavailable_reason()
+    assert "pip install nvidia-cudnn-frontend" in packed_encoder.cudnn_unavailable_reason()
+    assert "pip install nvmath-python" in cublaslt_epilogues.nvmath_unavailable_reason()
     # with nvmath-python but without the cuDNN frontend: the row with the suite's own Triton
     # attention runs, the same row with cuDNN's names the frontend
     pytest.importorskip("triton", reason="triton is not installed (CUDA builds of torch bring it)")
-    monkeypatch.setattr(gemm_epilogue, "nvmath_unavailable_reason", lambda: "")
+    monkeypatch.setattr(cublaslt_epilogues, "nvmath_unavailable_reason", lambda: "")
     monkeypatch.setattr(torch_backend, "cuda_unavailable_reason", lambda: "")  # this CPU-only torch
     cudnn_row = TABLE.get("torch-compile-fp8all-graph-packed-cudnn-epilogue-autotune-2streams")
     triton_row = TABLE.get("torch-compile-fp8all-graph-packed-triton-epilogue-autotune-2streams")
@@ -750,7 +754,7 @@ def test_gelu_epilogue_on_gpu_matches_its_formula_saturates_and_captures():
     """cuBLASLt's GELU_BIAS epilogue (nvmath-python) against the formula: within one e4m3 code
     (fast accumulation order, the GPU's tanh), e4m3 [M, N] row-major out; it saturates; a CUDA
     graph captured after the shape was planned replays the same bytes."""
-    from bertqa_bench.backends import gemm_epilogue as ge
+    from bertqa_bench.kernels import cublaslt_epilogues as ge
 
     if ge.nvmath_unavailable_reason():
         pytest.skip(ge.nvmath_unavailable_reason())
@@ -778,7 +782,7 @@ def test_gelu_epilogue_on_gpu_matches_its_formula_saturates_and_captures():
 def test_cudnn_varlen_attention_matches_per_sequence_sdpa_on_gpu():
     """cuDNN's fused attention on packed QKV views (strides of the fused [T, 3, heads, d] tensor)
     against the per-sequence SDPA loop in fp32, on sequences of uneven lengths."""
-    from bertqa_bench.backends.packed_bert import PackedEncoder, cudnn_unavailable_reason
+    from bertqa_bench.backends.transforms.packed_encoder import PackedEncoder, cudnn_unavailable_reason
 
     if cudnn_unavailable_reason():
         pytest.skip(cudnn_unavailable_reason())
@@ -827,7 +831,7 @@ def _fp8_attention_bound(q8, k8, v8, cu, scale, qkv_scale, o_inv, got8):
 
 
 def test_fp8_attention_reference_is_attention_up_to_two_e4m3_roundings():
-    from bertqa_bench.backends import cudnn_fp8_attention as fa
+    from bertqa_bench.kernels import cudnn_fp8_attention as fa
 
     qkv8, cu = _fp8_qkv()
     q8, k8, v8 = qkv8.unbind(1)
@@ -839,7 +843,7 @@ def test_fp8_attention_reference_is_attention_up_to_two_e4m3_roundings():
     # the bound is not vacuous: the output is not zero and rounding moved it
     assert float(got.float().abs().max()) > 10 and float(err.max()) > 0
     big = fa.fp8_varlen_attention_reference(q8, k8, v8, cu, scale, qkv_scale, 1e6)
-    assert float(big.float().abs().max()) == fp8.E4M3_MAX and not big.float().isnan().any()
+    assert float(big.float().abs().max()) == fp8_math.E4M3_MAX and not big.float().isnan().any()
 
 
 def test_fp8_attention_swaps_qkv_to_e4m3_and_the_packed_model_tracks_the_padded_one():
@@ -847,12 +851,12 @@ def test_fp8_attention_swaps_qkv_to_e4m3_and_the_packed_model_tracks_the_padded_
     amax), the layer knows 1 / the output GEMM's input scale, the padded forward decodes Q, K, V
     for SDPA, and the packed encoder runs the FP8 pipeline (the op's torch path on the CPU): its
     logits stay within the FP8 rows' bound of the padded model's."""
-    from bertqa_bench.backends.packed_bert import encoder_of, pack_model
+    from bertqa_bench.backends.transforms.packed_encoder import encoder_of, pack_model
 
     model = qa(tiny_bert(hidden=64))
     ids, mask, types = inputs()
     x = (ids, mask, types)
-    targets = fp8.target_linears(model, fp8.GEMM_KINDS)
+    targets = fp8.target_linears(model, fp8_rules.GEMM_KINDS)
     with pytest.raises(ValueError, match="attention_fp8 needs the calibrated output amax"):
         fp8.swap_to_fp8(copy.deepcopy(model), fp8.calibrate_amax(model, [x], targets), gemms="all",
                         attention_fp8=True)
@@ -885,7 +889,7 @@ def _tiny_qa_and_its_fp8_all_copy():
     model = qa(tiny_bert(hidden=64))
     ids, mask, types = inputs()
     x = (ids, mask, types)
-    amax = fp8.calibrate_amax(model, [x], fp8.target_linears(model, fp8.GEMM_KINDS))
+    amax = fp8.calibrate_amax(model, [x], fp8.target_linears(model, fp8_rules.GEMM_KINDS))
     plain = copy.deepcopy(model)
     fp8.swap_to_fp8(plain, amax, gemms="all")
     return model, x, mask, amax, plain
@@ -916,7 +920,7 @@ def test_attention_output_e4m3_hands_the_output_gemm_what_it_would_quantize_itse
     model's bit for bit: on the CPU the encoder quantizes the 16-bit attention output exactly as
     the GEMM's own quantize did (the GPU's Triton kernel rounds its fp32 output once instead:
     test_triton_attention)."""
-    from bertqa_bench.backends.packed_bert import encoder_of, pack_model
+    from bertqa_bench.backends.transforms.packed_encoder import encoder_of, pack_model
 
     model, x, mask, amax, plain = _tiny_qa_and_its_fp8_all_copy()
     with pytest.raises(ValueError, match="attention_output: e4m3 needs .*attn_out"):
@@ -946,10 +950,10 @@ def test_attention_output_e4m3_hands_the_output_gemm_what_it_would_quantize_itse
 @needs_cpu_scaled_mm
 def test_residual_in_gemm_calls_the_gemm_with_the_residual_and_the_packed_model_keeps_its_answers():
     """residual: gemm on the padding-free encoder: the attention-output and FFN-down FP8 GEMMs add
-    the residual themselves (gemm_epilogue's op, its torch formula on the CPU), every one of them
+    the residual themselves (cublaslt_epilogues's op, its torch formula on the CPU), every one of them
     is called with it, and the logits are the LayerNorm-path model's up to fp32 summation order."""
-    from bertqa_bench.backends import gemm_epilogue as ge
-    from bertqa_bench.backends.packed_bert import pack_model
+    from bertqa_bench.kernels import cublaslt_epilogues as ge
+    from bertqa_bench.backends.transforms.packed_encoder import pack_model
 
     model, x, mask, amax, plain = _tiny_qa_and_its_fp8_all_copy()
     done = fp8.swap_to_fp8(model, amax, gemms="all", residual="gemm")
@@ -1001,7 +1005,7 @@ def test_residual_gemm_on_gpu_is_its_formula_and_captures():
     its arithmetic allows (one fp16 rounding of the result, and fast FP8 accumulation, bounded
     relative to the sum of the products' magnitudes); fp16 [M, N] row-major; a CUDA graph
     captured after the shape was planned replays the same bytes."""
-    from bertqa_bench.backends import gemm_epilogue as ge
+    from bertqa_bench.kernels import cublaslt_epilogues as ge
 
     if ge.nvmath_unavailable_reason():
         pytest.skip(ge.nvmath_unavailable_reason())
@@ -1047,17 +1051,17 @@ def _recorded(model, done, calls):
 @needs_cpu_scaled_mm
 def test_cublaslt_gemms_run_the_planned_op_with_the_autotune_setting_and_keep_the_answers():
     """cublaslt_gemms: the named FP8 GEMMs (fused QKV, attention output, FFN down) run through
-    gemm_epilogue's planned op (its torch formula on the CPU) instead of torch._scaled_mm; every
+    cublaslt_epilogues's planned op (its torch formula on the CPU) instead of torch._scaled_mm; every
     GEMM planned through nvmath (those, the GELU epilogue, the residual GEMMs) is handed
     cublaslt_autotune, and only those say they are autotuned; the logits are the torch._scaled_mm
     model's up to fp32 summation order, padded and packed."""
-    from bertqa_bench.backends.packed_bert import pack_model
+    from bertqa_bench.backends.transforms.packed_encoder import pack_model
 
     model = qa(tiny_bert(hidden=64))
     ids, mask, types = inputs()
     x = (ids, mask, types)
     real = mask.bool()
-    targets = fp8.target_linears(model, fp8.GEMM_KINDS)
+    targets = fp8.target_linears(model, fp8_rules.GEMM_KINDS)
     amax = fp8.calibrate_amax(model, [x], targets, fp8.ffn_up_names(targets))
     plain = copy.deepcopy(model)
     fp8.swap_to_fp8(plain, amax, gemms="all", ffn_hidden_fp8=True, ffn_gelu="epilogue")
@@ -1139,7 +1143,7 @@ def test_planned_gemm_autotunes_once_per_shape_on_random_operands_then_runs_on_t
     weights but random activations and residual of the same shapes and layouts (never the call's
     own, which can be a warm-up's dummy tokens); the call's own operands are back before it runs;
     a later call of the key only resets the operands; autotune 0 never tunes."""
-    from bertqa_bench.backends import gemm_epilogue as ge
+    from bertqa_bench.kernels import cublaslt_epilogues as ge
 
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # a CPU torch has no CUDA
     x8 = torch.zeros(32, 16).to(torch.float8_e4m3fn)  # a warm-up's activations: one repeated value
@@ -1174,7 +1178,7 @@ def test_each_graph_copy_plans_its_own_gemms_with_the_first_copys_algorithms(mon
     within a copy the layers of one shape share it. Later copies are planned with the algorithms
     the first copy's plan chose (autotuned or the heuristic's) and are not autotuned again, so a
     batch's bits do not depend on the copy it lands on."""
-    from bertqa_bench.backends import gemm_epilogue as ge
+    from bertqa_bench.kernels import cublaslt_epilogues as ge
 
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     x8, w8 = torch.zeros(32, 16).to(torch.float8_e4m3fn), torch.ones(48, 16).to(torch.float8_e4m3fn)
@@ -1208,7 +1212,7 @@ def test_each_copy_of_the_token_bucket_graphs_is_captured_on_a_stream_of_its_own
     workspace on every replay: copies of the graphs that replay at once must be captured on
     different streams (one copy keeps torch's default capture stream), each in a pool of its own
     and inside its own ``around`` context; every bucket of every copy is captured."""
-    from bertqa_bench.backends.packed_bert import TokenBuckets
+    from bertqa_bench.backends.transforms.packed_encoder import TokenBuckets
 
     made, captured = [], []
 
@@ -1416,7 +1420,7 @@ def test_planned_fp8_gemm_on_gpu_is_its_formula_autotuned_or_not_and_captures():
     heuristic's algorithm and autotuned: within one fp16 rounding and fast accumulation's bound;
     the two settings are planned apart (the autotuned plan does not replace the heuristic's); a CUDA
     graph captured after planning replays the same bytes."""
-    from bertqa_bench.backends import gemm_epilogue as ge
+    from bertqa_bench.kernels import cublaslt_epilogues as ge
 
     if ge.nvmath_unavailable_reason():
         pytest.skip(ge.nvmath_unavailable_reason())
@@ -1450,7 +1454,7 @@ def test_cudnn_fp8_attention_on_gpu_is_attention_up_to_the_e4m3_roundings():
     """cuDNN's FP8 attention on packed e4m3 views of a fused [T, 3, heads, d] tensor, within the
     same e4m3 bound as the reference (it rounds the unnormalized probabilities tile by tile instead:
     the same relative step); a CUDA graph replays the same bytes."""
-    from bertqa_bench.backends import cudnn_fp8_attention as fa
+    from bertqa_bench.kernels import cudnn_fp8_attention as fa
 
     if fa.unavailable_reason():
         pytest.skip(fa.unavailable_reason())
@@ -1538,8 +1542,8 @@ def test_fp8_linear_on_gpu_matches_fp32():
     lin = nn.Linear(768, 3072).cuda()
     x = torch.randn(512, 768, device="cuda")
     ref = lin(x)
-    for scaling in fp8.SCALINGS:
-        act = None if scaling == "rowwise" else fp8.static_act_scale(float(x.abs().amax()), 1.0)
+    for scaling in fp8_rules.SCALINGS:
+        act = None if scaling == "rowwise" else fp8_math.static_act_scale(float(x.abs().amax()), 1.0)
         f = fp8.fp8_classes()[0].from_linear(copy.deepcopy(lin).half(), scaling=scaling, act_scale=act)
         with torch.no_grad():
             y = f(x.half())
@@ -1557,17 +1561,17 @@ def test_fp8_output_gemm_on_gpu_matches_fp32_and_saturates():
     lin = nn.Linear(768, 3072).cuda()
     x = torch.randn(512, 768, device="cuda")
     ref = lin(x).detach()
-    act = fp8.static_act_scale(float(x.abs().amax()), 1.0)
-    out_scale = fp8.static_act_scale(float(ref.abs().amax()), 2.0)
+    act = fp8_math.static_act_scale(float(x.abs().amax()), 1.0)
+    out_scale = fp8_math.static_act_scale(float(ref.abs().amax()), 2.0)
     f, tight = (fp8.fp8_classes()[0].from_linear(copy.deepcopy(lin).half(), scaling="tensor", act_scale=act,
                                                  out_scale=o, fast_accum=True)
-                for o in (out_scale, fp8.static_act_scale(float(ref.abs().amax()), 0.1)))
+                for o in (out_scale, fp8_math.static_act_scale(float(ref.abs().amax()), 0.1)))
     with torch.no_grad():
         y = f(x.half())
         big = tight(x.half())  # a tenth of the output's range: most outputs overflow e4m3
     assert y.dtype == torch.float8_e4m3fn
     assert rel_l2(y.float() * out_scale, ref) < 0.08
-    assert torch.isfinite(big.float()).all() and float(big.float().abs().max()) == fp8.E4M3_MAX
+    assert torch.isfinite(big.float()).all() and float(big.float().abs().max()) == fp8_math.E4M3_MAX
 
 
 @pytest.mark.gpu
@@ -1576,7 +1580,7 @@ def test_tanh_gelu_triton_op_on_gpu_matches_torch_and_compiles():
     same code for nearly all elements) and, outside GELU's far negative tail, two of erf-GELU's;
     compiled with fullgraph (the op stays in the graph, its kernel compiled by Inductor), bit for
     bit the op run eagerly."""
-    from bertqa_bench.backends import gelu_fp8
+    from bertqa_bench.kernels import gelu_fp8
 
     if gelu_fp8.triton_unavailable_reason():
         pytest.skip(gelu_fp8.triton_unavailable_reason())
@@ -1589,7 +1593,7 @@ def test_tanh_gelu_triton_op_on_gpu_matches_torch_and_compiles():
     # Against erf-GELU: one code more than torch's tanh form (below) where |GELU| / 0.02 >= 1; in
     # the negative tail, where GELU is < 0.02 and the tanh form is relatively farthest from erf
     # (up to 4 codes at this finer scale, on the CPU too), the values stay within 2 codes' worth.
-    erf = fp8.quantize_fp8(nn.functional.gelu(x8.float() * 0.05), 0.02)
+    erf = fp8_math.quantize_e4m3(nn.functional.gelu(x8.float() * 0.05), 0.02)
     big = erf.float().abs() >= 1
     assert int(e4m3_codes_apart(got, erf)[big].max()) <= 2
     assert float((got.float() - erf.float())[~big].abs().max()) <= 0.125
@@ -1603,8 +1607,8 @@ def test_a_torch_without_triton_op_still_imports_the_fp8_rows():
     the GELU kernel's module at their top, so on an older torch they must still import, and the
     GELU runs through torch, saying why (a fresh process: the op registers once per process)."""
     code = ("import torch.library as L\ndel L.triton_op\n"
-            "import bertqa_bench.backends.fp8_modules, bertqa_bench.backends.packed_bert\n"
-            "from bertqa_bench.backends import gelu_fp8\n"
+            "import bertqa_bench.backends.transforms.fp8_modules, bertqa_bench.backends.transforms.packed_encoder\n"
+            "from bertqa_bench.kernels import gelu_fp8\n"
             "assert gelu_fp8.gelu_tanh_fp8_op is None and not gelu_fp8._runs_triton(True)\n"
             "print(gelu_fp8.implementation(True))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
@@ -1614,7 +1618,7 @@ def test_a_torch_without_triton_op_still_imports_the_fp8_rows():
 # --------------------------------------------------------------------------- INT8 and the sensitivity sweep
 
 def test_int8_linear_matches_linear_within_int8_error():
-    from bertqa_bench.backends.quantize import int8_linear_class
+    from bertqa_bench.backends.transforms.int8_dynamic import int8_linear_class
 
     torch.manual_seed(0)
     lin = nn.Linear(64, 48)
@@ -1626,7 +1630,7 @@ def test_int8_linear_matches_linear_within_int8_error():
 
 
 def test_swapped_int8_tiny_bert_tracks_fp32_and_keeps_the_layers_asked():
-    from bertqa_bench.backends.quantize import swap_to_int8
+    from bertqa_bench.backends.transforms.int8_dynamic import swap_to_int8
 
     model = qa(tiny_bert(hidden=64, layers=3))
     ref = copy.deepcopy(model)
@@ -1639,7 +1643,7 @@ def test_swapped_int8_tiny_bert_tracks_fp32_and_keeps_the_layers_asked():
 
 
 def test_sensitivity_sweep_ranks_layers_by_how_far_they_move_the_outputs():
-    from bertqa_bench.backends.quantize import choose_kept_layers, layer_sensitivity
+    from bertqa_bench.backends.transforms.layer_sensitivity import choose_kept_layers, layer_sensitivity
 
     model = qa(tiny_bert(hidden=32, layers=3))
     batches = [inputs(3, 24, seed=s) for s in range(2)]
@@ -1796,7 +1800,7 @@ def test_torchao_unavailable_without_cuda_names_the_reason():
 def test_host_pack_gives_the_device_packs_values():
     """The host packing (numpy) against PackedEncoder.pack (torch) on right-padded rows of
     several lengths, with and without RoBERTa's position offset and token types."""
-    from bertqa_bench.backends.packed_bert import PackedEncoder, host_pack
+    from bertqa_bench.backends.transforms.packed_encoder import PackedEncoder, host_pack
 
     enc = PackedEncoder(tiny_bert(hidden=32).bert)
     r = np.random.default_rng(0)
@@ -1819,7 +1823,7 @@ def test_the_first_call_before_capture_is_the_runs_real_batch_packed_as_forward_
     """``first_packed_batch``: what ``TokenBuckets.capture(first=...)`` runs before any capture, so
     that the attention kernel's autotuner times its tiles on real sequences. It must be the sample
     batch's real tokens and lengths, exactly as the encoder's forward packs that batch."""
-    from bertqa_bench.backends.packed_bert import PackedEncoder, host_pack
+    from bertqa_bench.backends.transforms.packed_encoder import PackedEncoder, host_pack
     from bertqa_bench.backends.torch_backend import first_packed_batch
 
     enc = PackedEncoder(tiny_bert(hidden=32).bert)
@@ -1855,7 +1859,7 @@ def test_the_batch_tuned_on_is_the_sample_batch_of_median_mean_length():
 
 
 def test_host_bucket_lengths_equal_the_devices():
-    from bertqa_bench.backends.packed_bert import TokenBuckets
+    from bertqa_bench.backends.transforms.packed_encoder import TokenBuckets
 
     tb = TokenBuckets(None, bucket=16, max_len=6, max_rows=4, max_tokens=40)
     for lengths in ((5, 6, 1), (6, 6, 6, 6), (2,)):
@@ -1934,7 +1938,7 @@ def test_the_triton_attention_kernel_is_first_called_on_the_runs_real_batch_on_g
     """The autotuner times its tiles on the kernel's first call of a key: that call must carry the
     run's real sequences (the sample batch: lengths 64, 64, 64, 32), not the dummy ones of the
     captures' warm-ups."""
-    from bertqa_bench.backends import triton_attention as ta
+    from bertqa_bench.kernels import varlen_attention as ta
 
     name = "torch-compile-fp8all-graph-packed-triton-e4m3out-epilogue-autotune-2streams"
     reason = TABLE.get(name).unavailable_reason()
@@ -1987,7 +1991,7 @@ def test_two_streams_replay_their_own_graph_copies_and_give_the_one_at_a_time_ou
     a cuBLAS or cuBLASLt workspace) would corrupt each other's outputs. Autotuning stays on: the
     second copy takes the first copy's algorithms, so a batch's bits do not depend on its copy.
     Both copies replay, each on its own capture stream."""
-    from bertqa_bench.backends import gemm_epilogue as ge
+    from bertqa_bench.kernels import cublaslt_epilogues as ge
 
     reason = TABLE.get(name).unavailable_reason()
     if reason:
@@ -2006,7 +2010,7 @@ def test_two_streams_replay_their_own_graph_copies_and_give_the_one_at_a_time_ou
     try:
         assert backend.prepare_info["streams"] == 2 and backend.in_flight() == 4
         if base.options.packed:
-            from bertqa_bench.backends.packed_bert import encoder_of
+            from bertqa_bench.backends.transforms.packed_encoder import encoder_of
 
             buckets = encoder_of(backend.module.model).buckets
             copies = buckets.copies

@@ -1,4 +1,4 @@
-"""The Triton variable-length attention kernel (bertqa_bench/backends/triton_attention.py).
+"""The Triton variable-length attention kernel (bertqa_bench/kernels/varlen_attention.py).
 
 Without a GPU: its arithmetic and indexing under Triton's interpreter (in a subprocess), and its
 ahead-of-time compilation for sm_90 (Triton's own ptxas). On a GPU: the BERT-large-like case
@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bertqa_bench.backends import triton_attention as ta
+from bertqa_bench.kernels import varlen_attention as ta
 
 # Triton 3.5's interpreter converts a loaded scalar (a 1-element numpy array) to a Python int with
 # int(array), which numpy >= 2.4 refuses for arrays of ndim > 0: a loop bounded by a loaded value
@@ -79,9 +79,9 @@ import sys
 import torch
 import triton
 import triton.language as tl
-from bertqa_bench.backends import triton_attention as ta
-from bertqa_bench.backends._triton_attention_kernels import round_to_e4m3
-from bertqa_bench.backends.torch_fp8 import e4m3_codes_apart
+from bertqa_bench.kernels import varlen_attention as ta
+from bertqa_bench.kernels._varlen_attention_triton import round_to_e4m3
+from bertqa_bench.kernels.fp8_math import e4m3_codes_apart
 
 seed = int(sys.argv[1])
 g = torch.Generator().manual_seed(seed)
@@ -305,7 +305,7 @@ def test_packed_encoder_refuses_a_head_size_the_kernel_does_not_take_before_any_
     cuDNN take it) is refused when the encoder is built, naming the sizes it takes."""
     from transformers import BertConfig, BertModel
 
-    from bertqa_bench.backends.packed_bert import PackedEncoder
+    from bertqa_bench.backends.transforms.packed_encoder import PackedEncoder
 
     bert = BertModel(BertConfig(hidden_size=96, num_attention_heads=2, num_hidden_layers=1, intermediate_size=64,
                                 vocab_size=50), add_pooling_layer=False)

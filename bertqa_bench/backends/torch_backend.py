@@ -4,7 +4,7 @@
 Model builder (``torch_builder.py``; ``TorchOptions``: ``weights``, ``attn_implementation``, ``fp8``): load the saved
 model with the task's head in the weights dtype and attention implementation, move it to the
 device; with ``fp8:`` calibrate activation ranges on real batches of the run and swap the
-encoder GEMMs for FP8 ones (``torch_fp8.py``).
+encoder GEMMs for FP8 ones (``fp8_surgery.py``).
 
 Executor (this module; ``compile``, ``cuda_graph``, ``autocast``, ``tf32``):
 
@@ -37,8 +37,8 @@ from ..errors import BackendUnavailableError
 from .base import INPUT_NAMES, Backend, BackendContext, batch_at_shape
 from .device_io import CudaStaging, HostOutputs, batch_shape, capture_streams, cuda_unavailable_reason, gpu_info
 from .torch_builder import build_model, torch_dtype
-from .torch_fp8 import parse_cublaslt_gemms
 from .torch_options import PACKED_FAMILIES, QUANT_FAMILIES, TorchOptions
+from .transforms.fp8_rules import needs_nvmath
 
 class _GraphReplay:
     """One captured torch.cuda.CUDAGraph per shape (and copy) around ``fn``, with static input
@@ -101,7 +101,7 @@ class TorchBackend(Backend):
     def family_reason(cls, options, family: str) -> Optional[str]:
         o: TorchOptions = options
         if o.packed and family not in PACKED_FAMILIES:
-            return (f"the padding-free encoder (packed_bert.py) computes {', '.join(PACKED_FAMILIES)}; a {family} "
+            return (f"the padding-free encoder (packed_encoder.py) computes {', '.join(PACKED_FAMILIES)}; a {family} "
                     "model is not packed here")
         if (o.fp8 is not None or o.int8 is not None or o.torchao is not None) and family not in QUANT_FAMILIES:
             kind = "INT8" if o.int8 is not None else "FP8"
@@ -143,27 +143,28 @@ class TorchBackend(Backend):
                 return f"FP8 tensor cores need Hopper/Ada (sm_89+); {torch.cuda.get_device_name()} is sm_{cap[0]}{cap[1]}"
             if o.fp8 is not None and o.fp8.scaling != "tensor" and cap < (9, 0):
                 return "rowwise FP8 scaling needs sm_90 (Hopper)"
-        if o.fp8 is not None and (o.fp8.ffn_gelu == "epilogue" or o.fp8.residual == "gemm"
-                                  or parse_cublaslt_gemms(o.fp8.cublaslt_gemms)):
-            from .gemm_epilogue import nvmath_unavailable_reason
+        # what this machine lacks for the options (their combinations were checked when the suite
+        # loaded: fp8_rules.check_fp8)
+        if o.fp8 is not None and needs_nvmath(o.fp8):
+            from ..kernels.cublaslt_epilogues import nvmath_unavailable_reason
 
             why = nvmath_unavailable_reason()
             if why:
                 return why
         if o.fp8 is not None and o.fp8.attention == "fp8":
-            from .cudnn_fp8_attention import unavailable_reason as fp8_attention_reason
+            from ..kernels.cudnn_fp8_attention import unavailable_reason as fp8_attention_reason
 
             why = fp8_attention_reason()
             if why:
                 return why
         if o.packed and o.packed_attention == "cudnn":
-            from .packed_bert import cudnn_unavailable_reason
+            from .transforms.packed_encoder import cudnn_unavailable_reason
 
             why = cudnn_unavailable_reason()
             if why:
                 return why
         if o.packed and o.packed_attention == "triton":
-            from .triton_attention import triton_unavailable_reason
+            from ..kernels.varlen_attention import triton_unavailable_reason
 
             why = triton_unavailable_reason()
             if why:
@@ -178,9 +179,9 @@ class TorchBackend(Backend):
         self._staging: list[CudaStaging] = []  # one per batch in flight
         self._slot = 0
         self._host = HostOutputs()
-        self._packer = None  # packed_bert.HostPacker (host_pack)
+        self._packer = None  # packed_encoder.HostPacker (host_pack)
         self._streams: list = []  # option streams > 1: batch slot k runs on _streams[k % n], copy k % n's
-        self._buckets = None  # packed_bert.TokenBuckets (token_bucket)
+        self._buckets = None  # packed_encoder.TokenBuckets (token_bucket)
         self._tf32_before: Optional[tuple[bool, bool]] = None
 
     # --- prepare -------------------------------------------------------------------------
@@ -255,10 +256,10 @@ class TorchBackend(Backend):
         count (when compile is on), then one CUDA graph per bucket up to the run's largest batch."""
         import torch
 
-        from .packed_bert import TokenBuckets
+        from .transforms.packed_encoder import TokenBuckets
 
         o: TorchOptions = self.options
-        from .packed_bert import encoder_of
+        from .transforms.packed_encoder import encoder_of
 
         enc = encoder_of(self.module.model)
         encode = enc.encode
@@ -280,13 +281,13 @@ class TorchBackend(Backend):
             info["first_call_batch"] = (f"real: sample batch {k} of {len(ctx.sample_batches)}, {rows} sequences, "
                                         f"{t} tokens ({t / rows:.0f} a sequence), bucket {buckets.size_for(t, rows)}")
             if o.host_pack:
-                from .packed_bert import HostPacker
+                from .transforms.packed_encoder import HostPacker
 
                 self._packer = HostPacker(enc, torch.device("cuda"), slots=self.in_flight())
         info.update(token_bucket=o.token_bucket, token_buckets=len(buckets.sizes), token_bucket_graphs=captured,
                     packing="host" if self._packer is not None else "device")
         if o.packed_attention == "triton" and captured:
-            from .triton_attention import autotune_timings, best_config, tuning_source
+            from ..kernels.varlen_attention import autotune_timings, best_config, tuning_source
 
             # tuned on the run's typical real batch (``first_call_batch``), or taken from an earlier
             # process's tuning in Triton's cache, then captured as chosen; every timed configuration
@@ -300,7 +301,7 @@ class TorchBackend(Backend):
     def _plan_copy(copy: int):
         """The context a graph copy is captured in: its own cuBLASLt plans (their workspaces are
         written by every replay, so copies that replay at once must not share them)."""
-        from .gemm_epilogue import plan_copy
+        from ..kernels.cublaslt_epilogues import plan_copy
 
         return plan_copy(copy)
 

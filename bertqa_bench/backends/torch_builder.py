@@ -1,7 +1,7 @@
 """The PyTorch backends' model builder: load the saved model with the task's head in the weights
 dtype and attention implementation, move it to the device; with ``fp8:`` / ``int8:`` / ``torchao:``
-calibrate on real batches of the run and swap the encoder GEMMs (``torch_fp8.py``,
-``quantize.py``); with ``packed:`` swap in the padding-free encoder (``packed_bert.py``). The
+calibrate on real batches of the run and swap the encoder GEMMs (``fp8_surgery.py``,
+``int8_dynamic.py``); with ``packed:`` swap in the padding-free encoder (``packed_encoder.py``). The
 executor that runs the result is ``torch_backend.TorchBackend``."""
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ import numpy as np
 
 from ..errors import BackendUnavailableError
 from .base import INPUT_NAMES, BackendContext
-from .quantize import choose_kept_layers, layer_sensitivity, n_encoder_layers, swap_to_int8
-from .torch_fp8 import (calibrate_amax, ffn_up_names, parse_cublaslt_gemms, parse_gemms, qkv_names, swap_to_fp8,
-                        target_linears)
 from .torch_options import Fp8Options, Int8Options, TorchaoOptions, TorchOptions, parse_layers, torchao_targets
+from .transforms.fp8_rules import parse_cublaslt_gemms, parse_gemms
+from .transforms.fp8_surgery import calibrate_amax, ffn_up_names, qkv_names, swap_to_fp8, target_linears
+from .transforms.int8_dynamic import swap_to_int8
+from .transforms.layer_sensitivity import choose_kept_layers, layer_sensitivity, n_encoder_layers
 
 
 def gelu_info(gelu: str, module) -> str:
@@ -22,10 +23,10 @@ def gelu_info(gelu: str, module) -> str:
     if gelu == "exact":
         return "exact (the model's own GELU, fused by Inductor)"
     if gelu == "epilogue":
-        from .gemm_epilogue import implementation as epilogue
+        from ..kernels.cublaslt_epilogues import implementation as epilogue
 
         return f"tanh form, {epilogue(next(module.parameters()).is_cuda)}"
-    from .gelu_fp8 import implementation
+    from ..kernels.gelu_fp8 import implementation
 
     return f"tanh form, {implementation(next(module.parameters()).is_cuda)}"
 
@@ -47,7 +48,7 @@ def build_model(o: TorchOptions, ctx: BackendContext, device: str, name: str):
                                    dtype=torch_dtype(o.weights)).to(device).eval()
     info: dict = {}
     if o.head_first:  # before calibration and the sensitivity sweep, which a refusal would waste
-        from .packed_bert import head_first_reason
+        from .transforms.packed_encoder import head_first_reason
 
         why = head_first_reason(module.model)
         if why:
@@ -60,20 +61,20 @@ def build_model(o: TorchOptions, ctx: BackendContext, device: str, name: str):
         info = quantize_int8(module, o.int8, as_tensors(ctx.sample_batches[:o.int8.calibration_batches]))
     elif o.fp8 is not None:
         if o.fp8.ffn_gelu == "epilogue" and device == "cuda":
-            from .gemm_epilogue import epilogue_saturates
+            from ..kernels.cublaslt_epilogues import epilogue_saturates
 
             if not epilogue_saturates(device):  # asked before calibration, which a refusal would waste
                 raise BackendUnavailableError(
                     f"{name}: cuBLASLt's GELU epilogue on this GPU writes NaN, not +-448, for e4m3 results past the "
                     "range, and an e4m3 output cannot be clamped after the kernel wrote it (ffn_gelu: tanh)")
-        info = quantize_fp8(module, o.fp8, as_tensors(ctx.sample_batches[:o.fp8.calibration_batches]))
+        info = calibrate_and_swap_fp8(module, o.fp8, as_tensors(ctx.sample_batches[:o.fp8.calibration_batches]))
     elif o.torchao is not None:
         info = quantize_torchao(module, o.torchao)
     if o.packed:
-        from .packed_bert import pack_model
+        from .transforms.packed_encoder import pack_model
 
         pack_model(module.model, head_first=o.head_first, attention=o.packed_attention)
-        from .packed_bert import encoder_of
+        from .transforms.packed_encoder import encoder_of
 
         info.update(packed=True, attention_kernel=encoder_of(module.model).kernel_name, head_first=o.head_first)
     return module, info
@@ -113,7 +114,10 @@ def quantize_torchao(module, t: TorchaoOptions) -> dict:
             "fp8_gemm_kinds": ",".join(parse_gemms(t.gemms)), "fp8_linears": len(names),
             "fp8_keep_layers": ",".join(map(str, sorted(keep))) or "none"}
 
-def quantize_fp8(module, f: Fp8Options, batches) -> dict:
+
+def calibrate_and_swap_fp8(module, f: Fp8Options, batches) -> dict:
+    """Calibrate the activation ranges on ``batches``, sweep the layers' sensitivity (``f.sensitivity_keep``)
+    and swap the encoder GEMMs for FP8 ones in place; returns what was done for the prepare info."""
     gemms = parse_gemms(f.gemms)
     targets = target_linears(module, gemms)
     amax, t0 = None, time.perf_counter()

@@ -8,8 +8,8 @@ from typing import Optional
 
 from ..errors import ConfigError
 from ..model.checkpoint import PACKED_FAMILIES  # noqa: F401 - the families the padding-free encoder computes
-from .torch_fp8 import (SCALINGS, check_attention_fp8, check_attention_output, check_cublaslt, check_ffn_hidden,
-                        check_residual, layer_index, parse_cublaslt_gemms, parse_gemms, target_linears)
+from .transforms.fp8_rules import check_fp8, parse_gemms
+from .transforms.fp8_surgery import layer_index, target_linears
 
 DTYPES = ("fp32", "fp16", "bf16")
 # Families whose encoder is BertModel's layout (tests/test_checkpoint.py checks the FP8/INT8
@@ -18,12 +18,11 @@ QUANT_FAMILIES = ("bert", "roberta", "xlm-roberta", "camembert", "electra")
 COMPILE_MODES = ("none", "default", "max-autotune", "max-autotune-no-cudagraphs")
 CUDA_GRAPHS = ("none", "trees", "manual")
 SDPA_BACKENDS = ("cudnn", "efficient", "flash", "math")
-# the padding-free encoder's variable-length attention on CUDA (packed_bert.py)
+# the padding-free encoder's variable-length attention on CUDA (packed_encoder.py)
 PACKED_ATTENTION = ("flash", "cudnn", "triton")
 # streams: every stream holds a copy of every captured graph (memory), and torch hands out its
 # streams from a pool of 32, which must give each copy a distinct one
 MAX_STREAMS = 8
-FP8_ATTENTION = ("fp16", "fp8")
 
 
 def parse_layers(text: str) -> tuple[int, ...]:
@@ -44,10 +43,10 @@ class Fp8Options:
     # prepare (quantize one layer at a time, measure max |Δ logit| on the calibration batches)
     sensitivity_keep: int = 0
     # the FFN's hidden activations in e4m3: the up-projection GEMM writes FP8 and GELU reads it
-    # (torch_fp8.Fp8Intermediate); needs scaling: tensor and both FFN GEMMs in FP8
+    # (fp8_modules.Fp8Intermediate); needs scaling: tensor and both FFN GEMMs in FP8
     ffn_hidden_fp8: bool = False
     # that hidden path's GELU: exact (the model's erf form) or tanh (one Triton kernel with the
-    # GPU's tanh.approx; torch_fp8.FFN_GELUS, gelu_fp8.py); tanh needs ffn_hidden_fp8
+    # GPU's tanh.approx; fp8_rules.FFN_GELUS, gelu_fp8.py); tanh needs ffn_hidden_fp8
     ffn_gelu: str = "exact"
     # attention itself: fp16 (the packed encoder's kernel or SDPA, in 16 bits), or fp8 (Q, K, V,
     # the softmax probabilities and the output in e4m3 through cuDNN's FP8 attention,
@@ -55,7 +54,7 @@ class Fp8Options:
     attention: str = "fp16"
     # the 16-bit attention's output, read by the FP8 attention-output GEMM: fp16 (quantized by that
     # GEMM in a pass of its own) or e4m3 (written by the attention kernel at the GEMM's static
-    # input scale, torch_fp8.ATTENTION_OUTPUTS; the packed encoder's Triton kernel: packed_attention:
+    # input scale, fp8_rules.ATTENTION_OUTPUTS; the packed encoder's Triton kernel: packed_attention:
     # triton; needs scaling: tensor, fuse_qkv and attn_out in FP8)
     attention_output: str = "fp16"
     # where the attention-output and FFN-down GEMMs' residual is added: layernorm (in the fused
@@ -74,43 +73,7 @@ class Fp8Options:
     cublaslt_autotune: int = 0
 
     def __post_init__(self):
-        if self.scaling not in SCALINGS:
-            raise ConfigError(f"fp8.scaling '{self.scaling}' is not one of {', '.join(SCALINGS)}")
-        try:
-            parse_gemms(self.gemms)
-        except ValueError as e:
-            raise ConfigError(f"fp8.gemms: {e}") from None
-        try:
-            check_ffn_hidden(self.scaling, self.gemms, self.ffn_hidden_fp8, self.ffn_gelu)
-        except ValueError as e:
-            raise ConfigError(f"fp8.{e}") from None
-        if self.attention not in FP8_ATTENTION:
-            raise ConfigError(f"fp8.attention '{self.attention}' is not one of {', '.join(FP8_ATTENTION)}")
-        try:
-            check_attention_fp8(self.scaling, self.gemms, self.fuse_qkv, self.attention == "fp8")
-        except ValueError as e:
-            raise ConfigError(f"fp8.{e}") from None
-        try:
-            check_attention_output(self.scaling, self.gemms, self.fuse_qkv, self.attention_output,
-                                   self.attention == "fp8")
-        except ValueError as e:
-            raise ConfigError(f"fp8.{e}") from None
-        try:
-            check_residual(self.scaling, self.gemms, self.residual)
-        except ValueError as e:
-            raise ConfigError(f"fp8.{e}") from None
-        try:
-            check_cublaslt(self.scaling, self.gemms, self.cublaslt_gemms, self.cublaslt_autotune,
-                           ffn_hidden_fp8=self.ffn_hidden_fp8, ffn_gelu=self.ffn_gelu,
-                           attention_fp8=self.attention == "fp8", residual=self.residual)
-        except ValueError as e:
-            raise ConfigError(f"fp8.{e}") from None
-        if self.act_margin <= 0 or self.calibration_batches < 1:
-            raise ConfigError("fp8: act_margin must be > 0 and calibration_batches >= 1")
-        try:
-            self.layers_kept()
-        except ValueError:
-            raise ConfigError(f"fp8.keep_layers must be comma-separated layer indices, not {self.keep_layers!r}") from None
+        check_fp8(self)  # the recipe alone; TorchOptions checks it again against the variant around it
 
     def layers_kept(self) -> tuple[int, ...]:
         return parse_layers(self.keep_layers)
@@ -177,26 +140,26 @@ class TorchOptions:
     fullgraph: bool = False
     cuda_graph: str = "none"  # none | trees (inductor's) | manual (one torch.cuda.CUDAGraph per shape)
     fp8: Optional[Fp8Options] = None
-    int8: Optional[Int8Options] = None  # W8A8 dynamic int8 encoder GEMMs (quantize.py)
+    int8: Optional[Int8Options] = None  # W8A8 dynamic int8 encoder GEMMs (int8_dynamic.py)
     torchao: Optional[TorchaoOptions] = None  # torchao's FP8 inference instead of the suite's own
     sdpa_backend: Optional[str] = None  # restrict SDPA's kernel while compiling/capturing
     inductor_config: dict = field(default_factory=dict)  # patched into torch._inductor.config while compiling
     num_threads: Optional[int] = None  # CPU threads (default: torch's)
-    packed: bool = False  # real tokens only: the padding-free encoder (packed_bert.py)
+    packed: bool = False  # real tokens only: the padding-free encoder (packed_encoder.py)
     # packed only: round each batch's token count up to a multiple of this and capture one CUDA
-    # graph per bucket (packed_bert.TokenBuckets); 0 = the exact token count, no graphs
+    # graph per bucket (packed_encoder.TokenBuckets); 0 = the exact token count, no graphs
     token_bucket: int = 0
     # token_bucket on CUDA only: pack each batch on the host into the bucket graph's inputs
-    # (packed_bert.HostPacker) instead of on the device (two host syncs and ~15 kernels a batch)
+    # (packed_encoder.HostPacker) instead of on the device (two host syncs and ~15 kernels a batch)
     host_pack: bool = False
     # packed only: the QA span head runs on the packed tokens inside the encoder (and its token
     # buckets' graphs), so 2 logits a token are scattered back instead of the hidden states
-    # (packed_bert.fuse_token_head)
+    # (packed_encoder.fuse_token_head)
     head_first: bool = False
-    # packed only: the variable-length attention kernel on CUDA (PACKED_ATTENTION, packed_bert.py):
+    # packed only: the variable-length attention kernel on CUDA (PACKED_ATTENTION, packed_encoder.py):
     # flash (FlashAttention-2, torch's varlen_attn) | cudnn (cuDNN's fused attention through
     # nvidia-cudnn-frontend, told each sequence's length by ragged offsets) | triton (the suite's
-    # own Triton kernel for short sequences, triton_attention.py, measured against both)
+    # own Triton kernel for short sequences, varlen_attention.py, measured against both)
     packed_attention: str = "flash"
     # CUDA only: keep two batches in flight (Backend.submit), so the host prepares batch i+1 and
     # scatters batch i's outputs while the GPU computes; every buffer the host writes or reads
@@ -220,8 +183,6 @@ class TorchOptions:
             raise ConfigError(f"torch option sdpa_backend '{self.sdpa_backend}' is not one of {', '.join(SDPA_BACKENDS)}")
         if self.cuda_graph == "trees" and self.compile == "none":
             raise ConfigError("cuda_graph: trees are inductor's; they need compile other than none")
-        if self.fp8 is not None and self.weights == "fp32":
-            raise ConfigError("fp8 needs 16-bit weights for the parts that stay out of FP8 (weights: fp16 or bf16)")
         if sum(q is not None for q in (self.fp8, self.int8, self.torchao)) > 1:
             raise ConfigError("fp8, int8 and torchao are three ways of quantizing the same GEMMs: name one")
         if self.torchao is not None and self.weights == "fp32":
@@ -246,29 +207,8 @@ class TorchOptions:
             # length would tune inside the timed passes whenever a new bucket first appears
             raise ConfigError("packed_attention: triton tunes its tile in the token buckets' warm-up, in prepare: it "
                               "needs token_bucket (batches packed to their own length would tune while timed)")
-        if self.fp8 is not None and self.fp8.ffn_gelu == "epilogue" and self.packed and not self.token_bucket:
-            raise ConfigError("fp8.ffn_gelu: epilogue plans one cuBLASLt GEMM per token count; packed batches need "
-                              "token_bucket (a few bucket sizes), not a new token count every batch")
-        planned = self.fp8 is not None and (bool(parse_cublaslt_gemms(self.fp8.cublaslt_gemms))
-                                            or self.fp8.residual == "gemm")
-        if planned and self.weights != "fp16":
-            raise ConfigError("fp8.cublaslt_gemms and fp8.residual: gemm write fp16 through cuBLASLt (its FP8 kernels "
-                              f"take the bias and C in the output's type): they need weights: fp16, not {self.weights}")
-        if (self.fp8 is not None and parse_cublaslt_gemms(self.fp8.cublaslt_gemms) and self.packed
-                and not self.token_bucket):
-            raise ConfigError("fp8.cublaslt_gemms plans one cuBLASLt GEMM per token count; packed batches need "
-                              "token_bucket (a few bucket sizes), not a new token count every batch")
-        if self.fp8 is not None and self.fp8.residual == "gemm" and not (self.packed and self.token_bucket):
-            raise ConfigError("fp8.residual: gemm is the padding-free encoder's layer calling its GEMMs with the "
-                              "residual, one cuBLASLt GEMM planned per token count: it needs packed: true and "
-                              "token_bucket")
-        if self.fp8 is not None and self.fp8.attention == "fp8" and not (self.packed and self.packed_attention == "cudnn"):
-            raise ConfigError("fp8.attention: fp8 is cuDNN's FP8 attention on the padding-free encoder: it needs "
-                              "packed: true and packed_attention: cudnn")
-        if (self.fp8 is not None and self.fp8.attention_output == "e4m3"
-                and not (self.packed and self.packed_attention == "triton")):
-            raise ConfigError("fp8.attention_output: e4m3 is written by the padding-free encoder's Triton attention "
-                              "kernel: it needs packed: true and packed_attention: triton")
+        if self.fp8 is not None:
+            check_fp8(self.fp8, self)  # the FP8 recipe against weights, packed, packed_attention, token_bucket
         if self.host_pack and not self.token_bucket:
             raise ConfigError("host_pack feeds the token buckets' CUDA graphs: it needs packed: true and token_bucket")
         if not isinstance(self.streams, int) or isinstance(self.streams, bool) or not 1 <= self.streams <= MAX_STREAMS:

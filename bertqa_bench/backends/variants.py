@@ -2,7 +2,7 @@
 
 Three sources, one table:
 
-* the built-in variants below (``BUILTIN``);
+* the built-in variants below (``CATALOGUE``);
 * installed packages that declare the entry-point group ``bertqa_bench.backends``: each entry
   point names a Backend subclass, registered as an implementation under the entry point's
   name; its ``variants`` class attribute (``{variant name: {"device": ..., "options": {...}}}``)
@@ -40,16 +40,54 @@ ENTRY_POINT_GROUP = "bertqa_bench.backends"
 # Implementation name -> "module:Class". Modules import their heavy packages lazily.
 IMPLEMENTATIONS = {
     "torch": "bertqa_bench.backends.torch_backend:TorchBackend",
-    "onnxruntime": "bertqa_bench.backends.onnxruntime:OnnxRuntimeBackend",
-    "tensorrt": "bertqa_bench.backends.tensorrt:TensorRTBackend",
-    "openvino": "bertqa_bench.backends.openvino_backend:OpenVinoBackend",
+    "onnxruntime": "bertqa_bench.backends.exported.onnxruntime:OnnxRuntimeBackend",
+    "tensorrt": "bertqa_bench.backends.exported.tensorrt:TensorRTBackend",
+    "openvino": "bertqa_bench.backends.exported.openvino:OpenVinoBackend",
 }
+
+
+# Modules that moved (issue 61: kernels/, backends/transforms/, backends/exported/), old dotted
+# name -> new. A plug-in config or entry point naming an old ``module:Class`` keeps working: the
+# class is the same, so a run is not lost to a rename, and a warning (once per path) names the
+# path to write instead.
+MOVED_MODULES = {
+    "bertqa_bench.backends.onnxruntime": "bertqa_bench.backends.exported.onnxruntime",
+    "bertqa_bench.backends.tensorrt": "bertqa_bench.backends.exported.tensorrt",
+    "bertqa_bench.backends.openvino_backend": "bertqa_bench.backends.exported.openvino",
+    "bertqa_bench.backends.onnx_export": "bertqa_bench.backends.exported.onnx_export",
+    "bertqa_bench.backends.ort_static": "bertqa_bench.backends.exported.ort_static",
+    "bertqa_bench.backends.torch_fp8": "bertqa_bench.backends.transforms.fp8_surgery",
+    "bertqa_bench.backends.fp8_modules": "bertqa_bench.backends.transforms.fp8_modules",
+    "bertqa_bench.backends.packed_bert": "bertqa_bench.backends.transforms.packed_encoder",
+    "bertqa_bench.backends.quantize": "bertqa_bench.backends.transforms.int8_dynamic",
+    "bertqa_bench.backends.fp8_math": "bertqa_bench.kernels.fp8_math",
+    "bertqa_bench.backends.gelu_fp8": "bertqa_bench.kernels.gelu_fp8",
+    "bertqa_bench.backends.gemm_epilogue": "bertqa_bench.kernels.cublaslt_epilogues",
+    "bertqa_bench.backends.cudnn_fp8_attention": "bertqa_bench.kernels.cudnn_fp8_attention",
+    "bertqa_bench.backends.triton_attention": "bertqa_bench.kernels.varlen_attention",
+    "bertqa_bench.backends._triton_attention_kernels": "bertqa_bench.kernels._varlen_attention_triton",
+    "bertqa_bench.backends.catalogue": "bertqa_bench.reporting.backend_listing",
+}
+_WARNED_MOVED: set[str] = set()
+
+
+def _moved(module: str, target: str) -> str:
+    """``module``'s new name if it moved (a warning naming the new path, once per path), else itself."""
+    new = MOVED_MODULES.get(module)
+    if new is None:
+        return module
+    if target not in _WARNED_MOVED:
+        _WARNED_MOVED.add(target)
+        log.warning("%s: module %s moved to %s; write %s:%s (the old path still works for now)",
+                    target, module, new, new, target.partition(":")[2])
+    return new
 
 
 def import_object(target: str):
     module, _, attr = target.partition(":")
     if not module or not attr:
         raise ConfigError(f"'{target}' is not an import path of the form package.module:Class")
+    module = _moved(module, target)
     try:
         obj = importlib.import_module(module)
     except ImportError as e:
@@ -197,7 +235,7 @@ CATALOGUE = (
     _v("ort-int8", "onnxruntime", "cpu",
        "ONNX Runtime CPU, dynamic int8 (per-channel QInt8 weights) on the fused graph",
        "INT8 with ONNX Runtime and no calibration step", graph="int8", per_channel=True),
-    # OpenVINO's CPU plugin (openvino_backend.py): fp32, bf16 where the CPU has it natively, and
+    # OpenVINO's CPU plugin (openvino.py): fp32, bf16 where the CPU has it natively, and
     # NNCF's static INT8 (calibrated on the run's batches, SmoothQuant, the QA head fp32).
     _v("openvino-fp32", "openvino", "cpu", "OpenVINO CPU, fp32 (inference precision f32), from the ONNX export",
        "the fastest CPU backend with fp32 answers measured"),
@@ -222,7 +260,7 @@ CATALOGUE = (
        "fixed-shape fp16 on GPUs without FP8 (before Hopper/Ada)", weights="fp16", compile="default",
        cuda_graph="manual"),
     {**_v("torch-compile-fp16-packed", "torch", "cuda",
-          "padding-free fp16 (real tokens only, variable-length FlashAttention, packed_bert.py) under "
+          "padding-free fp16 (real tokens only, variable-length FlashAttention, packed_encoder.py) under "
           "torch.compile with a dynamic token count",
           "the fastest fp16 backend on GPUs without FP8", weights="fp16", compile="default", dynamic=True,
           packed=True), "batching": "packed"},
@@ -258,12 +296,6 @@ CATALOGUE = (
     _v("tensorrt-fp16", "tensorrt", "cuda", "TensorRT 10 fp16 engine from the ONNX export (execute_async_v3)",
        "deploy with TensorRT (pip install .[tensorrt])"),
 )
-
-# Variants being measured (added by GPU work, one block): once measured, each joins the catalogue
-# under its grammar name or moves to benchmarks/experiments.yaml.
-NEW_VARIANTS: tuple = ()
-
-BUILTIN = CATALOGUE + NEW_VARIANTS
 
 # Old names -> (catalogue name, device or None). results/reference/ and old commands keep working:
 # a suite or --backends naming one runs the new variant, and bench prints the new name.
@@ -349,7 +381,7 @@ class VariantTable:
     def for_suite(cls, variants: Optional[dict] = None, device: Optional[str] = None) -> "VariantTable":
         """The catalogue, plug-ins, research rows and a suite's own ``variants:`` (SuiteConfig.variants),
         names resolved on ``device`` (bench.device) first."""
-        table = cls(list(BUILTIN) + _entry_point_variants(), device)
+        table = cls(list(CATALOGUE) + _entry_point_variants(), device)
         table.aliases = {**ALIASES, **{old: (new, None) for old, new in experiment_renames().items()}}
         for name, decl in experiment_declarations().items():  # never shadowing a catalogue name
             if name not in table._raw:

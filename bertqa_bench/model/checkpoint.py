@@ -58,7 +58,7 @@ FAMILIES = {
     "deberta-v2": "bert",
 }
 
-# Families whose encoder the padding-free path (backends/packed_bert.py) computes, each tested
+# Families whose encoder the padding-free path (backends/transforms/packed_encoder.py) computes, each tested
 # against its padded model (tests/test_checkpoint.py); RoBERTa-style ones number positions after
 # the padding index.
 PACKED_FAMILIES = ("bert", "roberta", "xlm-roberta", "camembert", "electra", "distilbert")

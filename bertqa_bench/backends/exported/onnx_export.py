@@ -35,9 +35,9 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from ..errors import BenchError
-from ..io import atomic_path
-from .base import INPUT_NAMES, batch_at_shape
+from ...errors import BenchError
+from ...io import atomic_path
+from ..base import INPUT_NAMES, batch_at_shape
 
 log = logging.getLogger(__name__)
 
@@ -305,7 +305,7 @@ def export_onnx(model_dir: str | Path, task: str, artifacts_dir: str | Path, out
     """
     import torch
 
-    from ..model.modeling import load_inference_module
+    from ...model.modeling import load_inference_module
 
     if exporter not in EXPORTERS:
         raise OnnxExportError(f"unknown ONNX exporter '{exporter}'; choose one of {', '.join(EXPORTERS)}")

@@ -36,9 +36,9 @@ from typing import Any, Mapping, Optional
 
 import numpy as np
 
-from ..errors import BackendUnavailableError, ConfigError, MissingDependencyError, import_optional
-from ..io import atomic_path, atomic_write_json
-from .base import Backend, BackendContext, batch_at_shape
+from ...errors import BackendUnavailableError, ConfigError, MissingDependencyError, import_optional
+from ...io import atomic_path, atomic_write_json
+from ..base import Backend, BackendContext, batch_at_shape
 from .onnx_export import FP32_ATOL, cache_key, check_against_reference, export_onnx
 from .ort_static import batches_digest, cpu_features
 

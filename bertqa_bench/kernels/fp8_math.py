@@ -1,29 +1,13 @@
-"""The FP8 (e4m3) quantization math the FP8 modules and the model surgery share: scales,
-saturating casts, and whether a GPU's FP8 GEMM saturates its own output. torch is imported in the
-functions, so that the variant registry can name the FP8 options without importing torch."""
+"""The FP8 (e4m3) arithmetic every FP8 piece shares (the kernels beside this module, the FP8
+modules and the model surgery in backends/transforms/): the e4m3 range, scales, saturating casts,
+and whether a GPU's FP8 GEMM saturates its own output. The option vocabularies (scalings, GELU
+forms, ...) are the surgery's, in backends/transforms/fp8_rules.py. torch is imported in the
+functions, so that importing this module (the variant registry does, through fp8_rules' users)
+does not import torch."""
 from __future__ import annotations
 
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn
-SCALINGS = ("tensor", "rowwise", "static-rowwise")
-# the GELU between e4m3 FFN GEMMs (ffn_hidden_fp8): the model's own (erf), the tanh form in one
-# Triton kernel (gelu_fp8.py), or the tanh form in the up-projection's cuBLASLt epilogue with its
-# bias (gemm_epilogue.py: one kernel for GEMM, bias, GELU and the e4m3 output)
-FFN_GELUS = ("exact", "tanh", "epilogue")
-# where the attention-output and FFN-down GEMMs' residual is added: in the LayerNorm pass after
-# them (Inductor fuses the add there), or in the GEMM itself as cuBLASLt's C operand
-# (gemm_epilogue.py), so that the LayerNorm pass reads one tensor instead of two
-RESIDUALS = ("layernorm", "gemm")
-# the 16-bit attention's output, which the FP8 attention-output GEMM reads: fp16 (the model's
-# 16-bit dtype; that GEMM quantizes it in a pass of its own) or e4m3 (the packed encoder's Triton
-# attention kernel writes it at the GEMM's static input scale: half the bytes, no separate pass)
-ATTENTION_OUTPUTS = ("fp16", "e4m3")
-# the activations (transformers' and torch's classes) whose function the tanh form computes or
-# approximates: erf-GELU and the tanh forms; not QuickGELU (x * sigmoid(1.702 x))
-GELU_CLASSES = ("GELUActivation", "GELU", "NewGELUActivation", "PytorchGELUTanh", "GELUTanh", "FastGELUActivation")
-_EPS = 1e-12
-# Names of the encoder Linear layers inside one transformer layer (HF BERT naming).
-_LAYER_PREFIX = "encoder.layer."
-_QKV = ("query", "key", "value")
+_EPS = 1e-12  # the smallest amax a scale is taken from (an all-zero tensor still gets a finite scale)
 
 
 # --------------------------------------------------------------------------- quantization math
@@ -66,12 +50,14 @@ def saturate_to_e4m3(x, inv_scale=None, *, scale=None):
     return y.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
 
-def quantize_fp8(x, scale):
-    """x / scale, saturated to the e4m3 range (``saturate_to_e4m3``), as fp8."""
+def quantize_e4m3(x, scale):
+    """The tensor x / scale, saturated to the e4m3 range (``saturate_to_e4m3``), as float8_e4m3fn
+    (not to be confused with the model-level FP8 swap: torch_builder.calibrate_and_swap_fp8)."""
     return saturate_to_e4m3(x, scale=scale)
 
 
-def dequantize_fp8(q, scale):
+def dequantize_e4m3(q, scale):
+    """e4m3 ``q`` back to fp32 values: q * scale (``quantize_e4m3``'s inverse, up to its rounding)."""
     return q.float() * scale
 
 

@@ -1,8 +1,9 @@
-"""The FP8 encoder modules that ``torch_fp8.swap_to_fp8`` puts in place of a BERT layer's
+"""The FP8 encoder modules that ``fp8_surgery.swap_to_fp8`` puts in place of a BERT layer's
 linear layers: ``Fp8Linear`` (one e4m3 GEMM through ``torch._scaled_mm`` or cuBLASLt),
 ``Fp8Intermediate`` (the FFN's first half, its GELU fused or in e4m3) and ``Fp8SelfAttention``
-(the fused QKV GEMM and attention). The quantization math they use is ``fp8_math``'s; this
-module imports torch, so ``torch_fp8`` (and the variant registry above it) loads it only when a
+(the fused QKV GEMM and attention). The e4m3 arithmetic they use is kernels/fp8_math.py's, the
+option vocabularies fp8_rules.py's; this
+module imports torch, so ``fp8_surgery`` (and the variant registry above it) loads it only when a
 model is swapped."""
 from __future__ import annotations
 
@@ -12,10 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .fp8_math import (_EPS, _QKV, E4M3_MAX, FFN_GELUS, GELU_CLASSES, SCALINGS, gemm_writes_saturated_e4m3,
-                        quantize_fp8, saturate_to_e4m3, weight_scale)
-from .gelu_fp8 import gelu_tanh_fp8
-from .gemm_epilogue import bias_for_epilogue, gemm_add_fp8, gemm_bias_fp8, gemm_gelu_fp8
+from ...kernels.cublaslt_epilogues import bias_for_epilogue, gemm_add_fp8, gemm_bias_fp8, gemm_gelu_fp8
+from ...kernels.fp8_math import _EPS, E4M3_MAX, gemm_writes_saturated_e4m3, quantize_e4m3, saturate_to_e4m3, weight_scale
+from ...kernels.gelu_fp8 import gelu_tanh_fp8
+from .fp8_rules import _QKV, FFN_GELUS, GELU_CLASSES, SCALINGS
 
 
 class Fp8Linear(nn.Module):
@@ -41,7 +42,7 @@ class Fp8Linear(nn.Module):
         per_channel = scaling != "tensor"
         ws = weight_scale(weight, per_channel)
         # [N, K] row-major; forward passes .t(): the column-major [K, N] operand _scaled_mm needs.
-        self.register_buffer("weight_fp8", quantize_fp8(weight.detach(), ws).contiguous())
+        self.register_buffer("weight_fp8", quantize_e4m3(weight.detach(), ws).contiguous())
         self.register_buffer("weight_scale", ws.reshape(1, n).contiguous() if per_channel else ws.reshape(()))
         # The rowwise kernels write bf16 only; tensorwise writes the model's 16-bit dtype.
         # out_scale: the GEMM writes e4m3 itself (y / out_scale, saturated), so its consumer
@@ -90,12 +91,12 @@ class Fp8Linear(nn.Module):
         return cls(linear.weight, linear.bias, **kw)
 
     residual_in_gemm = False
-    # the GEMM runs through cuBLASLt planned by nvmath-python (gemm_epilogue.fp8_gemm_bias)
+    # the GEMM runs through cuBLASLt planned by nvmath-python (cublaslt_epilogues.fp8_gemm_bias)
     # instead of torch._scaled_mm (use_cublaslt)
     planned_gemm = False
     # > 0: every GEMM of this layer planned through nvmath-python (this one under use_cublaslt,
     # the residual GEMM, a GELU epilogue reading this layer's weights) has its algorithm
-    # autotuned when its shape is planned (gemm_epilogue._planned)
+    # autotuned when its shape is planned (cublaslt_epilogues._planned)
     cublaslt_autotune = 0
 
     def use_cublaslt(self, autotune: int = 0) -> None:
@@ -126,7 +127,7 @@ class Fp8Linear(nn.Module):
             self.register_buffer("cublaslt_bias", bias.to(self.act_dtype))
 
     def add_residual_in_gemm(self) -> None:
-        """``plus`` adds the residual in the GEMM (cuBLASLt's C operand, gemm_epilogue.py)
+        """``plus`` adds the residual in the GEMM (cuBLASLt's C operand, cublaslt_epilogues.py)
         instead of leaving it to the next elementwise pass."""
         self._check_16bit_gemm("the residual in the GEMM")
 
@@ -237,7 +238,7 @@ class Fp8Intermediate(nn.Module):
                 + (f", epilogue algorithm autotuned x{self.dense.cublaslt_autotune}" if tuned else ""))
 
     def forward(self, hidden_states):
-        if self._epilogue is not None:  # gemm_epilogue: GEMM, bias, GELU and e4m3 out in one cuBLASLt kernel
+        if self._epilogue is not None:  # cublaslt_epilogues: GEMM, bias, GELU and e4m3 out in one cuBLASLt kernel
             d = self.dense
             lead = hidden_states.shape[:-1]
             x8, sa = d.quantize_input(hidden_states.reshape(-1, d.in_features))
@@ -251,7 +252,13 @@ class Fp8Intermediate(nn.Module):
 
 
 class Fp8SelfAttention(nn.Module):
-    """BERT self-attention with query/key/value as one FP8 GEMM, then SDPA in 16 bits.
+    """BERT self-attention with query/key/value as one FP8 GEMM (``qkv``). Its output is 16-bit,
+    or e4m3 when swap_to_fp8 gives it an ``out_scale`` (``attention: fp8``): the packed encoder
+    then reads Q, K and V in e4m3 for cuDNN's FP8 attention. ``o_inv_scale`` (set by swap_to_fp8)
+    is the scale the packed encoder's attention writes its output in, e4m3, for the FP8
+    attention-output GEMM: cuDNN's FP8 attention, or the 16-bit Triton kernel with
+    ``attention_output: e4m3``. This module's own forward is the padded path: it decodes an e4m3
+    QKV back to 16 bits and runs SDPA in 16 bits, with a 16-bit output.
 
     Drop-in for transformers' BertSelfAttention in an encoder: takes (hidden_states,
     attention_mask, ...), ignores caches/cross-attention kwargs, returns (output, None).

@@ -20,10 +20,10 @@ import numpy as np
 
 from dataclasses import dataclass
 
-from ..errors import BackendUnavailableError, BenchError, ConfigError
-from ..io import atomic_write_bytes
-from .base import Backend, BackendContext
-from .device_io import CudaStaging, HostOutputs, batch_shape, cuda_unavailable_reason, gpu_info
+from ...errors import BackendUnavailableError, BenchError, ConfigError
+from ...io import atomic_write_bytes
+from ..base import Backend, BackendContext
+from ..device_io import CudaStaging, HostOutputs, batch_shape, cuda_unavailable_reason, gpu_info
 from .onnx_export import EXPORTERS, cache_key, check_against_reference, export_onnx
 
 log = logging.getLogger(__name__)

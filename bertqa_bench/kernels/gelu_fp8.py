@@ -17,25 +17,34 @@ On CUDA ``gelu_tanh_fp8`` calls a torch custom op (``torch.library.triton_op``, 
 this module is imported, outside any traced code) around the Triton kernel, so torch.compile keeps
 it in its graph (fullgraph compiles, tested) and the bucket CUDA graphs capture it; elsewhere (CPU
 tests) the same formula in torch (``gelu_tanh_fp8_reference``), with torch's tanh.
+
+Why ``triton_op`` here and ``custom_op`` + ``register_fake`` for the attention kernel
+(varlen_attention.py): this op's body is one plain Triton launch (a grid from the element count,
+no host work), which ``triton_op`` lets Inductor trace into and schedule as its own kernel, with
+no fake to keep in step. The attention's body must run at call time, outside tracing (its
+autotuner times configurations, its checks read the inputs), which only an opaque ``custom_op``
+guarantees.
 """
 # No ``from __future__ import annotations``: triton_op reads the op's annotations as types.
 import functools
 
 import torch
 
+from .fp8_math import E4M3_MAX
+from .triton_support import HAS_TRITON, triton_unavailable_reason  # noqa: F401 - this kernel's availability
+
 try:  # torch >= 2.6: the custom-op wrapper that keeps the kernel inside torch.compile's graph
     from torch.library import triton_op, wrap_triton
 except ImportError:  # older torch: the FP8 rows still import and run GELU through torch
     triton_op = wrap_triton = None
 
-E4M3_MAX = 448.0
 _C = 0.7978845608028654  # sqrt(2 / pi)
 _K = 0.044715
 BLOCK = 4096  # elements per program: 16 per thread at 8 warps, one 16-byte load of e4m3 each
 
 
 def gelu_tanh(h):
-    """GELU's tanh form in torch (also the cuBLASLt epilogue's reference, gemm_epilogue.py)."""
+    """GELU's tanh form in torch (also the cuBLASLt epilogue's reference, cublaslt_epilogues.py)."""
     return 0.5 * h * (1.0 + torch.tanh(_C * (h + _K * h * h * h)))
 
 
@@ -48,29 +57,6 @@ def gelu_tanh_scaled(x8, in_scale: float, out_inv_scale: float):
 def gelu_tanh_fp8_reference(x8, in_scale: float, out_inv_scale: float):
     """``gelu_tanh_scaled`` rounded to e4m3 (round to nearest even, as the GPU's conversion)."""
     return gelu_tanh_scaled(x8, in_scale, out_inv_scale).to(torch.float8_e4m3fn)
-
-
-def _has_triton() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-# Decided once at import: gelu_tanh_fp8 runs inside compiled code, where an import attempt would
-# break the graph.
-HAS_TRITON = _has_triton()
-
-
-def triton_unavailable_reason() -> str:
-    """Why the suite's Triton kernels (this one, triton_attention's) cannot run here ('' when they
-    can: CUDA and Triton present)."""
-    if not torch.cuda.is_available():
-        return "no CUDA device"
-    if not HAS_TRITON:
-        return "triton is not installed (it comes with CUDA builds of torch)"
-    return ""
 
 
 def op_unavailable_reason() -> str:

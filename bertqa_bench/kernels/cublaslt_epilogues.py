@@ -41,7 +41,8 @@ from typing import Optional
 
 import torch
 
-from .gelu_fp8 import E4M3_MAX, gelu_tanh
+from .fp8_math import E4M3_MAX
+from .gelu_fp8 import gelu_tanh
 
 BIAS_DTYPE = torch.float16
 INSTALL = "pip install nvmath-python (cuBLASLt's epilogues through nvmath.linalg.advanced)"
@@ -197,6 +198,9 @@ def _matmul(x8, w8, bias, w_scale, x_scale, out_inv_scale, fast_accum: bool, aut
                     torch.cuda.current_stream(x8.device), autotune)
 
 
+# The three GEMM ops are custom_ops with fakes, not triton_ops: their bodies plan (and may autotune)
+# a cuBLASLt matmul through nvmath-python on the host at call time, which torch.compile must leave
+# opaque; each fake gives the output's shape and dtype.
 @torch.library.custom_op("bertqa::fp8_gemm_gelu", mutates_args=())
 def fp8_gemm_gelu(x8: torch.Tensor, w8: torch.Tensor, bias: torch.Tensor, w_scale: torch.Tensor,
                   x_scale: torch.Tensor, out_inv_scale: torch.Tensor, fast_accum: bool = False,

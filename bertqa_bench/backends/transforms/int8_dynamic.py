@@ -1,5 +1,6 @@
-"""INT8 encoder GEMMs (``torch._int_mm``) and the per-layer sensitivity sweep that picks which
-encoder layers stay in 16 bits, for both INT8 and FP8.
+"""INT8 encoder GEMMs (``torch._int_mm``), W8A8 with dynamic per-token activation scales. The
+per-layer sensitivity sweep that picks which encoder layers stay in 16 bits, for INT8 and FP8
+alike, is layer_sensitivity.py's.
 
 INT8 (W8A8, dynamic): weights quantized once per output channel (absmax / 127), activations
 per token at run time (absmax / 127 of each row), the product in int32 through cuBLASLt's
@@ -8,18 +9,13 @@ inductor fuses the per-token quantization into the kernel that produced the acti
 the rescale into the GEMM's consumer. BERT's LayerNorm outputs have a few outlier channels,
 which is what per-token activation scales (rather than one per tensor) are for; the layers
 that still suffer are found by the sweep and left in 16 bits.
-
-Sensitivity sweep: on real calibration batches, quantize one encoder layer at a time (the
-others stay 16-bit) and measure how far the model's outputs move (max |Δ logit| over real
-tokens); the ``keep`` most sensitive layers are then excluded from quantization. The sweep,
-the recipe it chose and the scores go into the backend's prepare info.
 """
 from __future__ import annotations
 
-import copy
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Iterable
 
-from .torch_fp8 import GEMM_KINDS, layer_index, parse_gemms, target_linears
+from .fp8_rules import GEMM_KINDS, parse_gemms
+from .fp8_surgery import layer_index, target_linears
 
 INT8_MAX = 127.0
 _EPS = 1e-8
@@ -89,49 +85,3 @@ def swap_to_int8(model, *, gemms=GEMM_KINDS, keep_layers: Iterable[int] = ()) ->
         setattr(model.get_submodule(parent), child, Int8Linear(lin.weight, lin.bias))
         swapped.append(name)
     return {"swapped": swapped, "kept": kept}
-
-
-def n_encoder_layers(model) -> int:
-    return len({layer_index(n) for n, _ in model.named_modules() if layer_index(n) is not None})
-
-
-def output_shift(reference: Sequence, outputs: Sequence, masks: Sequence) -> float:
-    """Max |Δ| between two lists of output tuples, over real tokens for per-token outputs."""
-    worst = 0.0
-    for ref, out, mask in zip(reference, outputs, masks):
-        for r, o in zip(ref, out):
-            d = (o.float() - r.float()).abs()
-            if d.dim() == 2 and d.shape == mask.shape:
-                d = d[mask.bool()]
-            worst = max(worst, float(d.max()) if d.numel() else 0.0)
-    return worst
-
-
-def layer_sensitivity(module, batches: Sequence[tuple], quantize_layer: Callable[[object, int], None],
-                      n_layers: Optional[int] = None) -> list[tuple[int, float]]:
-    """[(layer, max |Δ output|)] with only that encoder layer quantized, most sensitive first.
-
-    ``batches``: model input tuples (input_ids, attention_mask, token_type_ids) on the model's
-    device; ``quantize_layer(copy, layer)`` quantizes one layer of a deep copy in place.
-    """
-    import torch
-
-    n_layers = n_layers or n_encoder_layers(module)
-    with torch.inference_mode():
-        reference = [tuple(module(*b)) for b in batches]
-    masks = [b[1] for b in batches]
-    scores = []
-    for layer in range(n_layers):
-        trial = copy.deepcopy(module)
-        quantize_layer(trial, layer)
-        with torch.inference_mode():
-            outs = [tuple(trial(*b)) for b in batches]
-        scores.append((layer, output_shift(reference, outs, masks)))
-        del trial
-    return sorted(scores, key=lambda s: -s[1])
-
-
-def choose_kept_layers(scores: Sequence[tuple[int, float]], keep: int) -> tuple[int, ...]:
-    """The ``keep`` most sensitive layers (ties broken by layer index, for a stable recipe)."""
-    ranked = sorted(scores, key=lambda s: (-s[1], s[0]))
-    return tuple(sorted(layer for layer, _ in ranked[:max(0, keep)]))

@@ -27,7 +27,7 @@ import threading
 
 import torch
 
-from .torch_fp8 import saturate_to_e4m3
+from .fp8_math import saturate_to_e4m3
 
 SCALE_S = 256.0
 INSTALL = "pip install nvidia-cudnn-frontend"
@@ -153,6 +153,9 @@ def _cuda(q8, k8, v8, cu, max_len: int, scale: float, qkv_scale, o_inv_scale):
     return o8
 
 
+# A custom_op (with a fake), not a triton_op: the body calls cuDNN through its frontend, which
+# builds and caches an execution plan on the host at call time; torch.compile must keep the call
+# opaque, and the fake tells it the output (e4m3, q8's shape) without running cuDNN.
 @torch.library.custom_op("bertqa::fp8_varlen_attention", mutates_args=())
 def fp8_varlen_attention(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, cu: torch.Tensor, max_len: int,
                          scale: float, qkv_scale: torch.Tensor, o_inv_scale: torch.Tensor) -> torch.Tensor:

@@ -46,11 +46,11 @@ from typing import Any, Mapping, Optional
 
 import numpy as np
 
-from ..errors import BackendUnavailableError, ConfigError, MissingDependencyError, import_optional
-from ..io import atomic_path, atomic_write_json
-from ..model.checkpoint import FAMILIES, model_dims, model_family
-from .base import Backend, BackendContext, batch_at_shape
-from .device_io import HostOutputs, batch_shape, cuda_unavailable_reason, gpu_info, pinned_empty
+from ...errors import BackendUnavailableError, ConfigError, MissingDependencyError, import_optional
+from ...io import atomic_path, atomic_write_json
+from ...model.checkpoint import FAMILIES, model_dims, model_family
+from ..base import Backend, BackendContext, batch_at_shape
+from ..device_io import HostOutputs, batch_shape, cuda_unavailable_reason, gpu_info, pinned_empty
 from .onnx_export import EXPORTERS, FP32_ATOL, OnnxExport, cache_key, check_against_reference, export_onnx
 from .ort_static import Int8StaticOptions, batches_digest, cpu_features, quantize_static_qdq
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from .device_io import cuda_unavailable_reason
-from .variants import ALIASES, DERIVED_BATCHINGS, EXPERIMENTS_FILE, VariantTable
+from ..backends.device_io import cuda_unavailable_reason
+from ..backends.variants import ALIASES, DERIVED_BATCHINGS, EXPERIMENTS_FILE, VariantTable
 
 GROUPS = {"cpu": "CPU", "cuda": "CUDA GPU"}
 HEAD = ("name", "precision", "batching", "here", "when to use")

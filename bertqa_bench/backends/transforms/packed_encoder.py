@@ -52,12 +52,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..model.checkpoint import OFFSET_POSITION_FAMILIES, PACKED_FAMILIES
-from .cudnn_fp8_attention import attention_fp8
-from .device_io import capture_streams
-from .torch_fp8 import saturate_to_e4m3
-from .torch_options import PACKED_ATTENTION
-from .triton_attention import HEAD_DIMS, varlen_attention_op
+from ...kernels.cudnn_fp8_attention import attention_fp8
+from ...kernels.fp8_math import saturate_to_e4m3
+from ...kernels.varlen_attention import HEAD_DIMS, varlen_attention_op
+from ...model.checkpoint import OFFSET_POSITION_FAMILIES, PACKED_FAMILIES
+from ..device_io import capture_streams
+from ..torch_options import PACKED_ATTENTION
 
 
 def _round_up(x: int, m: int) -> int:
@@ -68,7 +68,7 @@ def _round_up(x: int, m: int) -> int:
 # cuDNN's fused attention through its Python frontend (PyPI nvidia-cudnn-frontend), given the same
 # packed [T, heads, head_dim] tensors and cumulative lengths (its ragged offsets). FA2 is not a
 # Hopper (wgmma) kernel: on BERT-large it ran at 3.2-3.8x the memory floor of Q, K, V and O
-# (h100-mlperf-bert-large.md); cuDNN's is. Or the suite's own Triton kernel (triton_attention.py),
+# (h100-mlperf-bert-large.md); cuDNN's is. Or the suite's own Triton kernel (varlen_attention.py),
 # written for sequences this short, where per-tile fixed costs weigh as much as the loop over K/V:
 # on the H200's kernel bench it took 168 us to cuDNN's 225 (hopper-kernel-levers.csv). The choice
 # is PACKED_ATTENTION (torch_options).
@@ -105,7 +105,7 @@ def _cudnn_kernel():
 
 
 def _dense_plus(dense, x, residual):
-    """dense(x) + residual; an FP8 GEMM that adds the residual itself (torch_fp8's ``plus``, fp8
+    """dense(x) + residual; an FP8 GEMM that adds the residual itself (fp8_modules.Fp8Linear's ``plus``, fp8
     option ``residual: gemm``) does it in its epilogue."""
     plus = getattr(dense, "plus", None)
     return plus(x, residual) if plus is not None else dense(x) + residual
@@ -126,7 +126,7 @@ class PackedEncoder(nn.Module):
             if self.head_dim not in HEAD_DIMS:  # refused here, before compiling and capturing
                 raise ValueError(f"attention 'triton' takes head sizes {', '.join(map(str, HEAD_DIMS))}; this "
                                  f"model's is {self.head_dim} (packed_attention: cudnn or flash take it)")
-        # FP8 attention for layers whose QKV GEMM writes e4m3 (torch_fp8 attention_fp8); bound here,
+        # FP8 attention for layers whose QKV GEMM writes e4m3 (fp8_surgery attention_fp8); bound here,
         # outside traced code
         self._fp8_attention = attention_fp8
         self._kernel = None
@@ -160,13 +160,13 @@ class PackedEncoder(nn.Module):
             return f"cuDNN FP8 attention, ragged offsets (cudnn-frontend sdpa_fp8) in {n_fp8} layers"
         n_e4m3 = sum(getattr(layer.attention.self, "o_inv_scale", None) is not None for layer in layers)
         if n_e4m3 and self._kernel is not None and self.attention == "triton":
-            return f"Triton variable-length attention (triton_attention.py), e4m3 output in {n_e4m3} layers"
+            return f"Triton variable-length attention (varlen_attention.py), e4m3 output in {n_e4m3} layers"
         if self._kernel is None:
             return "per-sequence SDPA"
         if self.attention == "cudnn":
             return "cuDNN fused attention, ragged offsets (cudnn-frontend sdpa_fwd)"
         if self.attention == "triton":
-            return "Triton variable-length attention (triton_attention.py)"
+            return "Triton variable-length attention (varlen_attention.py)"
         return "varlen_attn (FlashAttention)"
 
     def _attention(self, q, k, v, cu, max_len: int, out_inv_scale=None):
@@ -250,7 +250,7 @@ class PackedEncoder(nn.Module):
         for layer in self.bert.encoder.layer:
             att = layer.attention
             sa = att.self
-            if hasattr(sa, "qkv"):  # FP8's fused query/key/value (torch_fp8): one GEMM, [T, 3 x hidden]
+            if hasattr(sa, "qkv"):  # FP8's fused query/key/value (fp8_surgery): one GEMM, [T, 3 x hidden]
                 q, k, v = sa.qkv(x).view(t, 3, self.heads, self.head_dim).unbind(1)
             else:
                 q = sa.query(x).view(t, self.heads, self.head_dim)

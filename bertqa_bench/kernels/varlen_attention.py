@@ -55,7 +55,7 @@ import os
 import torch
 
 # whether Triton is here, decided once for the suite's Triton kernels (gelu_fp8.py's and this one)
-from .gelu_fp8 import HAS_TRITON, triton_unavailable_reason  # noqa: F401 - torch_backend asks this module
+from .triton_support import HAS_TRITON, triton_unavailable_reason  # noqa: F401 - torch_backend asks this module
 
 LOG2E = 1.4426950408889634
 # powers of two tl.dot takes (K >= 16); the configurations are sized (and checked against ptxas's
@@ -116,9 +116,9 @@ def _kernel():
     It lives in a module of its own, imported here on first use: the kernel and its helper must be
     module globals (Triton's interpreter re-executes a kernel's source against its module's
     globals, so a helper in a closure is not found), and importing it needs triton."""
-    from bertqa_bench.backends import _triton_attention_kernels
+    from bertqa_bench.kernels import _varlen_attention_triton
 
-    return _triton_attention_kernels.varlen_attention_fwd
+    return _varlen_attention_triton.varlen_attention_fwd
 
 
 def autotune_configs():
@@ -258,7 +258,9 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen: int, scale: float | None =
 # module's annotations are strings (``from __future__ import annotations``). Registered on import,
 # which needs neither Triton nor a GPU; the fake implementation gives the output's shape to the
 # compiler: a new contiguous [T, heads, head_dim] tensor of q's dtype (e4m3 with out_inv_scale),
-# whatever q's strides.
+# whatever q's strides. Not a ``triton_op`` as gelu_fp8.py's kernel is: Inductor would trace into
+# the body and run the launch from its own generated code, skipping the autotuner's timing and
+# these checks at call time (and there is no GPU here to show that it would not).
 @torch.library.custom_op("bertqa::varlen_attention", mutates_args=(),
                          schema="(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, SymInt max_seqlen, float scale, "
                                 "Tensor? out_inv_scale=None) -> Tensor")

@@ -1,4 +1,7 @@
-"""FP8 (e4m3) encoder GEMMs through ``torch._scaled_mm``: the quantization math and the model surgery.
+"""FP8 (e4m3) encoder GEMMs through ``torch._scaled_mm``: the model surgery that swaps them in.
+
+The e4m3 arithmetic is bertqa_bench/kernels/fp8_math.py's, the options' vocabularies and their
+one check fp8_rules.py's, the FP8 modules fp8_modules.py's.
 
 Hopper (and Ada) tensor cores multiply float8 matrices at twice the fp16 rate. The torch
 backend (``torch_backend.py``, option ``fp8:``) loads the model in fp16, calibrates activation
@@ -23,8 +26,11 @@ encoder layers in 16 bits (the ones a sensitivity sweep finds fragile).
   added in its epilogue, using Hopper's fast fp8 accumulation by default (``fast_accum``:
   ~7% faster end to end, no measurable accuracy difference here).
 
-Attention itself (QK^T, softmax, PV) stays in 16 bits through SDPA; embeddings, LayerNorms,
-the residual stream and the QA head stay fp16. Parity class: reduced.
+Attention itself (QK^T, softmax, PV) stays in 16 bits by default (SDPA on the padded path, the
+packed encoder's variable-length kernel on the padding-free one), unless ``attention: fp8``
+(cuDNN's FP8 attention, packed only) or ``attention_output: e4m3`` (the Triton kernel writes its
+output in e4m3); embeddings, LayerNorms, the residual stream and the QA head stay fp16. Parity
+class: reduced.
 
 Measured earlier (H100 80GB HBM3, torch 2.11+cu130, BERT-base shape, batch 32 x 384): GPU time
 per batch 4.55-4.60 ms against 5.46-5.53 for fp16 under the same compile + CUDA graph path;
@@ -36,10 +42,11 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping, Optional
 
-from .fp8_math import (  # noqa: F401 - the module's public names, as before the math moved
-    E4M3_MAX, SCALINGS, FFN_GELUS, RESIDUALS, ATTENTION_OUTPUTS, GELU_CLASSES, _EPS, _LAYER_PREFIX, _QKV,
-    weight_scale, static_act_scale, saturate_to_e4m3, quantize_fp8, dequantize_fp8, e4m3_codes_apart,
-    _GEMM_SATURATES, gemm_writes_saturated_e4m3, _probe_saturation)
+from ...kernels.fp8_math import static_act_scale
+from .fp8_rules import _QKV, DEFAULT_GEMMS, GEMM_KINDS, RESIDUAL_GEMMS, check_recipe, parse_cublaslt_gemms, parse_gemms
+
+# Names of the encoder Linear layers inside one transformer layer (HF BERT naming): encoder.layer.N.
+_LAYER_PREFIX = "encoder.layer."
 
 # --------------------------------------------------------------------------- modules
 
@@ -64,7 +71,7 @@ def fp8_classes():
 
 
 def __getattr__(name: str):
-    # ``from bertqa_bench.backends.torch_fp8 import Fp8Linear`` works, without importing torch
+    # ``from bertqa_bench.backends.transforms.fp8_surgery import Fp8Linear`` works, without importing torch
     # when only the registry is loaded.
     if name in _CLASS_NAMES:
         return fp8_classes()[_CLASS_NAMES.index(name)]
@@ -72,12 +79,6 @@ def __getattr__(name: str):
 
 
 # --------------------------------------------------------------------------- model surgery
-
-# The four GEMM kinds of a BERT layer, by the Linear's name inside ``encoder.layer.N``.
-GEMM_KINDS = ("qkv", "attn_out", "ffn_in", "ffn_out")
-# attn_out (768 -> 768) is left in fp16 by default: at M=12,288 the fp8 GEMM measured slower
-# than fp16 on an H100 (0.041-0.047 ms vs 0.030 ms), and its input would need a quantize pass.
-DEFAULT_GEMMS = ("qkv", "ffn_in", "ffn_out")
 
 
 def _in_encoder(name: str) -> bool:
@@ -131,29 +132,7 @@ def _set_submodule(model, name: str, new) -> None:
     setattr(model.get_submodule(parent) if parent else model, child, new)
 
 
-def parse_gemms(value) -> tuple[str, ...]:
-    items = [v.strip() for v in (value.split(",") if isinstance(value, str) else value) if str(v).strip()]
-    if value in ("all", ["all"]) or items == ["all"]:
-        return GEMM_KINDS
-    bad = [v for v in items if v not in GEMM_KINDS]
-    if bad or not items:
-        raise ValueError(f"fp8_gemms must name some of {GEMM_KINDS} (or 'all'), got {value!r}")
-    return tuple(v for v in GEMM_KINDS if v in items)
-
-
 OUT = ":out"  # calibrate_amax's key suffix for a module's output (module names never hold ':')
-
-
-def check_ffn_hidden(scaling: str, gemms, ffn_hidden_fp8: bool, ffn_gelu: str) -> None:
-    """ValueError unless the e4m3 FFN hidden path's options fit the rest (swap_to_fp8's and the
-    torch backend's fp8 options' one check)."""
-    if ffn_gelu not in FFN_GELUS:
-        raise ValueError(f"ffn_gelu '{ffn_gelu}' is not one of {', '.join(FFN_GELUS)}")
-    if ffn_gelu != "exact" and not ffn_hidden_fp8:
-        raise ValueError(f"ffn_gelu: {ffn_gelu} is the GELU between e4m3 FFN GEMMs: it needs ffn_hidden_fp8: true")
-    if ffn_hidden_fp8 and (scaling != "tensor" or not {"ffn_in", "ffn_out"} <= set(parse_gemms(gemms))):
-        raise ValueError("ffn_hidden_fp8 needs scaling 'tensor' and both FFN GEMMs (ffn_in, ffn_out) in FP8, "
-                         f"not scaling '{scaling}' with gemms {','.join(parse_gemms(gemms))}")
 
 
 def calibrate_amax(model, batches, inputs: list[str], outputs: Iterable[str] = ()) -> dict[str, float]:
@@ -272,16 +251,12 @@ def swap_to_fp8(model, act_amax: Optional[Mapping[str, float]] = None, *, scalin
 def _check_swap(model, act_amax, scaling: str, gemms, fuse_qkv, ffn_hidden_fp8, ffn_gelu, attention_fp8, residual,
                 cublaslt_gemms, cublaslt_autotune, attention_output) -> None:
     """Every combination swap_to_fp8 refuses, named before the model is touched."""
-    if scaling not in SCALINGS:
-        raise ValueError(f"scaling must be one of {SCALINGS}, not '{scaling}'")
+    # the recipe's own rules, as check_fp8 applies them to a suite's options (fp8_rules.py)
+    check_recipe(scaling, gemms, fuse_qkv=fuse_qkv, ffn_hidden_fp8=ffn_hidden_fp8, ffn_gelu=ffn_gelu,
+                 attention_fp8=attention_fp8, attention_output=attention_output, residual=residual,
+                 cublaslt_gemms=cublaslt_gemms, cublaslt_autotune=cublaslt_autotune)
     if scaling != "rowwise" and not act_amax:
         raise ValueError(f"scaling '{scaling}' needs calibrated activation amax values (act_amax)")
-    check_ffn_hidden(scaling, gemms, ffn_hidden_fp8, ffn_gelu)
-    check_attention_fp8(scaling, gemms, fuse_qkv, attention_fp8)
-    check_attention_output(scaling, gemms, fuse_qkv, attention_output, attention_fp8)
-    check_residual(scaling, gemms, residual)
-    check_cublaslt(scaling, gemms, cublaslt_gemms, cublaslt_autotune, ffn_hidden_fp8=ffn_hidden_fp8,
-                   ffn_gelu=ffn_gelu, attention_fp8=attention_fp8, residual=residual)
     for on, names, calibrate in ((attention_fp8, qkv_names, "qkv_names"), (ffn_hidden_fp8, ffn_up_names, "ffn_up_names")):
         missing = [n for n in names(target_linears(model, gemms)) if n + OUT not in act_amax] if on else []
         if missing:
@@ -361,82 +336,6 @@ def qkv_names(names: Iterable[str]) -> list[str]:
     """The query/key/value projections among ``names``: the Linears whose outputs
     ``swap_to_fp8(attention_fp8=True)`` needs calibrated."""
     return [n for n in names if gemm_kind(n) == "qkv"]
-
-
-def check_attention_fp8(scaling: str, gemms, fuse_qkv: bool, attention_fp8: bool) -> None:
-    """ValueError unless FP8 attention's options fit the rest."""
-    if attention_fp8 and (scaling != "tensor" or not fuse_qkv or not {"qkv", "attn_out"} <= set(parse_gemms(gemms))):
-        raise ValueError("attention: fp8 needs scaling 'tensor', fuse_qkv and both attention GEMMs (qkv, attn_out) "
-                         f"in FP8, not scaling '{scaling}' with gemms {','.join(parse_gemms(gemms))}"
-                         + ("" if fuse_qkv else " and fuse_qkv false"))
-
-
-def check_attention_output(scaling: str, gemms, fuse_qkv: bool, attention_output: str, attention_fp8: bool) -> None:
-    """ValueError unless the attention output's type fits the rest."""
-    if attention_output not in ATTENTION_OUTPUTS:
-        raise ValueError(f"attention_output '{attention_output}' is not one of {', '.join(ATTENTION_OUTPUTS)}")
-    if attention_output == "e4m3" and attention_fp8:
-        raise ValueError("attention_output: e4m3 is for 16-bit attention; attention: fp8 writes its output in e4m3 "
-                         "already")
-    if attention_output == "e4m3" and (scaling != "tensor" or not fuse_qkv or "attn_out" not in parse_gemms(gemms)):
-        raise ValueError("attention_output: e4m3 needs scaling 'tensor' (the output GEMM's static input scale), "
-                         f"fuse_qkv and the attention output GEMM (attn_out) in FP8, not scaling '{scaling}' with "
-                         f"gemms {','.join(parse_gemms(gemms))}" + ("" if fuse_qkv else " and fuse_qkv false"))
-
-
-# the GEMMs a residual follows
-RESIDUAL_GEMMS = ("attn_out", "ffn_out")
-
-
-def check_residual(scaling: str, gemms, residual: str) -> None:
-    """ValueError unless the residual's place fits the rest."""
-    if residual not in RESIDUALS:
-        raise ValueError(f"residual '{residual}' is not one of {', '.join(RESIDUALS)}")
-    if residual == "gemm" and (scaling != "tensor" or not set(RESIDUAL_GEMMS) & set(parse_gemms(gemms))):
-        raise ValueError("residual: gemm adds the residual in FP8 GEMMs with per-tensor scales: it needs scaling "
-                         f"'tensor' and attn_out or ffn_out in gemms, not scaling '{scaling}' with gemms "
-                         f"{','.join(parse_gemms(gemms))}")
-
-
-def parse_cublaslt_gemms(value) -> tuple[str, ...]:
-    """``cublaslt_gemms``: '' (none) or GEMM kinds, as ``parse_gemms``."""
-    if isinstance(value, str) and not value.strip():
-        return ()
-    return parse_gemms(value)
-
-
-def check_cublaslt(scaling: str, gemms, cublaslt_gemms, autotune: int, *, ffn_hidden_fp8: bool = False,
-                   ffn_gelu: str = "exact", attention_fp8: bool = False, residual: str = "layernorm") -> None:
-    """ValueError unless the GEMMs planned through nvmath-python (``cublaslt_gemms``) and their
-    autotuning fit the rest: FP8 GEMMs with per-tensor scales and a 16-bit output, and something
-    planned there when ``autotune`` > 0."""
-    try:
-        kinds = parse_cublaslt_gemms(cublaslt_gemms)
-    except ValueError:
-        raise ValueError(f"cublaslt_gemms must name some of {', '.join(GEMM_KINDS)} (or 'all', or ''), "
-                         f"not {cublaslt_gemms!r}") from None
-    fp8_kinds = set(parse_gemms(gemms))
-    if kinds and scaling != "tensor":
-        raise ValueError(f"cublaslt_gemms needs scaling 'tensor' (per-tensor scales), not '{scaling}'")
-    missing = [k for k in kinds if k not in fp8_kinds]
-    if missing:
-        raise ValueError(f"cublaslt_gemms names {','.join(missing)}, which gemms ({','.join(sorted(fp8_kinds))}) "
-                         "leaves in 16 bits")
-    e4m3_out = (["ffn_in"] if ffn_hidden_fp8 else []) + (["qkv"] if attention_fp8 else [])
-    clash = [k for k in kinds if k in e4m3_out]
-    if clash:
-        raise ValueError(f"cublaslt_gemms: {','.join(clash)} writes e4m3 here (ffn_hidden_fp8 / attention: fp8); "
-                         "only GEMMs with a 16-bit output run as a planned cuBLASLt GEMM")
-    if residual == "gemm":
-        taken = [k for k in kinds if k in RESIDUAL_GEMMS]
-        if taken:
-            raise ValueError(f"cublaslt_gemms: {','.join(taken)} already runs through cuBLASLt as the residual GEMM "
-                             "(residual: gemm); name only the others (qkv)")
-    if isinstance(autotune, bool) or not isinstance(autotune, int) or autotune < 0:
-        raise ValueError(f"cublaslt_autotune must be an integer >= 0 (0: the heuristic's choice), not {autotune!r}")
-    if autotune > 0 and not (kinds or ffn_gelu == "epilogue" or residual == "gemm"):
-        raise ValueError("cublaslt_autotune tunes the GEMMs planned through nvmath-python, and none is: name some in "
-                         "cublaslt_gemms, or use ffn_gelu: epilogue or residual: gemm")
 
 
 def _fp8_able(model, name: str, targets: list[str], done: set[str]) -> bool:

@@ -36,7 +36,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 from .onnx_export import OnnxExportError
 
 CALIBRATE_METHODS = ("minmax", "entropy", "percentile")
