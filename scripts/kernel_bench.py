@@ -122,7 +122,11 @@ def epilogue_support(emit) -> None:
             emit(rec)
 
 
-ATTENTION_KERNELS = ("flash", "cudnn", "cudnn-fp8", "triton", "triton-e4m3", "triton+quantize", "flex")
+ATTENTION_KERNELS = ("flash", "cudnn", "cudnn-fp8", "triton", "triton-e4m3", "triton+quantize", "triton-fp8",
+                     "triton-fp8-pv16", "flex")
+# the kernels that read e4m3 Q, K, V (the QKV GEMM's e4m3 output): their error is also measured
+# against attention of the decoded e4m3 inputs, which leaves the inputs' own rounding out
+E4M3_INPUT_KERNELS = ("cudnn-fp8", "triton-fp8", "triton-fp8-pv16")
 
 
 def lengths_for(tokens: int, lo: int, hi: int, gen) -> list[int]:
@@ -240,6 +244,44 @@ def pass_records(records: list[dict], n_batches: int) -> list[dict]:
             for name, ts in times.items()]
 
 
+def sdpa_reference(q, k, v, cu, scale: float):
+    """Per-sequence SDPA in fp32 of packed [T, heads, d] q, k, v (decoded to fp32 first)."""
+    ref = torch.empty(q.shape, device=q.device)
+    bounds = cu.tolist()
+    for s, e in zip(bounds[:-1], bounds[1:]):
+        qi, ki, vi = (x[s:e].float().transpose(0, 1) for x in (q, k, v))
+        ref[s:e] = torch.nn.functional.scaled_dot_product_attention(qi, ki, vi, scale=scale).transpose(0, 1)
+    return ref
+
+
+def qkv_gemm_outputs(args, hidden, emit) -> None:
+    """The fused QKV GEMM (torch._scaled_mm, e4m3 x e4m3, bias, fast accumulation) at the batch's
+    token count writing fp16 (what 16-bit attention reads) or e4m3 at an output scale (what FP8
+    attention reads): the other half of moving attention's inputs to e4m3."""
+    from bertqa_bench.kernels.fp8_math import gemm_writes_saturated_e4m3
+
+    m, n = args.tokens, 3 * hidden
+    x8 = torch.randn(m, hidden, device="cuda").to(torch.float8_e4m3fn)
+    w8 = (torch.randn(n, hidden, device="cuda") * 0.1).to(torch.float8_e4m3fn)
+    one = torch.ones((), device="cuda")
+    sa = torch.tensor(1.0 / 16, device="cuda")  # the output scale folded into scale_a, as Fp8Linear does
+    bias16, bias_bf = torch.randn(n, device="cuda").half(), torch.randn(n, device="cuda").bfloat16()
+    outs = {"fp16": lambda: torch._scaled_mm(x8, w8.t(), scale_a=one, scale_b=one, bias=bias16,
+                                             out_dtype=torch.float16, use_fast_accum=True),
+            "e4m3": lambda: torch._scaled_mm(x8, w8.t(), scale_a=sa, scale_b=one, bias=bias_bf,
+                                             out_dtype=torch.float8_e4m3fn, use_fast_accum=True)}
+    for name, fn in outs.items():
+        rec = {"what": "qkv-gemm", "out": name, "M": m, "N": n, "K": hidden,
+               "out_MB": m * n * (2 if name == "fp16" else 1) / 1e6,
+               "saturates_e4m3": gemm_writes_saturated_e4m3(torch.device("cuda"))}
+        try:
+            out = fn()
+            rec.update(timed_eager_and_graphed(fn, out, args))
+        except Exception as e:  # noqa: BLE001 - a result too
+            rec["error"] = f"{type(e).__name__}: {e}"[:2000]
+        emit(rec)
+
+
 def attention(args, hidden, heads, emit, lens=None, tag=None, tuning_call: bool = True) -> None:
     from bertqa_bench.backends.transforms.packed_encoder import _cudnn_kernel, _varlen_kernel
 
@@ -286,6 +328,14 @@ def attention(args, hidden, heads, emit, lens=None, tag=None, tuning_call: bool 
     o_inv1 = o_inv.reshape(1)
     kernels["triton-e4m3"] = lambda: triton_attention.varlen_attention(q, k, v, cu, max_len, scale, o_inv1)
     kernels["triton+quantize"] = lambda: quantize(triton_attention.varlen_attention(q, k, v, cu, max_len, scale))
+    # the Triton kernel on the same values in e4m3 (unit scale, as cuDNN's FP8 row), e4m3 out at 1/16:
+    # both products on FP8 tensor cores (P rounded to e4m3), or P V in fp16 on V's exact values
+    q8, k8, v8 = qkv.to(torch.float8_e4m3fn).unbind(1)
+    one1 = one.reshape(1)
+    kernels["triton-fp8"] = lambda: triton_attention.varlen_attention(q8, k8, v8, cu, max_len, scale, o_inv1,
+                                                                      qkv_scale=one1, pv_e4m3=True)
+    kernels["triton-fp8-pv16"] = lambda: triton_attention.varlen_attention(q8, k8, v8, cu, max_len, scale, o_inv1,
+                                                                           qkv_scale=one1)
     # torch's own FlexAttention (compiled Triton templates) with a document mask over the packed
     # tokens: the maintained library for exactly this masking, beside the hand-written kernel
     # (compiled for each batch's shape: leave it out of --kernels on many batches)
@@ -303,11 +353,8 @@ def attention(args, hidden, heads, emit, lens=None, tag=None, tuning_call: bool 
             emit({"what": "attention", "kernel": "flex", "error": f"{type(e).__name__}: {e}"[:2000]})
     if args.kernels:
         kernels = {n: f for n, f in kernels.items() if n in args.kernels}
-    ref = torch.empty(t, heads, d, device="cuda")
-    bounds = cu.tolist()
-    for s, e in zip(bounds[:-1], bounds[1:]):
-        qi, ki, vi = (x[s:e].float().transpose(0, 1) for x in (q, k, v))
-        ref[s:e] = torch.nn.functional.scaled_dot_product_attention(qi, ki, vi, scale=scale).transpose(0, 1)
+    ref = sdpa_reference(q, k, v, cu, scale)
+    ref8 = sdpa_reference(q8, k8, v8, cu, scale) if set(kernels) & set(E4M3_INPUT_KERNELS) else None
     # bytes of Q, K, V read and O written once: the kernel's memory floor
     floor_bytes = 4 * t * hidden * 2
     seq_range = [args.seq_min, args.seq_max] if tag is None else [min(lens), max(lens)]  # drawn from / real
@@ -322,6 +369,9 @@ def attention(args, hidden, heads, emit, lens=None, tag=None, tuning_call: bool 
                     rec["triton_autotune_us"] = triton_attention.autotune_timings()
             decoded = out.float() / 16.0 if out.dtype == torch.float8_e4m3fn else out.float()
             rec["max_abs_err_vs_fp32_sdpa"] = float((decoded - ref).abs().max())
+            if name in E4M3_INPUT_KERNELS:
+                rec["max_abs_err_vs_fp32_sdpa_of_the_e4m3_inputs"] = float((decoded - ref8).abs().max())
+                rec["input_MB"] = 3 * t * hidden / 1e6  # e4m3 Q, K, V: half the 16-bit kernels' reads
             rec["dtype"] = str(out.dtype)
             rec.update(timed_eager_and_graphed(fn, out, args))
         except Exception as e:  # noqa: BLE001 - one kernel's failure is a result, the others still run
@@ -615,6 +665,7 @@ def main(argv=None) -> int:
             attention_over_plan(args, plan_batches, hidden, heads, emit)
         else:
             attention(args, hidden, heads, emit)
+            qkv_gemm_outputs(args, hidden, emit)
     if args.only in (None, "ffn_up"):
         try:
             epilogue_support(emit)

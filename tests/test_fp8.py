@@ -880,6 +880,18 @@ def test_fp8_attention_swaps_qkv_to_e4m3_and_the_packed_model_tracks_the_padded_
         assert rel_l2(p[real], r[real]) < 0.08
     with pytest.raises(ValueError, match="attention: fp8 needs .* both attention GEMMs"):
         fp8.swap_to_fp8(copy.deepcopy(model), amax, gemms="qkv,ffn_in,ffn_out", attention_fp8=True)
+    # the Triton kernel's form, P V in fp16 (on the CPU the reference pipeline without P's e4m3
+    # rounding): named so, within the same bound, and not the e4m3-P pipeline under another name
+    pv16_model = copy.deepcopy(model)
+    pack_model(pv16_model.model, attention="triton", fp8_pv="fp16")
+    assert encoder_of(pv16_model.model).fp8_pv == "fp16"
+    with torch.no_grad():
+        pv16 = pv16_model(*x)
+    for p, q, r in zip(pv16, packed, padded):
+        assert torch.isfinite(p[real]).all() and rel_l2(p[real], r[real]) < 0.08
+        assert not torch.equal(p[real], q[real])
+    with pytest.raises(ValueError, match="fp8_pv 'fp16' is the Triton kernel's choice"):
+        pack_model(copy.deepcopy(model).model, attention="cudnn", fp8_pv="fp16")
 
 
 def _tiny_qa_and_its_fp8_all_copy():
@@ -1444,9 +1456,19 @@ def test_fp8_attention_options_are_checked():
     with pytest.raises(ConfigError, match="attention: fp8 needs .*qkv, attn_out"):
         torch_options.Fp8Options(attention="fp8")
     f = torch_options.Fp8Options(attention="fp8", gemms="all")
-    with pytest.raises(ConfigError, match="needs packed: true and packed_attention: cudnn"):
+    with pytest.raises(ConfigError, match="needs packed: true and packed_attention: cudnn or triton"):
         torch_options.TorchOptions(weights="fp16", packed=True, fp8=f)
     torch_options.TorchOptions(weights="fp16", packed=True, packed_attention="cudnn", fp8=f)
+    torch_options.TorchOptions(weights="fp16", packed=True, packed_attention="triton", token_bucket=64, fp8=f)
+    # the second product's type: the Triton kernel's choice, for FP8 attention only
+    with pytest.raises(ConfigError, match="fp8.attention_pv 'int8' is not one of e4m3, fp16"):
+        torch_options.Fp8Options(attention="fp8", gemms="all", attention_pv="int8")
+    with pytest.raises(ConfigError, match="fp8.attention_pv: fp16 is FP8 attention's second product: it needs attention: fp8"):
+        torch_options.Fp8Options(attention_pv="fp16")
+    f16 = torch_options.Fp8Options(attention="fp8", gemms="all", attention_pv="fp16")
+    with pytest.raises(ConfigError, match="fp8.attention_pv: fp16 is the suite's Triton kernel's choice"):
+        torch_options.TorchOptions(weights="fp16", packed=True, packed_attention="cudnn", fp8=f16)
+    torch_options.TorchOptions(weights="fp16", packed=True, packed_attention="triton", token_bucket=64, fp8=f16)
 
 
 @pytest.mark.gpu
@@ -1890,7 +1912,9 @@ def test_host_bucket_lengths_equal_the_devices():
                                                   "torch-compile-fp8all-graph-packed-cudnn-attn",
                                                   "torch-compile-fp8all-graph-packed-cudnn-fp8attn",
                                                   "torch-compile-fp8all-graph-packed-cudnn-residual",
-                                                  "torch-compile-fp16-packed-cudnn-attn"))
+                                                  "torch-compile-fp16-packed-cudnn-attn",
+                                                  "torch-compile-fp8-graph-packed+fp8-attention",
+                                                  "torch-compile-fp8-graph-packed+fp8-attention-pv16"))
 def test_fp8_attention_and_packing_variants_track_fp32_on_gpu(tmp_path, name):
     reason = TABLE.get(name).unavailable_reason()
     if reason:
@@ -1924,8 +1948,12 @@ def test_fp8_attention_and_packing_variants_track_fp32_on_gpu(tmp_path, name):
         assert info["fp8_attention_output"].startswith("e4m3 at the output GEMM's input scale")
     if "epilogue" in name:
         assert info["fp8_ffn_gelu"].startswith("tanh form, cuBLASLt GELU_BIAS epilogue")
-    if "fp8attn" in name:
+    if "fp8attn" in name or "+fp8-attention" in name:
         assert info["fp8_attention"].startswith("e4m3 Q, K, V")
+    if "+fp8-attention" in name:  # the Triton kernel on the QKV GEMM's e4m3 output
+        pv = "fp16" if name.endswith("-pv16") else "e4m3"
+        assert info["attention_kernel"].startswith("Triton variable-length attention") and \
+            f"on e4m3 Q, K, V, P V in {pv}" in info["attention_kernel"], info["attention_kernel"]
     for out, ref, b in zip(outs, refs, batches):
         valid = b["attention_mask"].astype(bool)
         for n in OUTPUTS:

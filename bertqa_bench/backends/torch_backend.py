@@ -151,7 +151,7 @@ class TorchBackend(Backend):
             why = nvmath_unavailable_reason()
             if why:
                 return why
-        if o.fp8 is not None and o.fp8.attention == "fp8":
+        if o.fp8 is not None and o.fp8.attention == "fp8" and o.packed_attention == "cudnn":
             from ..kernels.cudnn_fp8_attention import unavailable_reason as fp8_attention_reason
 
             why = fp8_attention_reason()

@@ -48,10 +48,15 @@ class Fp8Options:
     # that hidden path's GELU: exact (the model's erf form) or tanh (one Triton kernel with the
     # GPU's tanh.approx; fp8_rules.FFN_GELUS, gelu_fp8.py); tanh needs ffn_hidden_fp8
     ffn_gelu: str = "exact"
-    # attention itself: fp16 (the packed encoder's kernel or SDPA, in 16 bits), or fp8 (Q, K, V,
-    # the softmax probabilities and the output in e4m3 through cuDNN's FP8 attention,
-    # cudnn_fp8_attention.py; packed with packed_attention: cudnn, both attention GEMMs in FP8)
+    # attention itself: fp16 (the packed encoder's kernel or SDPA, in 16 bits), or fp8 (the fused
+    # QKV GEMM writes e4m3 Q, K, V at a calibrated scale; both products on FP8 tensor cores, the
+    # output in e4m3 for the attention-output GEMM; packed, both attention GEMMs in FP8): cuDNN's
+    # FP8 attention (packed_attention: cudnn, cudnn_fp8_attention.py) or the suite's Triton kernel
+    # on e4m3 inputs (packed_attention: triton, varlen_attention.py)
     attention: str = "fp16"
+    # FP8 attention's P V on the Triton kernel (fp8_rules.ATTENTION_PVS): e4m3 (P rounded to e4m3,
+    # as cuDNN's) or fp16 (P in fp16, V's e4m3 values exact: one e4m3 rounding fewer)
+    attention_pv: str = "e4m3"
     # the 16-bit attention's output, read by the FP8 attention-output GEMM: fp16 (quantized by that
     # GEMM in a pass of its own) or e4m3 (written by the attention kernel at the GEMM's static
     # input scale, fp8_rules.ATTENTION_OUTPUTS; the packed encoder's Triton kernel: packed_attention:

@@ -19,7 +19,7 @@ ROUND_IN_ARITHMETIC = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not i
 
 @triton.jit
 def _attend_block(q, k_base, v_base, start_n, seqlen, stride_kt, stride_vt, m_i, l_i, acc, qk_scale,
-                  offs_n, offs_d, MASKED: tl.constexpr):
+                  offs_n, offs_d, MASKED: tl.constexpr, PV_DTYPE: tl.constexpr, P_SCALE: tl.constexpr):
     # One K/V block of the online softmax. MASKED only for the sequence's last, partial block:
     # the full blocks before it load without predicates and skip the -inf select.
     rows = start_n + offs_n
@@ -30,7 +30,8 @@ def _attend_block(q, k_base, v_base, start_n, seqlen, stride_kt, stride_vt, m_i,
     else:
         k = tl.load(k_base + rows[:, None] * stride_kt + offs_d[None, :])
         v = tl.load(v_base + rows[:, None] * stride_vt + offs_d[None, :])
-    s = tl.dot(q, tl.trans(k))  # fp32 accumulation of exact 16-bit products
+    # fp32 accumulation of exact products: 16-bit x 16-bit, or e4m3 x e4m3 (8 significant bits)
+    s = tl.dot(q, tl.trans(k))
     if MASKED:
         s = tl.where(n_valid[None, :], s, float("-inf"))
     # The scale (times log2 e, for exp2) is applied to the fp32 scores, fused with the max
@@ -41,7 +42,16 @@ def _attend_block(q, k_base, v_base, start_n, seqlen, stride_kt, stride_vt, m_i,
     alpha = tl.math.exp2(m_i - m_new)  # 0 on the first block (m_i = -inf, m_new finite)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(v.dtype), v, acc)
+    # P V: P (in [0, 1], times P_SCALE) and V as PV_DTYPE operands. 16-bit inputs: q's dtype, V as
+    # loaded. e4m3 inputs: fp16 (V's e4m3 values are exact in fp16, P rounds to fp16 as in the
+    # 16-bit kernel) or e4m3 (P * P_SCALE rounded to e4m3: FP8 tensor-core products both ways)
+    if P_SCALE == 1.0:
+        p_op = p.to(PV_DTYPE)
+    elif ROUND_IN_ARITHMETIC:
+        p_op = round_to_e4m3(p * P_SCALE).to(PV_DTYPE)
+    else:  # p * P_SCALE <= P_SCALE < 448: the cast rounds, nothing to saturate
+        p_op = (p * P_SCALE).to(PV_DTYPE)
+    acc = tl.dot(p_op, v.to(PV_DTYPE), acc)
     return m_new, l_i, acc
 
 
@@ -63,13 +73,17 @@ def round_to_e4m3(x):
 
 
 @triton.jit
-def varlen_attention_fwd(Q, K, V, O, cu_seqlens, o_inv_scale, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+def varlen_attention_fwd(Q, K, V, O, cu_seqlens, o_inv_scale, qkv_scale, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                          stride_ot, stride_oh, qk_scale, seq_bucket, HEAD_DIM: tl.constexpr,
-                         E4M3_OUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                         E4M3_OUT: tl.constexpr, E4M3_IN: tl.constexpr, PV_DTYPE: tl.constexpr,
+                         P_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # Grid (q tiles, heads, sequences), the q tile fastest: the programs of one (sequence,
     # head) are launched next to each other and read the same K/V, which then comes from L2.
     # seq_bucket only keys the autotuner. E4M3_OUT: O is e4m3, written as the output times
     # o_inv_scale (a 1-element fp32 tensor: the consuming GEMM's static input scale, inverted).
+    # E4M3_IN: Q, K and V are e4m3 codes of the values divided by qkv_scale (a 1-element fp32
+    # tensor: the QKV GEMM's output scale, one for all three), decoded by scaling the fp32 scores
+    # (qkv_scale^2) and the output (qkv_scale), never element by element.
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
     seq = tl.program_id(2)
@@ -88,18 +102,25 @@ def varlen_attention_fwd(Q, K, V, O, cu_seqlens, o_inv_scale, stride_qt, stride_
                 mask=m_valid[:, None], other=0.0)
     k_base = K + row0 * stride_kt + head * stride_kh
     v_base = V + row0 * stride_vt + head * stride_vh
+    out_scale = 1.0 / P_SCALE
+    if E4M3_IN:
+        s_qkv = tl.load(qkv_scale)
+        qk_scale = qk_scale * (s_qkv * s_qkv)
+        out_scale = out_scale * s_qkv
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     n_full = (seqlen // BLOCK_N) * BLOCK_N
     for start_n in range(0, n_full, BLOCK_N):
         m_i, l_i, acc = _attend_block(q, k_base, v_base, start_n, seqlen, stride_kt, stride_vt, m_i, l_i, acc,
-                                      qk_scale, offs_n, offs_d, MASKED=False)
+                                      qk_scale, offs_n, offs_d, MASKED=False, PV_DTYPE=PV_DTYPE, P_SCALE=P_SCALE)
     if n_full < seqlen:
         m_i, l_i, acc = _attend_block(q, k_base, v_base, n_full, seqlen, stride_kt, stride_vt, m_i, l_i, acc,
-                                      qk_scale, offs_n, offs_d, MASKED=True)
+                                      qk_scale, offs_n, offs_d, MASKED=True, PV_DTYPE=PV_DTYPE, P_SCALE=P_SCALE)
     # every stored row has >= 1 valid key, so l_i >= 1 (its maximum term is exp2(0))
     out = acc / l_i[:, None]
+    if E4M3_IN or P_SCALE != 1.0:
+        out = out * out_scale
     if E4M3_OUT:
         out = out * tl.load(o_inv_scale)
         if ROUND_IN_ARITHMETIC:

@@ -45,9 +45,11 @@ def unavailable_reason() -> str:
     return ""
 
 
-def fp8_varlen_attention_reference(q8, k8, v8, cu, scale: float, qkv_scale, o_inv_scale):
+def fp8_varlen_attention_reference(q8, k8, v8, cu, scale: float, qkv_scale, o_inv_scale, p_e4m3: bool = True):
     """The FP8 pipeline in torch over packed e4m3 [T, heads, d] q8, k8, v8 and cumulative lengths
-    ``cu``: e4m3 [T, heads, d] out (the output scaled by ``o_inv_scale`` and saturated)."""
+    ``cu``: e4m3 [T, heads, d] out (the output scaled by ``o_inv_scale`` and saturated). ``p_e4m3``
+    False: the probabilities stay fp32 (the Triton kernel's ``pv_e4m3`` off, whose fp16 P is
+    closer to that than to e4m3's)."""
     s_qkv = float(qkv_scale)
     out = torch.zeros(q8.shape, dtype=torch.float32, device=q8.device)
     bounds = cu.tolist()
@@ -56,7 +58,7 @@ def fp8_varlen_attention_reference(q8, k8, v8, cu, scale: float, qkv_scale, o_in
             continue
         q, k, v = (t[a:b].float().transpose(0, 1) * s_qkv for t in (q8, k8, v8))  # [heads, n, d]
         p = torch.softmax(q @ k.transpose(1, 2) * scale, dim=-1)
-        p8 = saturate_to_e4m3(p, SCALE_S).float() / SCALE_S
+        p8 = saturate_to_e4m3(p, SCALE_S).float() / SCALE_S if p_e4m3 else p
         out[a:b] = (p8 @ v).transpose(0, 1)
     return saturate_to_e4m3(out, float(o_inv_scale))
 

@@ -61,6 +61,12 @@ LOG2E = 1.4426950408889634
 # powers of two tl.dot takes (K >= 16); the configurations are sized (and checked against ptxas's
 # register use) up to 128
 HEAD_DIMS = (16, 32, 64, 128)
+# with e4m3 inputs: Hopper's FP8 MMA takes K in steps of 32, so Q K^T needs head_dim >= 32
+E4M3_HEAD_DIMS = (32, 64, 128)
+# e4m3 P for the FP8 P V product: the probabilities (in [0, 1]) times 256, a power of two below
+# 448 (so the scale is exact and nothing saturates), put e4m3's normal range (>= 2^-6) over
+# p >= 2^-14 (cuDNN's FP8 attention scales them the same way, cudnn_fp8_attention.SCALE_S)
+P_SCALE_E4M3 = 256.0
 # Under Triton's interpreter (numpy, one program at a time) a single small configuration: tuning
 # there measures nothing, and small tiles let the tests cross tile boundaries with short sequences.
 # BLOCK_N differs from BLOCK_M so that a q tile spans several K/V blocks.
@@ -135,12 +141,13 @@ def autotune_configs():
 
 @functools.lru_cache(maxsize=None)
 def _tuned():
-    """The kernel wrapped in triton.autotune, keyed on head_dim and the sequence-length bucket
-    (the autotuner adds the tensors' dtypes to the key itself). Built on first use, after the
+    """The kernel wrapped in triton.autotune, keyed on head_dim, the sequence-length bucket and
+    P_SCALE (e4m3 inputs with P V in e4m3 or in fp16 are different kernels on the same tensors;
+    the autotuner adds the tensors' dtypes to the key itself). Built on first use, after the
     interpreter setting is final (TRITON_INTERPRET is read when the kernel is decorated)."""
     import triton
 
-    return triton.autotune(configs=autotune_configs(), key=["HEAD_DIM", "seq_bucket"],
+    return triton.autotune(configs=autotune_configs(), key=["HEAD_DIM", "seq_bucket", "P_SCALE"],
                            prune_configs_by={"early_config_prune": _prune}, cache_results=True)(_kernel())
 
 
@@ -176,20 +183,26 @@ def autotune_timings() -> dict[str, float] | None:
     return out
 
 
-def _check(q, k, v, cu_seqlens, max_seqlen, scale, out_inv_scale=None) -> None:
+def _check(q, k, v, cu_seqlens, max_seqlen, scale, out_inv_scale=None, qkv_scale=None) -> None:
+    e4m3_in = qkv_scale is not None
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.dim() != 3:
             raise ValueError(f"varlen_attention: {name} must be [tokens, heads, head_dim], got shape {tuple(x.shape)}")
-        if x.dtype not in (torch.float16, torch.bfloat16):
-            raise ValueError(f"varlen_attention: {name} must be float16 or bfloat16, got {x.dtype}")
+        if e4m3_in and x.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"varlen_attention: with qkv_scale, {name} must be float8_e4m3fn, got {x.dtype}")
+        if not e4m3_in and x.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"varlen_attention: {name} must be float16 or bfloat16 (float8_e4m3fn with qkv_scale), "
+                             f"got {x.dtype}")
         if x.stride(-1) != 1:
             raise ValueError(f"varlen_attention: {name}'s head_dim must be contiguous (stride 1), "
                              f"got strides {x.stride()}")
         if x.shape != q.shape or x.dtype != q.dtype or x.device != q.device:
             raise ValueError(f"varlen_attention: {name} is {tuple(x.shape)} {x.dtype} on {x.device}, "
                              f"q is {tuple(q.shape)} {q.dtype} on {q.device}: they must match")
-    if q.shape[2] not in HEAD_DIMS:
-        raise ValueError(f"varlen_attention: head_dim {q.shape[2]} is not supported; valid: {list(HEAD_DIMS)}")
+    head_dims = E4M3_HEAD_DIMS if e4m3_in else HEAD_DIMS
+    if q.shape[2] not in head_dims:
+        raise ValueError(f"varlen_attention: head_dim {q.shape[2]} is not supported"
+                         f"{' with e4m3 inputs' if e4m3_in else ''}; valid: {list(head_dims)}")
     if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError(f"varlen_attention: cu_seqlens must be int32 [batch + 1] (>= 2 entries), "
                          f"got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
@@ -201,55 +214,80 @@ def _check(q, k, v, cu_seqlens, max_seqlen, scale, out_inv_scale=None) -> None:
         raise ValueError(f"varlen_attention: max_seqlen must be >= 1, got {max_seqlen}")
     if not scale > 0:  # the kernel takes the row maximum of the unscaled scores
         raise ValueError(f"varlen_attention: scale must be > 0, got {scale}")
-    if out_inv_scale is not None and (out_inv_scale.numel() != 1 or out_inv_scale.dtype != torch.float32
-                                      or out_inv_scale.device != q.device):
-        raise ValueError(f"varlen_attention: out_inv_scale must be a 1-element float32 tensor on {q.device}, got "
-                         f"{out_inv_scale.dtype} {tuple(out_inv_scale.shape)} on {out_inv_scale.device}")
+    for name, x in (("out_inv_scale", out_inv_scale), ("qkv_scale", qkv_scale)):
+        if x is not None and (x.numel() != 1 or x.dtype != torch.float32 or x.device != q.device):
+            raise ValueError(f"varlen_attention: {name} must be a 1-element float32 tensor on {q.device}, got "
+                             f"{x.dtype} {tuple(x.shape)} on {x.device}")
+
+
+def output_dtype(q_dtype, out_inv_scale=None):
+    """What the kernel writes: e4m3 at ``out_inv_scale``, else q's 16-bit dtype (fp16 for e4m3
+    inputs)."""
+    if out_inv_scale is not None:
+        return torch.float8_e4m3fn
+    return torch.float16 if q_dtype == torch.float8_e4m3fn else q_dtype
+
+
+def _pv_operands(q_dtype, pv_e4m3: bool):
+    """(PV_DTYPE, P_SCALE): the second product's operand type and the probabilities' scale."""
+    import triton.language as tl
+
+    if pv_e4m3:
+        return tl.float8e4nv, P_SCALE_E4M3
+    return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float8_e4m3fn: tl.float16}[q_dtype], 1.0
 
 
 def launch(q, k, v, cu_seqlens, max_seqlen: int, scale: float, out=None, out_inv_scale=None,
-           config=None) -> torch.Tensor:
+           config=None, qkv_scale=None, pv_e4m3: bool = False) -> torch.Tensor:
     """Run the (autotuned) kernel; on CPU tensors under TRITON_INTERPRET=1 as well as on CUDA.
-    ``out``: a [T, heads, head_dim] tensor to write (a new one when None), of q's dtype, or
-    float8_e4m3fn when ``out_inv_scale`` (a 1-element fp32 tensor) is given. ``config``: a
-    ``triton.Config`` with BLOCK_M and BLOCK_N (and its warps and stages) to run instead of the
-    autotuner's choice, as the kernel bench times each of ``candidate_configs()`` on a run's own
-    batches; it neither tunes nor changes the autotuner's cache."""
+    ``out``: a [T, heads, head_dim] tensor to write (a new one when None), of ``output_dtype``:
+    float8_e4m3fn when ``out_inv_scale`` (a 1-element fp32 tensor) is given. ``qkv_scale`` (a
+    1-element fp32 tensor): q, k and v are e4m3 codes of the values divided by it, and both
+    products run on e4m3 operands where the GPU has FP8 tensor cores (QK^T always; P V with
+    ``pv_e4m3``, P then rounded to e4m3 at ``P_SCALE_E4M3``, else in fp16 with V's values exact).
+    ``config``: a ``triton.Config`` with BLOCK_M and BLOCK_N (and its warps and stages) to run
+    instead of the autotuner's choice, as the kernel bench times each of ``candidate_configs()``
+    on a run's own batches; it neither tunes nor changes the autotuner's cache."""
     import triton
 
-    _check(q, k, v, cu_seqlens, max_seqlen, scale, out_inv_scale)
+    _check(q, k, v, cu_seqlens, max_seqlen, scale, out_inv_scale, qkv_scale)
+    if pv_e4m3 and qkv_scale is None:
+        raise ValueError("varlen_attention: pv_e4m3 rounds P to e4m3 for an e4m3 V: it needs e4m3 inputs (qkv_scale)")
     if config is not None and not {"BLOCK_M", "BLOCK_N"} <= set(getattr(config, "kwargs", None) or ()):
         raise ValueError(f"varlen_attention: config must be a triton.Config with BLOCK_M and BLOCK_N, got {config!r}")
     t, heads, d = q.shape
-    out_dtype = q.dtype if out_inv_scale is None else torch.float8_e4m3fn
+    out_dtype = output_dtype(q.dtype, out_inv_scale)
     if out is None:
         out = torch.empty((t, heads, d), dtype=out_dtype, device=q.device)
     elif out.dtype != out_dtype or out.shape != q.shape:
         raise ValueError(f"varlen_attention: out must be {tuple(q.shape)} {out_dtype}, got {tuple(out.shape)} {out.dtype}")
     batch = cu_seqlens.numel() - 1
+    pv_dtype, p_scale = _pv_operands(q.dtype, pv_e4m3)
 
     def grid(meta):
         return (triton.cdiv(int(max_seqlen), meta["BLOCK_M"]), heads, batch)
 
     kernel, tile = (_tuned(), {}) if config is None else (_kernel(), config.all_kwargs())
-    kernel[grid](q, k, v, out, cu_seqlens, out_inv_scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-                 v.stride(0), v.stride(1), out.stride(0), out.stride(1), float(scale) * LOG2E,
-                 seq_bucket(max_seqlen), HEAD_DIM=d, E4M3_OUT=out_inv_scale is not None, **tile)
+    kernel[grid](q, k, v, out, cu_seqlens, out_inv_scale, qkv_scale, q.stride(0), q.stride(1), k.stride(0),
+                 k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1), float(scale) * LOG2E,
+                 seq_bucket(max_seqlen), HEAD_DIM=d, E4M3_OUT=out_inv_scale is not None,
+                 E4M3_IN=qkv_scale is not None, PV_DTYPE=pv_dtype, P_SCALE=p_scale, **tile)
     return out
 
 
 def varlen_attention(q, k, v, cu_seqlens, max_seqlen: int, scale: float | None = None,
-                     out_inv_scale=None) -> torch.Tensor:
+                     out_inv_scale=None, qkv_scale=None, pv_e4m3: bool = False) -> torch.Tensor:
     """softmax(Q K^T * scale) V per sequence of the packed batch, per head (non-causal): a new
-    contiguous [T, heads, head_dim] tensor of q's dtype, or of e4m3 at ``out_inv_scale`` (a 1-element
-    fp32 tensor: the e4m3 codes of the output times it). ``scale`` defaults to head_dim ** -0.5."""
+    contiguous [T, heads, head_dim] tensor of ``output_dtype`` (e4m3 at ``out_inv_scale``, a
+    1-element fp32 tensor: the e4m3 codes of the output times it). ``qkv_scale``: q, k, v are e4m3
+    codes of the values over it (``launch``). ``scale`` defaults to head_dim ** -0.5."""
     if not HAS_TRITON:
         raise RuntimeError("varlen_attention needs triton (it comes with CUDA builds of torch: pip install triton)")
     if not q.is_cuda and not _interpreting():
         raise ValueError(f"varlen_attention: q is on {q.device}; the Triton kernel runs on CUDA "
                          "(or on the CPU under TRITON_INTERPRET=1)")
     return launch(q, k, v, cu_seqlens, max_seqlen, q.shape[-1] ** -0.5 if scale is None else scale,
-                  out_inv_scale=out_inv_scale)
+                  out_inv_scale=out_inv_scale, qkv_scale=qkv_scale, pv_e4m3=pv_e4m3)
 
 
 # The packed encoder's entry point: a torch custom op, so torch.compile keeps the call in its graph
@@ -263,11 +301,12 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen: int, scale: float | None =
 # these checks at call time (and there is no GPU here to show that it would not).
 @torch.library.custom_op("bertqa::varlen_attention", mutates_args=(),
                          schema="(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, SymInt max_seqlen, float scale, "
-                                "Tensor? out_inv_scale=None) -> Tensor")
-def varlen_attention_op(q, k, v, cu_seqlens, max_seqlen, scale, out_inv_scale=None):
-    return varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale, out_inv_scale)
+                                "Tensor? out_inv_scale=None, Tensor? qkv_scale=None, bool pv_e4m3=False) -> Tensor")
+def varlen_attention_op(q, k, v, cu_seqlens, max_seqlen, scale, out_inv_scale=None, qkv_scale=None, pv_e4m3=False):
+    return varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale, out_inv_scale, qkv_scale, pv_e4m3)
 
 
 @varlen_attention_op.register_fake
-def _varlen_attention_fake(q, k, v, cu_seqlens, max_seqlen, scale, out_inv_scale=None):
-    return torch.empty(q.shape, dtype=q.dtype if out_inv_scale is None else torch.float8_e4m3fn, device=q.device)
+def _varlen_attention_fake(q, k, v, cu_seqlens, max_seqlen, scale, out_inv_scale=None, qkv_scale=None,
+                           pv_e4m3=False):
+    return torch.empty(q.shape, dtype=output_dtype(q.dtype, out_inv_scale), device=q.device)

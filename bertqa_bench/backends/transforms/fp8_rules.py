@@ -31,7 +31,11 @@ ATTENTION_OUTPUTS = ("fp16", "e4m3")
 # the activations (transformers' and torch's classes) whose function the tanh form computes or
 # approximates: erf-GELU and the tanh forms; not QuickGELU (x * sigmoid(1.702 x))
 GELU_CLASSES = ("GELUActivation", "GELU", "NewGELUActivation", "PytorchGELUTanh", "GELUTanh", "FastGELUActivation")
-FP8_ATTENTION = ("fp16", "fp8")  # attention itself: in 16 bits, or cuDNN's FP8 attention (fp8.attention)
+FP8_ATTENTION = ("fp16", "fp8")  # attention itself: in 16 bits, or on e4m3 Q, K, V (fp8.attention)
+# FP8 attention's second product on the Triton kernel (fp8.attention_pv): P rounded to e4m3 times
+# an e4m3 V (FP8 tensor cores both ways, as cuDNN's FP8 attention does), or P in fp16 times V's
+# e4m3 values, exact in fp16 (one rounding of P fewer, at the 16-bit product's rate)
+ATTENTION_PVS = ("e4m3", "fp16")
 # Names of the encoder Linear layers inside one transformer layer (HF BERT naming).
 _QKV = ("query", "key", "value")
 
@@ -174,6 +178,9 @@ def check_fp8(fp8, torch_options=None) -> None:
     TorchOptions), the variant around it."""
     try:
         _one_of("attention", fp8.attention, FP8_ATTENTION)
+        _one_of("attention_pv", fp8.attention_pv, ATTENTION_PVS)
+        if fp8.attention_pv != "e4m3" and fp8.attention != "fp8":
+            raise ValueError(f"attention_pv: {fp8.attention_pv} is FP8 attention's second product: it needs attention: fp8")
         check_recipe(fp8.scaling, fp8.gemms, fuse_qkv=fp8.fuse_qkv, ffn_hidden_fp8=fp8.ffn_hidden_fp8,
                      ffn_gelu=fp8.ffn_gelu, attention_fp8=fp8.attention == "fp8",
                      attention_output=fp8.attention_output, residual=fp8.residual,
@@ -207,9 +214,12 @@ def _check_in_variant(fp8, t) -> None:
         (fp8.residual == "gemm" and not (t.packed and t.token_bucket),
          "fp8.residual: gemm is the padding-free encoder's layer calling its GEMMs with the residual, one cuBLASLt "
          "GEMM planned per token count: it needs packed: true and token_bucket"),
-        (fp8.attention == "fp8" and not (t.packed and t.packed_attention == "cudnn"),
-         "fp8.attention: fp8 is cuDNN's FP8 attention on the padding-free encoder: it needs packed: true and "
-         "packed_attention: cudnn"),
+        (fp8.attention == "fp8" and not (t.packed and t.packed_attention in ("cudnn", "triton")),
+         "fp8.attention: fp8 is the padding-free encoder's FP8 attention (cuDNN's, or the suite's Triton kernel on "
+         "e4m3 inputs): it needs packed: true and packed_attention: cudnn or triton"),
+        (fp8.attention_pv != "e4m3" and t.packed_attention != "triton",
+         f"fp8.attention_pv: {fp8.attention_pv} is the suite's Triton kernel's choice (cuDNN's FP8 attention takes "
+         "P in e4m3): it needs packed_attention: triton"),
         (fp8.attention_output == "e4m3" and not (t.packed and t.packed_attention == "triton"),
          "fp8.attention_output: e4m3 is written by the padding-free encoder's Triton attention kernel: it needs "
          "packed: true and packed_attention: triton"),

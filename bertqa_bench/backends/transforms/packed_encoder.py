@@ -52,12 +52,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from ...kernels.cudnn_fp8_attention import attention_fp8
+from ...kernels.cudnn_fp8_attention import attention_fp8, fp8_varlen_attention_reference
 from ...kernels.fp8_math import saturate_to_e4m3
 from ...kernels.varlen_attention import HEAD_DIMS, varlen_attention_op
 from ...model.checkpoint import OFFSET_POSITION_FAMILIES, PACKED_FAMILIES
 from ..device_io import capture_streams
 from ..torch_options import PACKED_ATTENTION
+from .fp8_rules import ATTENTION_PVS
 
 
 def _round_up(x: int, m: int) -> int:
@@ -112,7 +113,7 @@ def _dense_plus(dense, x, residual):
 
 
 class PackedEncoder(nn.Module):
-    def __init__(self, bert: nn.Module, *, use_kernel: bool = True, attention: str = "flash"):
+    def __init__(self, bert: nn.Module, *, use_kernel: bool = True, attention: str = "flash", fp8_pv: str = "e4m3"):
         super().__init__()
         if attention not in PACKED_ATTENTION:
             raise ValueError(f"attention '{attention}' is not one of {', '.join(PACKED_ATTENTION)}")
@@ -126,9 +127,14 @@ class PackedEncoder(nn.Module):
             if self.head_dim not in HEAD_DIMS:  # refused here, before compiling and capturing
                 raise ValueError(f"attention 'triton' takes head sizes {', '.join(map(str, HEAD_DIMS))}; this "
                                  f"model's is {self.head_dim} (packed_attention: cudnn or flash take it)")
-        # FP8 attention for layers whose QKV GEMM writes e4m3 (fp8_surgery attention_fp8); bound here,
-        # outside traced code
-        self._fp8_attention = attention_fp8
+        # FP8 attention for layers whose QKV GEMM writes e4m3 (fp8_surgery attention_fp8): cuDNN's,
+        # or the Triton kernel on e4m3 inputs (``_fp8_attention``); bound here, outside traced code
+        self._cudnn_fp8 = attention_fp8
+        if fp8_pv not in ATTENTION_PVS:
+            raise ValueError(f"fp8_pv '{fp8_pv}' is not one of {', '.join(ATTENTION_PVS)}")
+        if fp8_pv != "e4m3" and attention != "triton":
+            raise ValueError(f"fp8_pv '{fp8_pv}' is the Triton kernel's choice (attention 'triton'), not '{attention}'s")
+        self.fp8_pv = fp8_pv
         self._kernel = None
         on_cuda = next(bert.parameters()).is_cuda
         if use_kernel and attention == "flash":
@@ -156,7 +162,10 @@ class PackedEncoder(nn.Module):
     def kernel_name(self) -> str:
         layers = () if self.family == "distilbert" else self.bert.encoder.layer
         n_fp8 = sum(getattr(layer.attention.self, "qkv_out_scale", None) is not None for layer in layers)
-        if n_fp8:  # layers whose QKV GEMM writes e4m3 run cuDNN's FP8 attention, whatever the 16-bit kernel
+        if n_fp8 and self.attention == "triton" and self._kernel is not None:
+            return (f"Triton variable-length attention (varlen_attention.py) on e4m3 Q, K, V, P V in {self.fp8_pv}, "
+                    f"e4m3 output in {n_fp8} layers")
+        if n_fp8:  # layers whose QKV GEMM writes e4m3 run FP8 attention: cuDNN's, where not the Triton kernel's
             return f"cuDNN FP8 attention, ragged offsets (cudnn-frontend sdpa_fp8) in {n_fp8} layers"
         n_e4m3 = sum(getattr(layer.attention.self, "o_inv_scale", None) is not None for layer in layers)
         if n_e4m3 and self._kernel is not None and self.attention == "triton":
@@ -179,6 +188,16 @@ class PackedEncoder(nn.Module):
         if out_inv_scale is None:
             return out
         return saturate_to_e4m3(out, out_inv_scale)
+
+    def _fp8_attention(self, q8, k8, v8, cu, max_len: int, qkv_scale, o_inv_scale):
+        """Attention on e4m3 Q, K, V (the values over ``qkv_scale``), e4m3 out at ``o_inv_scale``: the
+        Triton kernel on CUDA with attention 'triton', cuDNN's FP8 attention otherwise; off CUDA,
+        the reference pipeline (P rounded to e4m3, or kept for ``fp8_pv`` fp16)."""
+        if self.attention == "triton" and self._kernel is not None and q8.is_cuda:
+            return self._kernel(q8, k8, v8, cu, max_len, self.scale, o_inv_scale, qkv_scale, self.fp8_pv == "e4m3")
+        if self.fp8_pv != "e4m3" and not q8.is_cuda:
+            return fp8_varlen_attention_reference(q8, k8, v8, cu, self.scale, qkv_scale, o_inv_scale, p_e4m3=False)
+        return self._cudnn_fp8(q8, k8, v8, cu, max_len, self.scale, qkv_scale, o_inv_scale)
 
     def _kernel_takes(self, q) -> bool:
         """Whether the bound CUDA kernel runs on q (16-bit, on the GPU), not the per-sequence SDPA loop."""
@@ -260,7 +279,7 @@ class PackedEncoder(nn.Module):
             if o_inv is not None and sa.qkv_out_scale is not None:
                 # FP8 attention on e4m3 Q, K, V: its e4m3 output is quantized at the output GEMM's
                 # own static input scale, so that GEMM takes it as it is
-                ctx = self._fp8_attention(q, k, v, cu, max_len, self.scale, sa.qkv_out_scale, o_inv).reshape(t, -1)
+                ctx = self._fp8_attention(q, k, v, cu, max_len, sa.qkv_out_scale, o_inv).reshape(t, -1)
             elif o_inv is not None:  # 16-bit attention writing e4m3 at that scale (fp8 attention_output)
                 ctx = self._attention(q, k, v, cu, max_len, o_inv).reshape(t, -1)
             else:
