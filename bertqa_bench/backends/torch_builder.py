@@ -154,9 +154,10 @@ def calibrate_and_swap_fp8(module, f: Fp8Options, batches) -> dict:
                          "cuBLASLt planned by nvmath-python" if done["cublaslt"] else "none: torch._scaled_mm"),
         "fp8_cublaslt_algorithm": (f"autotuned per shape ({f.cublaslt_autotune} timings of each candidate)"
                                    if f.cublaslt_autotune else "cuBLASLt's heuristic"),
-        "fp8_attention": (f"e4m3 Q, K, V, output and {'probabilities' if f.attention_pv == 'e4m3' else 'V (P in fp16)'} "
-                          f"in {len(done['attention_fp8'])} layers (the packed encoder's FP8 attention kernel)"
-                          if f.attention == "fp8" else "16-bit"),
+        "fp8_attention": ((f"e4m3 Q, K, V, probabilities and output in {len(done['attention_fp8'])} layers"
+                           if f.attention_pv == "e4m3" else
+                           f"e4m3 Q, K, V and output, probabilities in fp16, in {len(done['attention_fp8'])} layers")
+                          + " (the packed encoder's FP8 attention kernel)" if f.attention == "fp8" else "16-bit"),
         "fp8_attention_output": (f"e4m3 at the output GEMM's input scale, written by the attention kernel, in "
                                  f"{len(done['attention_output_e4m3'])} layers" if f.attention_output == "e4m3"
                                  else "e4m3 only with attention: fp8" if f.attention == "fp8"
