@@ -1949,12 +1949,12 @@ def test_fp8_attention_and_packing_variants_track_fp32_on_gpu(tmp_path, name):
         assert info["fp8_attention_output"].startswith("e4m3 at the output GEMM's input scale")
     if "epilogue" in name:
         assert info["fp8_ffn_gelu"].startswith("tanh form, cuBLASLt GELU_BIAS epilogue")
-    if "fp8attn" in name or "+fp8-attention" in name:
+    opts = TABLE.get(name).options
+    if opts.fp8 is not None and opts.fp8.attention == "fp8":
         assert info["fp8_attention"].startswith("e4m3 Q, K, V")
-    if "+fp8-attention" in name:  # the Triton kernel on the QKV GEMM's e4m3 output
-        pv = "fp16" if name.endswith("-pv16") else "e4m3"
-        assert info["attention_kernel"].startswith("Triton variable-length attention") and \
-            f"on e4m3 Q, K, V, P V in {pv}" in info["attention_kernel"], info["attention_kernel"]
+        if opts.packed_attention == "triton":  # the Triton kernel on the QKV GEMM's e4m3 output
+            assert info["attention_kernel"].startswith("Triton variable-length attention") and \
+                f"on e4m3 Q, K, V, P V in {opts.fp8.attention_pv}" in info["attention_kernel"], info["attention_kernel"]
     for out, ref, b in zip(outs, refs, batches):
         valid = b["attention_mask"].astype(bool)
         for n in OUTPUTS:
