@@ -32,6 +32,18 @@ output and the separate quantize pass over it: half the bytes written and one pa
 16-bit output's rounding is gone; e4m3's (relative <= 2^-4, absolute <= 2^-10 / out_inv_scale
 among its subnormals) takes its place.
 
+e4m3 inputs (``qkv_scale``, a 1-element fp32 tensor: the fused QKV GEMM's output scale, so that Q,
+K, V are e4m3 codes of the values over it): half the bytes read, and Q K^T on Hopper's FP8 tensor
+cores, its e4m3 x e4m3 products exact in the fp32 accumulator; the scores are decoded by one fp32
+multiply (qkv_scale^2 folded into the softmax scale) and the output by another (qkv_scale), so
+against attention of the decoded inputs the error is the 16-bit kernel's. P V then runs in fp16 (V's
+e4m3 values are exact in fp16; P rounds as above) or, with ``pv_e4m3``, on FP8 tensor cores too,
+P times ``P_SCALE_E4M3`` rounded to e4m3 (relative <= 2^-4 per probability, absolute 2^-10 / 256
+below e4m3's normals: cuDNN's FP8 attention's bound). On the H200 the e4m3 P V is the slower one:
+the FP8 MMA takes its B operand only K-major, and V is stored head-dim-contiguous, so Triton
+transposes every V tile through registers (results/reference/h200-mlperf-bert-large-fp8-attention.md).
+The head size must be at least 32 (the FP8 MMA's K step).
+
 Contract (as FlashAttention's varlen API): ``max_seqlen`` must be at least every sequence's
 length (it sizes the grid; it is not checked against the device values, which would need a host
 sync); trailing repeated entries of ``cu_seqlens`` are empty sequences; output rows outside
