@@ -210,3 +210,56 @@ def test_the_views_carry_the_gpu_clock_and_the_processes():
     assert metrics["gpu_sm_clock_mhz"] == 1650.0 and metrics["gpu_power_w"] == 692.0
     assert tags["gpu_clock"] == "power-capped at 1,650 MHz, 692 W" and "2 processes" in tags["timing_mode"]
     assert rows[1].to_row()["gpu_power_capped"] is True and rows[1].to_row()["processes"] == 2
+
+
+def test_the_sampler_keeps_only_the_rows_own_passes():
+    """A fake NVML: idle (1,980 MHz, 0 %) while the row's worker waits for its first turn, under
+    load (1,650 MHz, power cap) during its pass; the samples kept are the pass's only."""
+    import time
+    from types import SimpleNamespace
+
+    from bertqa_bench.measuring.gpu_sensor import GpuSampler
+
+    state = {"clock": 1980.0, "mask": 0x1, "util": 0.0}
+    fake = SimpleNamespace(NVML_CLOCK_SM=0, nvmlDeviceGetClockInfo=lambda h, c: state["clock"],
+                           nvmlDeviceGetPowerUsage=lambda h: 692_000, nvmlDeviceGetCurrentClocksEventReasons=lambda h: state["mask"],
+                           nvmlDeviceGetUtilizationRates=lambda h: SimpleNamespace(gpu=state["util"]))
+    sampler = GpuSampler(fake, None, every_s=0.001)
+    sampler.start()  # start_timed: the worker then waits, idle, for the parent's first "pass"
+    time.sleep(0.02)
+    state.update(clock=1650.0, mask=0x4, util=100.0)
+    sampler.start()  # the first pass's resume: what came before is dropped
+    time.sleep(0.02)
+    sampler.stop()
+    assert sampler.samples and all(s == (1650.0, 692.0, 0x4, 100.0) for s in sampler.samples)
+    kept = len(sampler.samples)
+    state.update(clock=1980.0, mask=0x1, util=0.0)  # between passes: not sampled
+    time.sleep(0.01)
+    assert len(sampler.samples) == kept
+    assert gpu_samples_summary(sampler.samples)["gpu_power_capped"] is True
+
+
+def test_the_rounds_read_the_gpu_sensor_each_round_and_survive_its_failure():
+    from bertqa_bench.measuring.rounds import RoundsSettings, run_rounds
+
+    class Row:
+        def __init__(self, name, s):
+            self.name, self.s, self.ready = name, s, {}
+
+        def run_pass(self):
+            return self.s
+
+    rng = np.random.default_rng(3)
+    settings = RoundsSettings(min_rounds=3, max_rounds=3, budget_s=1e9)
+    log = run_rounds([Row("ref", 2.0), Row("a", 1.0)], "ref", settings, calibrate=lambda: 0.1, clock=lambda: 0.0,
+                     log=lambda _: None, gpu_sensor=lambda: _quiet_round(rng))
+    assert len(log.gpu_sensor) == 3 and log.gpu_noise.noisy(10.0) is False
+    assert log.to_dict()["gpu_sensor"] == log.gpu_sensor
+
+    def broken():
+        raise RuntimeError("no CUDA device")
+
+    lines = []
+    log = run_rounds([Row("ref", 2.0), Row("a", 1.0)], "ref", settings, calibrate=lambda: 0.1, clock=lambda: 0.0,
+                     log=lines.append, gpu_sensor=broken)
+    assert log.n_rounds == 3 and log.gpu_noise is None and any("GPU sensor failed" in x for x in lines)

@@ -163,8 +163,9 @@ class RowRunner:
             if alive:
                 self.log(f"rounds: {len(alive)} row(s), one timed pass of each a round in a rotating order, its "
                          f"processes taking turns, at least {self.cfg.bench.min_passes} rounds ...")
+                ready = [v for v, procs in rows if procs[0].ready is not None]
                 rounds = run_rounds(alive, self.reference, rounds_settings(self.cfg.bench), log=self.log,
-                                    gpu_sensor=self._gpu_sensor(variants))
+                                    gpu_sensor=self._gpu_sensor(ready))
             self._note_rounds(rounds, left)
             for v, procs in rows:
                 self._finish(v, procs, rounds)
@@ -195,7 +196,8 @@ class RowRunner:
         return extra
 
     def _gpu_sensor(self, variants: list):
-        """The GPU's noise sensor for a run with GPU rows (measuring/gpu_sensor.py), else None."""
+        """The GPU's noise sensor for a run whose live rows include a GPU row (measuring/gpu_sensor.py),
+        else None."""
         if not any(v.device == "cuda" for v in variants):
             return None
         try:

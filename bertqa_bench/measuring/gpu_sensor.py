@@ -96,6 +96,7 @@ class GpuSampler:
     def __init__(self, nvml_mod, handle, every_s: float = 0.02):
         self._nvml, self._handle, self.every_s = nvml_mod, handle, every_s
         self.samples: list[tuple] = []
+        self._kept = 0  # samples up to the last stop: the timed ones
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
@@ -115,8 +116,13 @@ class GpuSampler:
                 read(lambda: float(n.nvmlDeviceGetUtilizationRates(h).gpu)))
 
     def start(self) -> None:
+        """Sample from now. Started again while running (rounds: the first pass's ``resume`` after
+        ``start_timed``), the samples since the last stop are dropped, as MachineState.resume drops
+        its counts: the row's worker was waiting for its turn, idle, while the others were timed."""
         if self._thread is not None:
-            return
+            self._stop.set()
+            self._thread.join()
+            del self.samples[self._kept:]
         self._stop.clear()
 
         def run():
@@ -133,3 +139,4 @@ class GpuSampler:
             self._stop.set()
             self._thread.join()
             self._thread = None
+            self._kept = len(self.samples)
