@@ -339,14 +339,17 @@ class BenchConfig:
     # block: passes repeat until both are reached. rounds: min_passes is the fewest rounds.
     min_passes: int = 3
     min_duration_s: float = 1.0
-    # rounds go on until every row's interval is within +-target_halfwidth_pct, or one more round
-    # would pass rounds_budget_s (seconds of rounds), or max_rounds
+    # rounds: the first min_passes fix how many run: enough for every row's interval to reach
+    # +-target_halfwidth_pct at their spread, within max_rounds and rounds_budget_s (seconds of rounds)
     max_rounds: int = 20
     rounds_budget_s: float = 600.0
     target_halfwidth_pct: float = 5.0
     # a run whose calibration workload (timed each round) varied more than this, as a coefficient
     # of variation in percent, is marked noisy
     noise_cv_pct: float = 10.0
+    # rounds: the worker processes each row's passes come from, taking turns by round (fewer where
+    # memory does not hold them); the interval then includes the spread between processes
+    processes: int = 2
     num_threads: Optional[int] = None
     isolation: str = "process"  # process: each variant in its own spawned process; inprocess: debugging/tests
     timeout_s: float = 1800.0  # per variant (prepare + warm-up + timed passes); past it the child is killed
@@ -383,6 +386,8 @@ class BenchConfig:
                 raise ConfigError(f"bench.{k} must be a positive number, not {getattr(self, k)}")
         if self.seq_multiple < 1:
             raise ConfigError("bench.seq_multiple must be >= 1")
+        if isinstance(self.processes, bool) or not isinstance(self.processes, int) or self.processes < 1:
+            raise ConfigError(f"bench.processes must be a whole number >= 1, not {self.processes!r}")
         for k in ("tokens_per_batch", "max_batch_rows", "num_threads"):
             v = getattr(self, k)
             if v is not None and v < 1:  # the plans would fall back to one-row batches without a word

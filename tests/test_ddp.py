@@ -81,7 +81,8 @@ def test_a_rank_that_dies_or_fails_fails_its_variant_named_and_nothing_is_left(t
     assert rows["eager-fp32"].ok and rows["ort-fp32"].ok and rows["ort-fp32"].parity == "pass"
     # no worker left behind: every rank's pid is gone, and no process names this one as its parent
     pids = [int(p.read_text()) for p in (out.run_dir / "workers").glob("*.pid")]
-    assert len(pids) == 6  # eager-fp32, ort-fp32, 2 ranks each of the data-parallel variants
+    # eager-fp32 and ort-fp32 two processes each (bench.processes), 2 ranks each of the data-parallel variants
+    assert len(pids) == 8
     assert not [p for p in pids if Path(f"/proc/{p}").exists()]
     assert not _live_workers_of(os.getpid())
 

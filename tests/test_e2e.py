@@ -52,6 +52,11 @@ def test_end_to_end_cpu(tiny_suite, tmp_path):
         assert getattr(ort, col) is not None, col
     # interleaved rounds: one pass a round, at least min_passes (2), at most max_rounds (4)
     assert ort.timing_mode == "rounds" and 2 <= ort.n_passes == ort.rounds <= 4
+    # each row's passes from two worker processes taking turns by round (bench.processes); the
+    # row's answers are its first process's, the second's outputs are not kept
+    assert ort.processes == 2 and ref.processes == 2 and bundle.meta.rounds["processes"]["ort-fp32"][:2] == [0, 1]
+    assert (out.run_dir / "logs" / "ort-fp32-p2.log").exists()
+    assert not (out.run_dir / "outputs" / "ort-fp32-p2.npz").exists()
     assert ort.predict_min_s <= ort.predict_s <= ort.predict_max_s
     assert set(ort.scores) == {"exact_match", "f1"} and ort.n_compared == ref.n_questions
     # speedup = the median over rounds of the reference's pass / the backend's pass of the same

@@ -121,26 +121,88 @@ def test_planted_drift_moves_a_block_ratio_outside_its_interval_but_not_the_inte
     assert sp.speedup == pytest.approx(true_ratio, rel=0.05)
 
 
-def test_rounds_stop_once_every_interval_is_within_the_target():
-    host = Host(lambda t: 1.0, jitter=0.01)
-    sessions = [FakeSession("ref", 10.0, host), FakeSession("a", 5.0, host), FakeSession("b", 2.0, host)]
-    settings = RoundsSettings(min_rounds=3, max_rounds=50, budget_s=1e9, target_halfwidth_pct=3.0)
-    log = run_rounds(sessions, "ref", settings, calibrate=lambda: 0.1, clock=lambda: host.t, log=lambda _: None)
-    assert 3 <= log.n_rounds < 50 and log.stop_reason.startswith("every interval within")
-    assert all(log.speedup(n).halfwidth_pct <= 3.0 for n in ("a", "b"))
-    # one round fewer would not have been enough (or was below the minimum)
-    shorter = RoundsLog(log.names, "ref", {n: p[:-1] for n, p in log.passes.items()})
-    assert log.n_rounds == 3 or max(shorter.speedup(n).halfwidth_pct for n in ("a", "b")) > 3.0
-    assert [o[0] for o in log.orders[:3]] == ["ref", "a", "b"]  # the order rotated
+class ScriptedSession:
+    """A row whose passes are given in advance, one a round (the host's clock advances by them)."""
+
+    def __init__(self, name, passes, host):
+        self.name, self.script, self.host = name, list(passes), host
+        self.ready = {"event": "ready"}
+
+    def run_pass(self) -> float:
+        took = self.script.pop(0)
+        self.host.t += took
+        return took
 
 
-def test_rounds_end_before_the_budget_would_be_passed():
+def _needed(sd, target_pct, at_least, at_most):
+    # restated: the fewest n with t(0.975, n-1) * sd * sqrt(2 / n) <= log(1 + target)
+    from scipy import stats
+
+    for n in range(at_least, at_most + 1):
+        if stats.t.ppf(0.975, n - 1) * sd * math.sqrt(2 / n) <= math.log1p(target_pct / 100):
+            return n
+    return at_most
+
+
+def test_the_first_rounds_fix_how_many_run_whatever_the_later_ones_show():
+    # the pilot's ratios spread ~7 %; afterwards the row repeats one time exactly, so its interval
+    # soon looks narrow: the rule that stopped then would end early, this one runs the planned count
+    pilot = [5.0, 5.5, 4.6, 5.2]
+    host = Host(lambda t: 1.0)
+    settings = RoundsSettings(min_rounds=4, max_rounds=40, budget_s=1e9, target_halfwidth_pct=5.0)
+    ref = ScriptedSession("ref", [10.0] * 40, host)
+    row = ScriptedSession("row", pilot + [5.0] * 36, host)
+    log = run_rounds([ref, row], "ref", settings, calibrate=lambda: 0.0, clock=lambda: host.t, log=lambda _: None)
+    sd = float(np.std(np.log([10.0 / p for p in pilot]), ddof=1))
+    planned = _needed(sd, 5.0, 4, 40)
+    assert log.planned_rounds == planned == log.n_rounds and planned > 5
+    early = [n for n in range(5, planned) if paired_speedup([10.0] * n, log.passes["row"][:n]).halfwidth_pct <= 5.0]
+    assert early, "the planted later rounds should narrow the interval before the planned count"
+    assert "fixed after the first 4" in log.stop_reason
+
+
+def test_later_rounds_that_spread_wider_do_not_extend_the_rounds():
+    host = Host(lambda t: 1.0)
+    settings = RoundsSettings(min_rounds=4, max_rounds=40, budget_s=1e9, target_halfwidth_pct=5.0)
+    pilot = [5.0, 5.3, 4.8, 5.1]
+    ref = ScriptedSession("ref", [10.0] * 40, host)
+    row = ScriptedSession("row", pilot + [3.0, 7.0] * 18, host)
+    log = run_rounds([ref, row], "ref", settings, calibrate=lambda: 0.0, clock=lambda: host.t, log=lambda _: None)
+    sd = float(np.std(np.log([10.0 / p for p in pilot]), ddof=1))
+    assert log.n_rounds == _needed(sd, 5.0, 4, 40) == log.planned_rounds and 4 < log.n_rounds < 40
+    assert log.speedup("row").halfwidth_pct > 5.0  # wider than the target, and the rounds still ended
+
+
+def test_rounds_needed_is_the_fewest_that_reach_the_target():
+    from bertqa_bench.record.rounds import rounds_needed
+
+    for sd in (0.01, 0.04, 0.08):
+        n = rounds_needed(sd, 5.0, 3, 60)
+        assert n == _needed(sd, 5.0, 3, 60)
+    assert rounds_needed(10.0, 5.0, 3, 12) == 12  # never reachable: the most allowed
+    assert rounds_needed(0.0, 5.0, 4, 12) == 4  # never fewer than the first rounds
+
+
+def test_rounds_end_within_the_budget_at_the_first_rounds_pace():
     host = Host(lambda t: 1.0, jitter=0.2, seed=1)
     sessions = [FakeSession("ref", 10.0, host), FakeSession("a", 10.0, host)]
     settings = RoundsSettings(min_rounds=2, max_rounds=100, budget_s=100.0, target_halfwidth_pct=0.1)
     log = run_rounds(sessions, "ref", settings, calibrate=lambda: 0.0, clock=lambda: host.t, log=lambda _: None)
-    assert log.stop_reason.startswith("time budget") and host.t <= 100.0 + 25.0
-    assert log.n_rounds >= 2
+    assert "budget holds" in log.plan_note and host.t <= 100.0 + 25.0
+    assert log.n_rounds >= 2 and log.n_rounds < 100
+
+
+def test_rounds_of_two_processes_alternate_and_the_pilot_spans_both():
+    from bertqa_bench.measuring.rounds import RowProcesses
+
+    host = Host(lambda t: 1.0, jitter=0.01)
+    ref = RowProcesses("ref", [FakeSession("ref", 10.0, host), FakeSession("ref", 10.0, host)])
+    a = RowProcesses("a", [FakeSession("a", 5.0, host), FakeSession("a", 5.0, host)])
+    settings = RoundsSettings(min_rounds=3, max_rounds=8, budget_s=1e9, target_halfwidth_pct=50.0)
+    log = run_rounds([ref, a], "ref", settings, calibrate=lambda: 0.0, clock=lambda: host.t, log=lambda _: None)
+    assert log.processes["a"] == [k % 2 for k in range(log.n_rounds)] == log.processes["ref"]
+    assert [s.passes for s in a.sessions] == [2, 2]  # the pilot: a whole turn of both, rounded up from 3
+    assert log.n_rounds == 4 and log.n_processes("a") == 2
 
 
 def test_a_row_that_fails_mid_rounds_leaves_and_keeps_its_passes():

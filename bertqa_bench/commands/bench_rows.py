@@ -30,10 +30,12 @@ from ..measuring.jobs import make_job, plan_key
 from ..measuring.launcher import launch, time_limit
 from ..measuring.local_ranks import run_local_ranks, visible_gpus
 from ..measuring.progress import rows_line
-from ..measuring.rounds import RoundsLog, RoundsSettings, run_rounds
-from ..measuring.sessions import InProcessSession, WorkerSession
+from ..measuring.gpu_sensor import GpuSensor
+from ..measuring.rounds import RoundsLog, RoundsSettings, RowProcesses, run_rounds
+from ..measuring.sessions import InProcessSession, WorkerSession, merge_records
 from ..measuring.worker import load_outputs
 from ..record.judging import Reference, apply_speedup, fill_timing, identity, judge
+from ..record.noise import row_noise
 from ..record.parity import determinism
 from ..record.results import BackendResult, RunBundle
 from ..record.rounds import block_speedup
@@ -100,6 +102,7 @@ class RowRunner:
     check_determinism: bool = False
     ref: Optional[Reference] = None
     problems: list = field(default_factory=list)
+    _process_notes: dict = field(default_factory=dict)  # row -> why it has fewer processes than asked
 
     @property
     def reference(self) -> str:
@@ -139,51 +142,99 @@ class RowRunner:
             row_s.append(time.perf_counter() - t_row)
 
     def _interleaved(self, variants: list) -> list:
-        """Start each row's process, time them in rounds, finish and score each; returns the rows
+        """Start each row's processes, time them in rounds, finish and score each; returns the rows
         left for blocks (those that would not fit beside the others), with why."""
-        sessions, readies, left = [], [], []
+        rows, readies, left = [], [], []
         try:
             for v in variants:
-                why = room_for_another(readies, mem_available_mib()) if sessions else ""
+                why = room_for_another(readies, mem_available_mib()) if rows else ""
                 if why:
                     left.append((v, f"timed in a block after the rounds: {why}"))
                     continue
-                self.log(f"[{v.name}] prepare and warm-up ({len(sessions) + 1} of {len(variants)} rows alive) ...")
+                self.log(f"[{v.name}] prepare and warm-up ({len(rows) + 1} of {len(variants)} rows alive) ...")
                 s = self._session(v)
                 ready = s.start()
-                sessions.append((v, s))
+                rows.append((v, [s]))
                 if ready is not None:
                     readies.append(ready)
-            alive = [s for _, s in sessions if s.ready is not None]
+                    rows[-1][1].extend(self._more_processes(v, readies))
+            alive = [RowProcesses(v.name, procs) for v, procs in rows if procs[0].ready is not None]
+            rounds = None
             if alive:
-                self.log(f"rounds: {len(alive)} row(s), one timed pass of each a round in a rotating order, "
-                         f"at least {self.cfg.bench.min_passes} rounds ...")
-            rounds = run_rounds(alive, self.reference, rounds_settings(self.cfg.bench), log=self.log) if alive else None
+                self.log(f"rounds: {len(alive)} row(s), one timed pass of each a round in a rotating order, its "
+                         f"processes taking turns, at least {self.cfg.bench.min_passes} rounds ...")
+                ready = [v for v, procs in rows if procs[0].ready is not None]
+                rounds = run_rounds(alive, self.reference, rounds_settings(self.cfg.bench), log=self.log,
+                                    gpu_sensor=self._gpu_sensor(ready))
             self._note_rounds(rounds, left)
-            for v, s in sessions:
-                self._finish(v, s, rounds)
+            for v, procs in rows:
+                self._finish(v, procs, rounds)
         except BaseException:
-            for _, s in sessions:
-                s.kill()
+            for _, procs in rows:
+                for s in procs:
+                    s.kill()
             raise
         return left
 
-    def _session(self, v: Variant):
-        job = self._job(v, progress=False, kind="rounds")
+    def _more_processes(self, v: Variant, readies: list) -> list:
+        """The row's second (and further) worker processes, started and prepared beside its first
+        while memory allows (``room_for_another``); the row's note says why it has fewer."""
+        extra, wanted = [], self.cfg.bench.processes if self.cfg.bench.isolation == "process" else 1
+        for i in range(2, wanted + 1):
+            why = room_for_another(readies, mem_available_mib())
+            if not why:
+                self.log(f"[{v.name}] process {i} of {wanted}: prepare and warm-up ...")
+                s = self._session(v, tag=f"-p{i}")
+                if s.start() is not None:
+                    readies.append(s.ready)
+                    extra.append(s)
+                    continue
+                why = f"process {i} did not start ({s.result().get('error', 'ended')})"
+            self._process_notes[v.name] = f"{i - 1} of {wanted} processes: {why}"
+            self.log(f"[{v.name}] {self._process_notes[v.name]}")
+            break
+        return extra
+
+    def _gpu_sensor(self, variants: list):
+        """The GPU's noise sensor for a run whose live rows include a GPU row (measuring/gpu_sensor.py),
+        else None."""
+        if not any(v.device == "cuda" for v in variants):
+            return None
+        try:
+            return GpuSensor()
+        except Exception as e:  # noqa: BLE001 - without it the GPU rows are judged by nothing, and say so
+            self.log(f"GPU sensor unavailable ({format_error(e)}): GPU rows carry no noise mark")
+            return None
+
+    def _session(self, v: Variant, tag: str = ""):
+        job = self._job(v, progress=False, kind="rounds", tag=tag)
         if self.cfg.bench.isolation == "inprocess":
             return InProcessSession(job)
-        return WorkerSession(job, self.bundle.path("logs", f"{v.name}.log"), time_limit(v, self.cfg.bench.timeout_s),
-                             echo=self.progress)
+        return WorkerSession(job, self.bundle.path("logs", f"{v.name}{tag}.log"),
+                             time_limit(v, self.cfg.bench.timeout_s), echo=self.progress)
 
-    def _finish(self, v: Variant, s, rounds: Optional[RoundsLog]) -> None:
-        rec = s.finish() if s.ready is not None else s.result()
+    def _finish(self, v: Variant, procs: list, rounds: Optional[RoundsLog]) -> None:
+        recs = [s.finish() if s.ready is not None else s.result() for s in procs]
+        for s, rec in zip(procs[1:], recs[1:]):  # the row's answers are its first process's
+            Path(s.job.outputs).unlink(missing_ok=True)
+        rec = merge_records(recs)
         r = self._row(v)
         self._score(v, r, rec)
         if r.ok and rounds is not None:
             apply_speedup(r, rounds.speedup(v.name) if self.ref is not None else None, "rounds")
-            r.calibration_cv_pct = rounds.calibration_cv_pct
-            r.timing_noisy = rounds.noisy(self.cfg.bench.noise_cv_pct)
+            r.processes, r.processes_note = rounds.n_processes(v.name), self._process_notes.get(v.name, "")
+            self._judge_noise(r, rounds)
         self.record(r, v)
+
+    def _judge_noise(self, r: BackendResult, rounds: RoundsLog) -> None:
+        """Which sensor speaks for the row (record/noise.py), and whether it wandered."""
+        gpu = rounds.gpu_noise if r.device == "cuda" else None
+        r.calibration_cv_pct = rounds.calibration_cv_pct
+        if gpu is not None:
+            r.gpu_sensor_spread_pct, r.gpu_sensor_jitter_pct = gpu.spread_pct, gpu.jitter_pct
+        r.timing_noisy, r.timing_noise_note = row_noise(r.device, calibration_cv_pct=r.calibration_cv_pct,
+                                                        gpu_busy_pct=r.gpu_busy_pct, gpu=gpu,
+                                                        threshold_pct=self.cfg.bench.noise_cv_pct)
 
     def _block(self, v: Variant, why: str) -> None:
         """One row, its passes in one block (today's way for what cannot stay alive)."""
@@ -274,6 +325,9 @@ class RowRunner:
             meta.calibration_cv_pct = rounds.calibration_cv_pct
             meta.timing_noisy = rounds.noisy(self.cfg.bench.noise_cv_pct)
             meta.noise_cv_pct = self.cfg.bench.noise_cv_pct
+            gpu = rounds.gpu_noise
+            if gpu is not None:
+                meta.gpu_sensor_spread_pct, meta.gpu_sensor_jitter_pct = gpu.spread_pct, gpu.jitter_pct
         for v, why in left:
             meta.notes.append(f"{v.name}: {why}")
         self.bundle.write_meta()
@@ -325,6 +379,8 @@ def _log_row(log, task: Task, r: BackendResult) -> None:
     speed = ""
     if r.speedup is not None:
         ci = f" [{r.speedup_low:.2f}–{r.speedup_high:.2f}]" if r.speedup_low is not None else ""
-        speed = f"  {r.speedup:.2f}×{ci} ({r.timing_mode}" + (f", {r.rounds} rounds" if r.rounds else "") + ")"
+        speed = (f"  {r.speedup:.2f}×{ci} ({r.timing_mode}" + (f", {r.rounds} rounds" if r.rounds else "")
+                 + (f", {r.processes} processes" if r.processes and r.processes > 1 else "")
+                 + (" ~ noisy" if r.timing_noisy else "") + ")")
     log(f"[{r.backend}] {r.predict_s:.3f}s (median of {r.n_passes}){speed}  {r.features_per_s:,.1f} features/s  "
         f"{scores}  parity={r.parity or '—'}")

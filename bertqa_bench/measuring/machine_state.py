@@ -33,17 +33,14 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from ..record.noise import BENIGN_GPU_REASONS, GPU_REASON_NAMES
 from .interrupt import PARENT_ENV
 
 SLACK_CORES = 0.15
 MAX_STEAL = 0.05
 _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-# NVML throttle / clock-event reasons that are normal operation, not a slower measurement:
-# GPU idle, the application clock setting, the software power cap under load.
-_BENIGN_GPU_REASONS = {0x1, 0x2, 0x4}
-_GPU_REASON_NAMES = {0x1: "idle", 0x2: "application clocks", 0x4: "SW power cap", 0x8: "HW slowdown",
-                     0x10: "sync boost", 0x20: "SW thermal", 0x40: "HW thermal", 0x80: "HW power brake",
-                     0x100: "display clocks"}
+# NVML throttle / clock-event reasons, and those that are normal operation (record/noise.py)
+_BENIGN_GPU_REASONS, _GPU_REASON_NAMES = BENIGN_GPU_REASONS, GPU_REASON_NAMES
 
 
 def usable_cores() -> int:
@@ -162,6 +159,10 @@ class MachineState:
         self._busy = self._steal = self._own = self._wall = 0.0
         self._complete = True
         self._mhz: list[float] = []
+        # NVML samples over the timed passes (measuring/gpu_sensor.GpuSampler, summarised by
+        # record/noise.gpu_samples_summary): they replace the one reading stop() takes, when the
+        # card is already idle (an H200 at its power cap read 1,980 MHz there, 1,650 under load)
+        self.gpu_summary: dict = {}
 
     def start(self) -> None:
         self._mhz = _cpu_mhz(self.cpus)
@@ -202,6 +203,7 @@ class MachineState:
             v["cpu_mhz_min"], v["cpu_mhz_max"] = min(mhz), max(mhz)
         if self.cuda and self._handle is not None:
             v.update(gpu_state(self._nvml, self._handle))
+        v.update(self.gpu_summary)
         # a GPU row's host side feeds the device from one thread; a CPU row computes on all of its
         v["timing_reliable"], v["timing_note"] = judge(v, demand=1 if self.cuda else self.threads)
         self.values = v

@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Optional
 
 from ..envinfo import cuda_visible_devices
+from ..record.noise import gpu_samples_summary
+from .gpu_sensor import GpuSampler
 from .machine_state import MachineState
 
 _STATUS = Path("/proc/self/status")
@@ -101,7 +103,11 @@ class Probe:
     def start_timed(self, threads: Optional[int] = None) -> None:
         """Before the first timed pass: energy counters, and the machine's state (machine_state.py)."""
         self._machine = MachineState(threads, cuda=self.cuda, nvml=self._nvml, handle=self._handle)
+        # the GPU's clock, power and utilization over the timed passes only (gpu_sensor.py)
+        self._sampler = GpuSampler(self._nvml, self._handle) if self._handle is not None else None
         self._machine.start()
+        if self._sampler is not None:
+            self._sampler.start()
         self._energy_sum, self._rapl_sum = 0.0, 0.0
         self._energy_ok = self._rapl_ok = True
         self._read_energy()
@@ -126,6 +132,8 @@ class Probe:
         rows' passes) is not this row's energy or machine state."""
         if getattr(self, "_machine", None) is None:
             return
+        if self._sampler is not None:
+            self._sampler.stop()
         self._machine.pause()
         if self._energy0 is not None:
             self._energy_sum += (self._nvml.nvmlDeviceGetTotalEnergyConsumption(self._handle) - self._energy0) / 1000.0
@@ -145,11 +153,15 @@ class Probe:
             return
         self._machine.resume()
         self._read_energy()
+        if self._sampler is not None:
+            self._sampler.start()
 
     def end_timed(self, seconds: float, n_rows: int) -> None:
         if getattr(self, "_machine", None) is None:
             return
         self.pause_timed()
+        if self._sampler is not None:
+            self._machine.gpu_summary = gpu_samples_summary(self._sampler.samples)
         self.values.update(self._machine.stop())
         joules, note = None, ""
         if self._handle is not None and self._energy_ok:

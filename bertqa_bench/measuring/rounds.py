@@ -5,12 +5,18 @@ the rounds: a fixed calibration workload is timed in this (idle) parent process,
 times one whole pass, one row at a time, in a rotating order (record/rounds.round_order). A
 row's speedup is taken per round against the reference's pass of the same round
 (record/rounds.paired_speedup), so a host whose speed drifts over minutes moves both sides of
-each ratio together. Rounds go on until every row's interval is within the target half-width,
-or the time budget would be passed by one more round, or ``max_rounds``; never fewer than
-``min_rounds``.
+each ratio together. A row may have several worker processes (``RowProcesses``): they take
+turns by round, and the interval counts the spread between them.
 
-The calibration's spread over rounds is the run's noise sensor: the load and steal counters do
-not see a shared virtual machine's drift, a fixed workload does.
+How many rounds: the first ``min_rounds`` (a whole number of turns of every row's processes)
+fix it, from their widest log-ratio spread, to what an interval within the target half-width
+needs, within ``max_rounds`` and the time budget at their pace; then exactly that many run.
+Stopping as soon as every interval looked narrow (the rule before) picked the runs whose rounds
+happened to agree and narrowed their intervals.
+
+The calibration's spread over rounds is the host's noise sensor: the load and steal counters do
+not see a shared virtual machine's drift, a fixed workload does. On a GPU run a fixed CUDA
+workload (gpu_sensor.py) is the GPU's; record/noise.py says which speaks for which row.
 """
 from __future__ import annotations
 
@@ -21,7 +27,8 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from ..record.rounds import PairedSpeedup, paired_speedup, round_order, spread_pct, widest
+from ..record.noise import GpuNoise, gpu_sensor_noise
+from ..record.rounds import PairedSpeedup, log_ratio_sd, paired_speedup, round_order, rounds_needed, spread_pct
 from .sessions import SessionEnded
 
 # The calibration: numpy's tanh over a fixed array of 2**20 float32 values, 300 times, on one
@@ -51,11 +58,30 @@ class RoundsSettings:
     noise_cv_pct: float = 10.0
 
 
+class RowProcesses:
+    """One row's worker processes (sessions.py), taking turns by round: round k's pass comes from
+    process k mod n, as pyperf spreads a benchmark's runs over worker processes: what a rerun
+    changes (the process's memory layout, where its threads land, the graph a runtime compiled
+    in it) then varies inside the run too, and the interval sees it. A process that ends takes
+    its row out of the rounds (the row fails, as a one-process row would)."""
+
+    def __init__(self, name: str, sessions: Sequence):
+        if not sessions:
+            raise ValueError(f"row {name}: no worker process to time")
+        self.name, self.sessions = name, list(sessions)
+
+    def run_pass(self, round_index: int) -> tuple[float, int]:
+        """(seconds, which process) of this round's pass."""
+        i = round_index % len(self.sessions)
+        return self.sessions[i].run_pass(), i
+
+
 @dataclass
 class RoundsLog:
-    """What the rounds measured: each row's pass of each round (None where it took no part),
-    the calibration of each round, the order each round ran in, and why each row or the rounds
-    ended."""
+    """What the rounds measured: each row's pass of each round (None where it took no part) and
+    which of its processes timed it, the calibration and the GPU sensor of each round, the order
+    each round ran in, the number of rounds fixed after the first ones, and why each row or the
+    rounds ended."""
 
     names: list
     reference: str
@@ -64,15 +90,29 @@ class RoundsLog:
     orders: list = field(default_factory=list)
     ended: dict = field(default_factory=dict)  # name -> why it left the rounds early
     stop_reason: str = ""
+    processes: dict = field(default_factory=dict)  # name -> [process index or None per round]
+    gpu_sensor: list = field(default_factory=list)  # record/noise.sensor_round per round (GPU runs)
+    planned_rounds: Optional[int] = None
+    plan_note: str = ""
 
     @property
     def n_rounds(self) -> int:
         return len(self.calibration_s)
 
+    def _groups(self, name: str) -> Optional[list]:
+        """Each round's (reference process, row process): the label the interval groups by."""
+        ref, row = self.processes.get(self.reference), self.processes.get(name)
+        if not ref or not row:
+            return None
+        return list(zip(ref, row))
+
     def speedup(self, name: str) -> Optional[PairedSpeedup]:
         if self.reference not in self.passes or name not in self.passes:
             return None
-        return paired_speedup(self.passes[self.reference], self.passes[name])
+        return paired_speedup(self.passes[self.reference], self.passes[name], groups=self._groups(name))
+
+    def n_processes(self, name: str) -> int:
+        return len({p for p in self.processes.get(name, []) if p is not None}) or 1
 
     @property
     def calibration_cv_pct(self) -> Optional[float]:
@@ -82,41 +122,104 @@ class RoundsLog:
         cv = self.calibration_cv_pct
         return None if cv is None else cv > threshold_pct
 
+    @property
+    def gpu_noise(self) -> Optional[GpuNoise]:
+        return gpu_sensor_noise(self.gpu_sensor)
+
     def to_dict(self) -> dict:
         return {"names": list(self.names), "reference": self.reference, "passes": dict(self.passes),
                 "calibration_s": list(self.calibration_s), "orders": list(self.orders), "ended": dict(self.ended),
-                "stop_reason": self.stop_reason}
+                "stop_reason": self.stop_reason, "processes": dict(self.processes), "gpu_sensor": list(self.gpu_sensor),
+                "planned_rounds": self.planned_rounds, "plan_note": self.plan_note}
 
 
 def run_rounds(sessions: Sequence, reference: str, settings: RoundsSettings, *,
                calibrate: Callable[[], float] = calibration_workload, clock: Callable[[], float] = time.monotonic,
-               log: Callable[[str], None] = print) -> RoundsLog:
-    """Time ``sessions`` (started: measuring/sessions.py) in interleaved rounds; returns the log.
-    A session that fails mid-round leaves the rounds (its passes so far stay in the log)."""
-    alive = list(sessions)
-    rec = RoundsLog([s.name for s in sessions], reference, {s.name: [] for s in sessions})
+               log: Callable[[str], None] = print, gpu_sensor: Optional[Callable[[], dict]] = None) -> RoundsLog:
+    """Time ``sessions`` (started: measuring/sessions.py; a row of several processes as one
+    ``RowProcesses``) in interleaved rounds; returns the log. A row that fails mid-round leaves
+    the rounds (its passes so far stay in the log). ``gpu_sensor``: read each round after the
+    calibration (GPU runs)."""
+    alive = [s if isinstance(s, RowProcesses) else RowProcesses(s.name, [s]) for s in sessions]
+    rec = RoundsLog([s.name for s in alive], reference, {s.name: [] for s in alive},
+                    processes={s.name: [] for s in alive})
     started = clock()
     while alive:
         k = rec.n_rounds
         rec.calibration_s.append(calibrate())
+        if gpu_sensor is not None:
+            try:
+                rec.gpu_sensor.append(gpu_sensor())
+            except Exception as e:  # noqa: BLE001 - the rows' timing goes on; their GPU mark is then unknown
+                log(f"GPU sensor failed ({type(e).__name__}: {e}); the GPU rows carry no noise mark")
+                gpu_sensor = None
         order = [alive[i] for i in round_order(len(alive), k)]
         rec.orders.append([s.name for s in order])
         for s in order:
             try:
-                rec.passes[s.name].append(s.run_pass())
+                seconds, proc = s.run_pass(k)
+                rec.passes[s.name].append(seconds)
+                rec.processes[s.name].append(proc)
             except SessionEnded as e:
-                rec.passes[s.name].append(None)
                 rec.ended[s.name] = str(e)
                 alive.remove(s)
-        for name in rec.passes:  # a row that left earlier: no pass in this round either
-            if len(rec.passes[name]) < rec.n_rounds:
-                rec.passes[name].append(None)
+        for name in rec.passes:  # a row that left (this round or earlier): no pass in this round
+            for column in (rec.passes[name], rec.processes[name]):
+                if len(column) < rec.n_rounds:
+                    column.append(None)
         elapsed = clock() - started
         log(_round_line(rec, elapsed))
+        if rec.n_rounds == _pilot(alive, settings) and rec.planned_rounds is None:
+            _plan(rec, [s.name for s in alive], settings, elapsed)
+            log(f"rounds: {rec.plan_note}")
         rec.stop_reason = _stop_reason(rec, [s.name for s in alive], settings, elapsed)
         if rec.stop_reason:
             break
     return rec
+
+
+def _pilot(alive: Sequence[RowProcesses], settings: RoundsSettings) -> int:
+    """The first rounds, whose spread fixes how many rounds run: at least ``min_rounds``, and a
+    whole number of turns of every row's processes, so each process is in them."""
+    turns = max((len(s.sessions) for s in alive), default=1)
+    return min(settings.max_rounds, max(settings.min_rounds, math.ceil(settings.min_rounds / turns) * turns))
+
+
+def _plan(rec: RoundsLog, alive: Sequence[str], settings: RoundsSettings, elapsed: float) -> None:
+    """Fix the number of rounds from the first rounds (Stein's two-stage rule): enough for the
+    widest row's log-ratio spread to give an interval within the target, within max_rounds and
+    what the time budget holds at the first rounds' pace. Whatever the later rounds show, that
+    many run: stopping as soon as the intervals look narrow would pick the runs whose rounds
+    happened to agree, and narrow the intervals."""
+    n = rec.n_rounds
+    sds = {name: log_ratio_sd(rec.passes[rec.reference], rec.passes[name])
+           for name in alive if name != rec.reference and rec.reference in alive}
+    if not sds:
+        rec.planned_rounds, rec.plan_note = n, f"{n} rounds (no row to pair with the reference)"
+        return
+    worst = max(sds, key=lambda name: math.inf if sds[name] is None else sds[name])
+    sd = sds[worst]
+    needed = settings.max_rounds if sd is None else rounds_needed(sd, settings.target_halfwidth_pct, n,
+                                                                  settings.max_rounds)
+    fits = max(n, int(settings.budget_s // (elapsed / n))) if elapsed > 0 else settings.max_rounds
+    rec.planned_rounds = min(needed, fits)
+    rec.plan_note = (f"{rec.planned_rounds} rounds, fixed after the first {n} from their spread "
+                     f"(`{worst}`: ±{settings.target_halfwidth_pct:g}% needs {needed}"
+                     + (f"; the {settings.budget_s:g} s budget holds {fits}" if fits < needed else "") + ")")
+
+
+def _stop_reason(rec: RoundsLog, alive: Sequence[str], settings: RoundsSettings, elapsed: float) -> str:
+    n = rec.n_rounds
+    if not alive:
+        return "every row ended"
+    if rec.planned_rounds is not None and n >= rec.planned_rounds:
+        return rec.plan_note
+    if n >= settings.max_rounds:
+        return f"max_rounds ({settings.max_rounds}) reached"
+    # a safety for rounds that run slower than the first ones did: it ends on time, not on the ratios
+    if n >= settings.min_rounds and elapsed + elapsed / n > settings.budget_s:
+        return f"time budget ({settings.budget_s:g} s) would be passed by another round"
+    return ""
 
 
 def _halfwidths(rec: RoundsLog, names: Sequence[str]) -> dict:
@@ -127,24 +230,6 @@ def _halfwidths(rec: RoundsLog, names: Sequence[str]) -> dict:
         sp = rec.speedup(n)
         out[n] = None if sp is None else sp.halfwidth_pct
     return out
-
-
-def _stop_reason(rec: RoundsLog, alive: Sequence[str], settings: RoundsSettings, elapsed: float) -> str:
-    n = rec.n_rounds
-    if not alive:
-        return "every row ended"
-    if n < settings.min_rounds:
-        return ""
-    widths = _halfwidths(rec, alive) if rec.reference in alive else {}
-    if widths and widest(widths.values()) <= settings.target_halfwidth_pct:
-        return f"every interval within ±{settings.target_halfwidth_pct:g}%"
-    if not widths:  # nothing to pair (only the reference, or no reference): the minimum is enough
-        return f"{n} rounds (no row to pair with the reference)"
-    if n >= settings.max_rounds:
-        return f"max_rounds ({settings.max_rounds}) reached"
-    if elapsed + elapsed / n > settings.budget_s:
-        return f"time budget ({settings.budget_s:g} s) would be passed by another round"
-    return ""
 
 
 def _round_line(rec: RoundsLog, elapsed: float) -> str:
@@ -159,4 +244,4 @@ def _round_line(rec: RoundsLog, elapsed: float) -> str:
             + widest_txt + f" ({elapsed:.0f} s)")
 
 
-__all__ = ["RoundsLog", "RoundsSettings", "calibration_workload", "run_rounds"]
+__all__ = ["RoundsLog", "RoundsSettings", "RowProcesses", "calibration_workload", "run_rounds"]

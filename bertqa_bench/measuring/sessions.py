@@ -16,10 +16,13 @@ from __future__ import annotations
 import json
 import os
 import select
+import statistics
 import subprocess
 import time
 from pathlib import Path
 from typing import Optional
+
+import numpy as np
 
 from ..errors import BackendUnavailableError, BenchError, format_error
 from .launcher import _Child
@@ -177,3 +180,56 @@ class InProcessSession:
             self.run.close()
         status = "not run" if isinstance(e, BackendUnavailableError) else "failed"
         self._result = {"status": status, "error": str(e) if status == "not run" else format_error(e)}
+
+
+# What a row's record takes from each of its processes (``merge_records``): sums, the worst, the
+# largest, or the median of the processes' own values
+_SUM_MEASURES = ("energy_j",)
+_MAX_MEASURES = ("prepare_host_peak_mib", "predict_host_peak_mib", "prepare_cuda_allocated_peak_mib",
+                 "predict_cuda_allocated_peak_mib", "predict_cuda_reserved_peak_mib", "predict_device_used_mib",
+                 "other_cpu_cores", "cpu_steal_pct", "load_avg_1m", "gpu_other_processes")
+_MEDIAN_MEASURES = ("gpu_sm_clock_mhz", "gpu_power_w", "gpu_busy_pct")
+
+
+def merge_records(records: list) -> dict:
+    """One row's record from the records of its processes (each ``worker.record_of``'s): the
+    first process's outputs and prepare facts (its prepare is the row's prepare time), every
+    process's passes and batch latencies, and their machine state combined so that a busy or
+    throttled process marks the row."""
+    if len(records) == 1 or any(r.get("status") != "ok" for r in records):
+        return next((r for r in records if r.get("status") != "ok"), records[0])
+    first = records[0]
+    pass_s = [p for r in records for p in r["pass_s"]]
+    batch_ms = np.concatenate([np.asarray(r["batch_ms"], dtype=float) for r in records])
+    t = dict(first["timing"])
+    p = float(statistics.median(pass_s))
+    scale = t["predict_s"] / p  # throughput figures are per pass of the median time
+    t.update(predict_s=p, predict_min_s=min(pass_s), predict_max_s=max(pass_s),
+             predict_stdev_s=float(statistics.stdev(pass_s)) if len(pass_s) > 1 else 0.0, n_passes=len(pass_s),
+             latency_p50_ms=float(np.percentile(batch_ms, 50)), latency_p90_ms=float(np.percentile(batch_ms, 90)),
+             latency_p99_ms=float(np.percentile(batch_ms, 99)), latency_mean_ms=float(batch_ms.mean()),
+             identical_passes=all(r["timing"].get("identical_passes") for r in records),
+             **{k: t[k] * scale for k in ("features_per_s", "achieved_tflops", "real_tflops") if t.get(k) is not None})
+    return {**first, "timing": t, "pass_s": pass_s, "batch_ms": batch_ms.tolist(),
+            "measures": _merge_measures([r.get("measures") or {} for r in records]),
+            "pids": [r.get("pid") for r in records]}
+
+
+def _merge_measures(ms: list) -> dict:
+    out = dict(ms[0])
+    for k in _MAX_MEASURES + _MEDIAN_MEASURES + _SUM_MEASURES:
+        vals = [m[k] for m in ms if m.get(k) is not None]
+        if vals:
+            out[k] = max(vals) if k in _MAX_MEASURES else sum(vals) if k in _SUM_MEASURES else statistics.median(vals)
+    if all(m.get("energy_j") is not None for m in ms) and all(m.get("energy_j_per_1k_features") for m in ms):
+        rows = sum(m["energy_j"] / m["energy_j_per_1k_features"] * 1000.0 for m in ms)
+        seconds = sum(m["energy_j"] / m["avg_power_w"] for m in ms if m.get("avg_power_w"))
+        out["energy_j_per_1k_features"] = out["energy_j"] / rows * 1000.0 if rows else None
+        out["avg_power_w"] = out["energy_j"] / seconds if seconds else None
+    for k in ("timing_reliable", "gpu_power_capped"):  # a busy process makes the row busy; a capped one capped
+        vals = [m[k] for m in ms if m.get(k) is not None]
+        if vals:
+            out[k] = all(vals) if k == "timing_reliable" else any(vals)
+    for k in ("timing_note", "gpu_throttle"):
+        out[k] = "; ".join(dict.fromkeys(m[k] for m in ms if m.get(k)))
+    return out

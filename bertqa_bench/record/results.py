@@ -94,8 +94,20 @@ class BackendResult:
     timing_mode: str = ""  # rounds | block (and why it was block-timed, in timing_mode_note)
     timing_mode_note: str = ""
     rounds: Optional[int] = None  # rounds paired with the reference
-    calibration_cv_pct: Optional[float] = None  # the run's noise sensor (the same on every row of a run)
-    timing_noisy: Optional[bool] = None  # True: the calibration varied more than bench.noise_cv_pct
+    calibration_cv_pct: Optional[float] = None  # the host's noise sensor (the same on every row of a run)
+    # the GPU sensor (record/noise.py; the same on every GPU row of a run): its spread over rounds
+    # and the spread of its repetitions within a round
+    gpu_sensor_spread_pct: Optional[float] = None
+    gpu_sensor_jitter_pct: Optional[float] = None
+    # True: a sensor that speaks for this row wandered past bench.noise_cv_pct (timing_noise_note:
+    # which, and by how much): a CPU row the host calibration, a GPU row the GPU sensor (and the
+    # host calibration in proportion to its host-bound share)
+    timing_noisy: Optional[bool] = None
+    timing_noise_note: str = ""
+    # the worker processes this row's passes came from, taking turns by round (one, and why, where
+    # memory allowed no second); the interval includes the spread between them
+    processes: Optional[int] = None
+    processes_note: str = ""
     pct_change_vs_ref: Optional[float] = None
     identical_passes: Optional[bool] = None
     # --- memory and energy (measure.py); memory in MiB (2**20 bytes), as the kernel and torch count it
@@ -119,7 +131,14 @@ class BackendResult:
     cpu_mhz_max: Optional[float] = None
     gpu_sm_clock_mhz: Optional[float] = None
     gpu_sm_clock_max_mhz: Optional[float] = None
-    gpu_throttle: str = ""  # NVML throttle reasons beyond idle / power cap, while timed
+    gpu_throttle: str = ""  # NVML throttle reasons beyond idle / power cap, in most samples while timed
+    # NVML sampled over the row's own passes (measuring/gpu_sensor.GpuSampler): gpu_sm_clock_mhz is
+    # the median clock then, gpu_power_w the median power, gpu_power_capped whether the software
+    # power cap held the clock down in most samples, gpu_busy_pct the median utilization
+    gpu_power_w: Optional[float] = None
+    gpu_power_capped: Optional[bool] = None
+    gpu_busy_pct: Optional[float] = None
+    gpu_samples: Optional[int] = None
     gpu_other_processes: Optional[int] = None
     timing_reliable: Optional[bool] = None  # False: timed on a busy machine (timing_note says how)
     timing_note: str = ""
@@ -305,8 +324,10 @@ class RunMeta:
     # round, the calibration, the order), the calibration's spread and whether it was too noisy
     rounds: dict = field(default_factory=dict)
     calibration_cv_pct: Optional[float] = None
-    timing_noisy: Optional[bool] = None
+    timing_noisy: Optional[bool] = None  # some row was marked noisy (each row's timing_noisy says which)
     noise_cv_pct: Optional[float] = None
+    gpu_sensor_spread_pct: Optional[float] = None
+    gpu_sensor_jitter_pct: Optional[float] = None
 
 
 def _fmt(v):

@@ -20,6 +20,8 @@ from typing import Optional, Sequence
 
 from scipy import stats
 
+from .noise import spread_pct
+
 CONFIDENCE = 0.95
 
 
@@ -61,19 +63,78 @@ def paired_ratios(ref_s: Sequence[Optional[float]], row_s: Sequence[Optional[flo
 
 
 def paired_speedup(ref_s: Sequence[Optional[float]], row_s: Sequence[Optional[float]],
-                   confidence: float = CONFIDENCE) -> Optional[PairedSpeedup]:
-    """The row's paired speedup over the rounds both ran (None when no round paired)."""
-    ratios = paired_ratios(ref_s, row_s)
-    if not ratios:
+                   confidence: float = CONFIDENCE, groups: Optional[Sequence] = None) -> Optional[PairedSpeedup]:
+    """The row's paired speedup over the rounds both ran (None when no round paired).
+    ``groups``: each round's pair of worker processes (the reference's, the row's), as any
+    hashable label; with two or more, the interval includes the spread between processes
+    (``log_mean_variance``)."""
+    kept = [(a / b, None if groups is None else groups[k]) for k, (a, b) in enumerate(zip(ref_s, row_s))
+            if a is not None and b is not None and a > 0 and b > 0]
+    if not kept:
         return None
+    ratios = [r for r, _ in kept]
     med = float(statistics.median(ratios))
     n = len(ratios)
     if n < 2:
         return PairedSpeedup(med, None, None, None, n)
     logs = [math.log(r) for r in ratios]
-    mean, sd = statistics.fmean(logs), statistics.stdev(logs)
-    half = float(stats.t.ppf(0.5 + confidence / 2, n - 1)) * sd * math.sqrt(2.0 / n)
+    mean = statistics.fmean(logs)
+    var_mean, df = log_mean_variance(logs, [g for _, g in kept])
+    # sqrt(2): a rerun's mean carries its own sampling error (and its own processes) beside this run's
+    half = float(stats.t.ppf(0.5 + confidence / 2, df)) * math.sqrt(2.0 * var_mean)
     return PairedSpeedup(med, math.exp(mean - half), math.exp(mean + half), 100.0 * math.expm1(half), n)
+
+
+def log_mean_variance(logs: Sequence[float], groups: Sequence) -> tuple[float, float]:
+    """(variance of the mean log ratio, its degrees of freedom), counting the worker processes.
+
+    One process (or no labels): s^2 / n on n - 1 degrees of freedom. Several: a one-way random
+    effects model, log ratio = mu + process offset + round noise. A rerun runs in new processes
+    with new offsets, so the mean's variance is sigma_b^2 / m + sigma_w^2 / n (m processes, n
+    rounds), sigma_b^2 estimated as (MSB - MSW) / n0 (zero when the processes agree within their
+    round noise), and Satterthwaite's degrees of freedom for that sum, each term on its own
+    (n - m and m - 1): where two processes differ by more than their rounds' noise, they fall
+    towards 1 and the interval widens as it must, since two processes say little about a
+    third's offset."""
+    n = len(logs)
+    labels = list(groups) if groups is not None else [None] * n
+    by: dict = {}
+    for y, g in zip(logs, labels):
+        by.setdefault(g, []).append(y)
+    m = len(by)
+    sd2 = statistics.variance(logs)
+    if m < 2 or n - m < 1:
+        return sd2 / n, n - 1
+    means = {g: statistics.fmean(v) for g, v in by.items()}
+    grand = statistics.fmean(logs)
+    msw = sum((y - means[g]) ** 2 for g, v in by.items() for y in v) / (n - m)
+    msb = sum(len(v) * (means[g] - grand) ** 2 for g, v in by.items()) / (m - 1)
+    n0 = (n - sum(len(v) ** 2 for v in by.values()) / n) / (m - 1)  # the group size, unbalanced groups
+    within, between = msw / n, max(0.0, (msb - msw) / n0) / m
+    if between == 0.0 or within == 0.0:
+        return within + between, (n - m) if between == 0.0 else (m - 1)
+    # each term on its own degrees of freedom: continuous from n - m (processes agree) to m - 1
+    df = (within + between) ** 2 / (within ** 2 / (n - m) + between ** 2 / (m - 1))
+    return within + between, df
+
+
+def rounds_needed(sd_log: float, target_halfwidth_pct: float, at_least: int, at_most: int,
+                  confidence: float = CONFIDENCE) -> int:
+    """The fewest rounds (from ``at_least`` to ``at_most``) whose replication interval would be
+    within +-``target_halfwidth_pct`` at a log-ratio standard deviation of ``sd_log``: the
+    number the rounds are fixed to after the first rounds (measuring/rounds.py), so that when
+    they stop does not depend on how the later rounds came out."""
+    target = math.log1p(target_halfwidth_pct / 100.0)
+    for n in range(max(2, at_least), max(2, at_most) + 1):
+        if float(stats.t.ppf(0.5 + confidence / 2, n - 1)) * sd_log * math.sqrt(2.0 / n) <= target:
+            return max(n, at_least)
+    return max(at_least, at_most)
+
+
+def log_ratio_sd(ref_s: Sequence[Optional[float]], row_s: Sequence[Optional[float]]) -> Optional[float]:
+    """Standard deviation of the paired log ratios (None under two paired rounds)."""
+    logs = [math.log(r) for r in paired_ratios(ref_s, row_s)]
+    return statistics.stdev(logs) if len(logs) > 1 else None
 
 
 def block_speedup(ref_s: Sequence[float], row_s: Sequence[float]) -> PairedSpeedup:
@@ -86,18 +147,10 @@ def block_speedup(ref_s: Sequence[float], row_s: Sequence[float]) -> PairedSpeed
     return PairedSpeedup(med, low, high, 100.0 * (math.sqrt(high / low) - 1.0), min(len(ref_s), len(row_s)))
 
 
-def spread_pct(values: Sequence[float]) -> Optional[float]:
-    """Coefficient of variation in percent (standard deviation over mean); None under two values."""
-    vals = [float(v) for v in values if v is not None]
-    if len(vals) < 2 or statistics.fmean(vals) <= 0:
-        return None
-    return 100.0 * statistics.stdev(vals) / statistics.fmean(vals)
-
-
 def widest(halfwidths: Sequence[Optional[float]]) -> float:
     """The widest half-width among rows (infinite while a row has fewer than two paired rounds)."""
     return max((math.inf if h is None else h for h in halfwidths), default=0.0)
 
 
-__all__ = ["CONFIDENCE", "PairedSpeedup", "block_speedup", "paired_ratios", "paired_speedup", "round_order",
-           "spread_pct", "widest"]
+__all__ = ["CONFIDENCE", "PairedSpeedup", "block_speedup", "log_mean_variance", "log_ratio_sd", "paired_ratios",
+           "paired_speedup", "round_order", "rounds_needed", "spread_pct", "widest"]

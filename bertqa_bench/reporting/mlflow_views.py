@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from typing import Iterable
 
+from ..record.noise import gpu_clock_text
 from ..record.results import BackendResult, RunBundle
 
 PARITY_VALUE = {"pass": 1.0, "FAIL": 0.0}
@@ -30,6 +31,10 @@ def numeric(d: dict) -> dict:
         if math.isfinite(f):
             out[k] = f
     return out
+
+
+def _f1(v) -> str:
+    return "?" if v is None else f"{v:.1f}"
 
 
 def headline_keys(primary: str = "f1") -> tuple[str, str, str, str]:
@@ -60,7 +65,9 @@ def child_metrics(r: BackendResult, metric_names: Iterable[str] = (), primary: s
               "energy_j_per_1k_features": r.energy_j_per_1k_features,
               # the interval's ends; the run's calibration spread is the parent's metric (a child
               # metric named below "f1" would push the scores under the compare page's fold)
-              "speedup_low": r.speedup_low, "speedup_high": r.speedup_high}
+              "speedup_low": r.speedup_low, "speedup_high": r.speedup_high,
+              # GPU rows: the clock and power over its own passes (NVML medians)
+              "gpu_sm_clock_mhz": r.gpu_sm_clock_mhz, "gpu_power_w": r.gpu_power_w}
     if getattr(r, "scenario", ""):  # a LoadGen row: its load numbers are the comparison too
         values.update({"achieved_qps": r.achieved_qps, "target_qps": r.target_qps,
                        "sample_latency_p90_ms": r.sample_latency_p90_ms,
@@ -78,11 +85,15 @@ def result_view(r: BackendResult, metric_names: Iterable[str] = (), primary: str
     tags = {k: row[k] for k in TAG_FIELDS if row.get(k)}
     if r.timing_reliable is not None:  # what the machine was doing while it was timed (machine_state.py)
         tags["timing"] = r.timing_note if r.timing_reliable is False else "reliable"
-    if r.timing_noisy:  # the run's calibration wandered (measuring/rounds.py)
+    if r.timing_noisy:  # a noise sensor that speaks for this row wandered (record/noise.py)
         tags["timing"] = (tags.get("timing", "") + "; " if tags.get("timing") not in (None, "reliable") else "") + (
-            f"noisy host (calibration spread {r.calibration_cv_pct:.1f}%)")
+            f"noisy ({r.timing_noise_note})" if r.timing_noise_note
+            else f"noisy host (calibration spread {_f1(r.calibration_cv_pct)}%)")
     if r.timing_mode:
-        tags["timing_mode"] = r.timing_mode + (f" ({r.rounds} rounds)" if r.rounds else "")
+        tags["timing_mode"] = r.timing_mode + (f" ({r.rounds} rounds" + (
+            f", {r.processes} processes" if r.processes and r.processes > 1 else "") + ")" if r.rounds else "")
+    if gpu_clock_text(r):  # e.g. "power-capped at 1,650 MHz, 692 W": the clock the row ran at
+        tags["gpu_clock"] = gpu_clock_text(r)
     if r.parity and r.parity_within_noise:
         # beside the status, not in it: `tags.parity = 'FAIL'` keeps finding every FAIL
         tags["parity_within_noise"] = f"{r.questions_to_decide or '?'} questions would decide it"
@@ -98,7 +109,8 @@ def view_columns(children_metrics: Iterable[Iterable[str]], metric_names: Iterab
     have = set().union(*map(set, children_metrics)) if children_metrics else set()
     order = ["achieved_qps", "target_qps", "sample_latency_p90_ms", "sample_latency_p99_ms", "qps_vs_bench_pct",
              *headline_keys(primary), "features_per_s", *metric_names, "latency_p50_ms", "latency_p99_ms",
-             "prepare_s", "peak_host_mib", "peak_gpu_mib", "energy_j_per_1k_features"]
+             "prepare_s", "peak_host_mib", "peak_gpu_mib", "energy_j_per_1k_features", "gpu_sm_clock_mhz",
+             "gpu_power_w"]
     return (["tags.`parity`"] + [f"metrics.`{m}`" for m in dict.fromkeys(order) if m in have]
             + ["metrics.`verdict_pass`", "tags.`recommendation`"])
 

@@ -82,7 +82,7 @@ class Recommendation:
     # no candidate decidedly faster than the reference: the closest of them (stay on the reference)
     stay: Optional[Choice] = None
     fp32_stay: Optional[Choice] = None  # the same within the FP32 class
-    noisy: bool = False  # the run's calibration wandered (measuring/rounds.py)
+    noisy: bool = False  # a row's noise sensor wandered: the host's for a CPU row, the GPU's for a GPU row (record/noise.py)
 
     # --- views --------------------------------------------------------------------------------
     def lines(self) -> list[str]:
@@ -116,8 +116,9 @@ class Recommendation:
             out.append(f"- ⚠ Timed on a busy machine: {', '.join(self.busy)}; this ranking by speed may not hold, "
                        "rerun on an idle machine")
         if self.noisy:
-            out.append("- ~ The host was noisy (its calibration wandered): the intervals above are paired per round, "
-                       "and a row whose interval straddles 1.0 cannot be told apart from the reference here")
+            out.append("- ~ Timed while noisy (the noise sensor of a row wandered: the host's calibration for a CPU "
+                       "row, the GPU sensor for a GPU row): the intervals above are paired per round, and a row whose "
+                       "interval straddles 1.0 cannot be told apart from the reference here")
         return out
 
     def text(self) -> str:

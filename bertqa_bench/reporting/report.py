@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..io import atomic_write_text
+from ..record.noise import gpu_clock_text
 from ..record.parity import noise_note
 from ..record.results import BackendResult, RunBundle, RunMeta, rows_to_csv
 from .colors import for_results
@@ -27,7 +28,7 @@ def _time(r: BackendResult) -> str:
 
 
 BUSY = "⚠"  # timed while other processes needed the cores (machine_state.py): not the backend's time
-NOISY = "~"  # the run's calibration workload wandered more than bench.noise_cv_pct (measuring/rounds.py)
+NOISY = "~"  # a noise sensor that speaks for the row wandered past bench.noise_cv_pct (record/noise.py)
 
 
 def busy(r: Optional[BackendResult]) -> bool:
@@ -40,7 +41,8 @@ def _speedup(r: BackendResult, ref: Optional[BackendResult] = None) -> str:
     # [low–high]: the interval (rounds: what a rerun shows, 95 %; a block: the extremes of passes).
     # "≈": the interval straddles 1.0 — not distinguishable from the reference.
     # ⚠: this row or the reference was timed on a busy machine, so the ratio is not the backends'.
-    # ~: the run's calibration wandered (a noisy host); B: timed in a block, not in the rounds.
+    # ~: a sensor that speaks for this row wandered (the host's for a CPU row, the GPU's for a GPU
+    # row); B: timed in a block, not in the rounds.
     ci = f" [{r.speedup_low:.2f}–{r.speedup_high:.2f}]" if r.speedup_low is not None and r is not ref else ""
     return (f"{r.speedup:.2f}×{ci}" + (" ≈" if r.speedup_within_noise and r is not ref else "")
             + (" B" if r.timing_mode == "block" and r is not ref else "")
@@ -48,8 +50,8 @@ def _speedup(r: BackendResult, ref: Optional[BackendResult] = None) -> str:
 
 
 def rounds_lines(results: list[BackendResult], meta: RunMeta) -> list[str]:
-    """How the rows were timed: rounds, the interval each row reached, the calibration's spread,
-    the rows timed in blocks and why; a noisy host said plainly."""
+    """How the rows were timed: rounds, their processes, the interval each row reached, the two
+    noise sensors and the rows each marked, the GPU rows' clocks, the rows timed in blocks and why."""
     log = meta.rounds or {}
     lines = []
     if log.get("calibration_s"):
@@ -59,19 +61,54 @@ def rounds_lines(results: list[BackendResult], meta: RunMeta) -> list[str]:
                            and r.backend != meta.reference)
         lines.append(f"Timing: {n} interleaved round{'s' if n != 1 else ''} ({log.get('stop_reason', '')}); "
                      "each speedup is the median over rounds of the reference's pass / the row's pass of the same "
-                     "round, its interval [95 %] what a rerun with as many rounds shows"
+                     "round, its interval [95 %] what a rerun with as many rounds, in new processes, shows"
                      + (f"; intervals reached: {widths}" if widths else "") + ".")
-        cv = meta.calibration_cv_pct
-        if cv is not None:
-            lines.append(f"Calibration (a fixed numpy workload timed at the start of each round): {cv:.1f}% spread "
-                         f"(coefficient of variation) over {n} rounds" + (
-                             f" — {NOISY} **noisy host**: above the {meta.noise_cv_pct:g}% threshold; the paired "
-                             "ratios move with the host, but a ratio whose interval straddles 1.0 cannot be told here"
-                             if meta.timing_noisy else f", within the {meta.noise_cv_pct:g}% threshold") + ".")
+        lines += processes_lines(results)
+        lines += sensor_lines(results, meta, n)
     for r in results:
         if r.ok and r.timing_mode == "block" and r.timing_mode_note and r.backend != meta.reference:
             lines.append(f"- `{r.backend}` (B): {r.timing_mode_note}; its ratio is of two blocks timed at different "
                          "times, its range the extremes of the passes.")
+    return lines
+
+
+def processes_lines(results: list[BackendResult]) -> list[str]:
+    """How many worker processes each row's passes came from, and why fewer where memory said so."""
+    rows = [r for r in results if r.ok and r.timing_mode == "rounds" and r.processes]
+    if not rows:
+        return []
+    counts = {r.processes for r in rows}
+    head = (f"Processes: every row's passes came from {rows[0].processes} worker process"
+            f"{'es' if rows[0].processes != 1 else ''}" if len(counts) == 1
+            else "Processes: " + ", ".join(f"`{r.backend}` {r.processes}" for r in rows))
+    return [head + (", taking turns by round; each interval includes the spread between them" if max(counts) > 1
+                    else "; the spread between processes is not in the intervals") + "."] + [
+        f"- `{r.backend}`: {r.processes_note}" for r in rows if r.processes_note]
+
+
+def sensor_lines(results: list[BackendResult], meta: RunMeta, n: int) -> list[str]:
+    """The host calibration and the GPU sensor, which rows each marked (``~``), the GPU clocks."""
+    lines, gpu_rows = [], [r for r in results if r.ok and r.device == "cuda"]
+    cv = meta.calibration_cv_pct
+    if cv is not None:
+        marks = "it marks the CPU rows" + (", and a GPU row in proportion to the share of its passes the GPU sat idle"
+                                           if gpu_rows else "")
+        lines.append(f"Host calibration (a fixed numpy workload on one CPU thread, timed at the start of each round): "
+                     f"{cv:.1f}% spread (coefficient of variation) over {n} rounds" + (
+                         f" — **noisy host**: above the {meta.noise_cv_pct:g}% threshold; {marks}"
+                         if meta.timing_noisy else f", within the {meta.noise_cv_pct:g}% threshold") + ".")
+    if meta.gpu_sensor_spread_pct is not None or meta.gpu_sensor_jitter_pct is not None:
+        lines.append(f"GPU sensor (fixed GEMMs and a device copy timed by CUDA events each round; it marks the GPU "
+                     f"rows): {_f(meta.gpu_sensor_spread_pct, '.1f')}% spread over rounds, "
+                     f"{_f(meta.gpu_sensor_jitter_pct, '.1f')}% between repetitions within a round (threshold "
+                     f"{meta.noise_cv_pct:g}%).")
+    elif gpu_rows:
+        lines.append("GPU sensor: not read (no CUDA in the bench's own process); the GPU rows carry no noise mark.")
+    lines += [f"- {NOISY} `{r.backend}`: noisy ({r.timing_noise_note}); a ratio whose interval straddles 1.0 cannot "
+              "be told here" for r in results if r.ok and r.timing_noisy]
+    clocks = [f"`{r.backend}` {gpu_clock_text(r)}" for r in gpu_rows if gpu_clock_text(r)]
+    if clocks:
+        lines.append("GPU clocks over each row's own passes (NVML, medians): " + "; ".join(clocks) + ".")
     return lines
 
 
@@ -134,7 +171,7 @@ def markdown_table(results: list[BackendResult], meta: RunMeta) -> str:
         f"Δ{meta.metric_labels.get(primary, primary)} [95% CI]", "Answer agreement [95% CI]", "Max |Δ logit|", "Parity",
                                                     "Prepare (s)", ("Peak MiB (host prepare / predict / GPU)" if gpu else "Peak host MiB (prepare / predict)")]
     if gpu:
-        head += ["J / 1k features"]
+        head += ["J / 1k features", "GPU clock (median over its passes)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     ref = next((r for r in results if r.backend == meta.reference), None)
     for r in results:
@@ -152,7 +189,7 @@ def markdown_table(results: list[BackendResult], meta: RunMeta) -> str:
         cells += [_delta(r, primary), _agreement(r), _f(r.max_abs_logit_diff, ".2e"), _parity(r),
                   _f(r.prepare_s, ".1f"), _memory(r)]
         if gpu:
-            cells.append(_f(r.energy_j_per_1k_features, ".1f"))
+            cells += [_f(r.energy_j_per_1k_features, ".1f"), gpu_clock_text(r) or "—"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -172,7 +209,8 @@ def header_lines(meta: RunMeta, env: dict, results: tuple = ()) -> list[str]:
                  f"median of the timed passes (min–max in brackets). Speedup and % change are against "
                  f"`{meta.reference}` from this same run, paired round by round [95 % interval]; ≈ marks an "
                  f"interval that straddles 1.0, B a row timed in a block of its own, {BUSY} a time (or a ratio "
-                 f"with one) taken while other processes needed the cores, {NOISY} a run on a noisy host.")
+                 f"with one) taken while other processes needed the cores, {NOISY} a row whose noise sensor wandered (the "
+                 f"host's for a CPU row, the GPU's for a GPU row).")
     if threads_line(list(results)):
         lines.append(threads_line(list(results)))
     if meta.command:

@@ -349,6 +349,12 @@ class Tracker:
                 tags["timing"] = ("" if tags.get("timing") in (None, "reliable") else tags["timing"] + "; ") + (
                     f"noisy host: calibration spread {meta.calibration_cv_pct:.1f}% over "
                     f"{len(meta.rounds.get('calibration_s', []))} rounds (threshold {meta.noise_cv_pct:g}%)")
+            for k in ("gpu_sensor_spread_pct", "gpu_sensor_jitter_pct"):  # the GPU sensor (record/noise.py)
+                if getattr(meta, k) is not None:
+                    metrics[k] = getattr(meta, k)
+            noisy = [r.backend for r in ok if r.timing_noisy]
+            if noisy:
+                tags["timing_noisy_rows"] = ", ".join(noisy)
             if meta.calibration_cv_pct is not None:
                 metrics["calibration_cv_pct"] = meta.calibration_cv_pct
                 metrics["timing_rounds"] = len(meta.rounds.get("calibration_s", []))
