@@ -894,6 +894,21 @@ def test_fp8_attention_swaps_qkv_to_e4m3_and_the_packed_model_tracks_the_padded_
         pack_model(copy.deepcopy(model).model, attention="cudnn", fp8_pv="fp16")
 
 
+def test_triton_fp8_attention_refuses_a_head_size_the_fp8_mma_cannot_take_before_any_work():
+    """Head size 16: the 16-bit Triton kernel takes it, the e4m3-input one does not (the FP8 MMA's
+    K step is 32): refused when the encoder is packed, naming the sizes, not at the first forward."""
+    from bertqa_bench.backends.transforms.packed_encoder import pack_model
+
+    model = qa(tiny_bert(hidden=32))  # 2 heads of 16
+    ids, mask, types = inputs()
+    targets = fp8.target_linears(model, fp8_rules.GEMM_KINDS)
+    amax = fp8.calibrate_amax(model, [(ids, mask, types)], targets, fp8.qkv_names(targets))
+    pack_model(copy.deepcopy(model).model, attention="triton")  # 16-bit Q, K, V: taken
+    fp8.swap_to_fp8(model, amax, gemms="all", attention_fp8=True)
+    with pytest.raises(ValueError, match="takes head sizes 32, 64, 128 on e4m3 Q, K, V; this model's is 16"):
+        pack_model(model.model, attention="triton")
+
+
 def _tiny_qa_and_its_fp8_all_copy():
     """A tiny QA model, its inputs (ids, mask, types), the calibrated input amax of its encoder
     GEMMs, and a copy with every one of them in FP8 (per-tensor scales): the baseline an FP8

@@ -30,7 +30,8 @@ def _attend_block(q, k_base, v_base, start_n, seqlen, stride_kt, stride_vt, m_i,
     else:
         k = tl.load(k_base + rows[:, None] * stride_kt + offs_d[None, :])
         v = tl.load(v_base + rows[:, None] * stride_vt + offs_d[None, :])
-    # fp32 accumulation of exact products: 16-bit x 16-bit, or e4m3 x e4m3 (8 significant bits)
+    # exact products, 16-bit x 16-bit or e4m3 x e4m3, accumulated in fp32 (on Hopper's FP8 MMA with
+    # fewer bits: varlen_attention's docstring)
     s = tl.dot(q, tl.trans(k))
     if MASKED:
         s = tl.where(n_valid[None, :], s, float("-inf"))

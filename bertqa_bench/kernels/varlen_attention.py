@@ -34,9 +34,11 @@ among its subnormals) takes its place.
 
 e4m3 inputs (``qkv_scale``, a 1-element fp32 tensor: the fused QKV GEMM's output scale, so that Q,
 K, V are e4m3 codes of the values over it): half the bytes read, and Q K^T on Hopper's FP8 tensor
-cores, its e4m3 x e4m3 products exact in the fp32 accumulator; the scores are decoded by one fp32
-multiply (qkv_scale^2 folded into the softmax scale) and the output by another (qkv_scale), so
-against attention of the decoded inputs the error is the 16-bit kernel's. P V then runs in fp16 (V's
+cores. Each e4m3 x e4m3 product is exact, but Hopper's FP8 MMA adds them with fewer bits than fp32
+(Triton leaves its imprecise accumulation on at sm_90; about 2^-13 of the products' magnitudes,
+by published measurements of the H100/H800 MMA), so each score carries an error of that order
+that the 16-bit kernel's scores do not; the scores are decoded by one fp32 multiply (qkv_scale^2
+folded into the softmax scale) and the output by another (qkv_scale). P V then runs in fp16 (V's
 e4m3 values are exact in fp16; P rounds as above) or, with ``pv_e4m3``, on FP8 tensor cores too,
 P times ``P_SCALE_E4M3`` rounded to e4m3 (relative <= 2^-4 per probability, absolute 2^-10 / 256
 below e4m3's normals: cuDNN's FP8 attention's bound). On the H200 the e4m3 P V is the slower one:
@@ -50,7 +52,7 @@ sync); trailing repeated entries of ``cu_seqlens`` are empty sequences; output r
 [0, cu_seqlens[-1]) are not written. The launch grid depends only on host values (shapes,
 ``max_seqlen``), never on device values, so a call can be captured in a CUDA graph, once the
 autotuner has picked its configuration for that key in an eager call (the first call per
-head_dim, dtypes and sequence-length bucket compiles and times up to 22 configurations: seconds).
+head_dim, dtypes, sequence-length bucket and P_SCALE compiles and times up to 22 configurations: seconds).
 The tuning is kept in Triton's cache (``cache_results``), so later processes on the machine take the
 same tile from it instead of re-timing: the processes of one run agree to the bit, where tiles
 within noise of each other would otherwise be chosen apart (``tuning_source`` says which).

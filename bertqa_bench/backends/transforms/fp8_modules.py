@@ -275,7 +275,8 @@ class Fp8SelfAttention(nn.Module):
         b = None if q.bias is None else torch.cat([q.bias, k.bias, v.bias], dim=0)
         # cast_output=False: SDPA runs in the GEMM's output dtype, saving a cast pass over q/k/v.
         # out_scale: Q, K and V in e4m3 (x out_scale), for FP8 attention on the packed path
-        # (cudnn_fp8_attention.py); this padded forward decodes them for SDPA.
+        # (cudnn_fp8_attention.py, or varlen_attention.py's e4m3 inputs); this padded forward
+        # decodes them for SDPA.
         self.qkv = Fp8Linear(w, b, scaling=scaling, act_scale=act_scale, fast_accum=fast_accum,
                               cast_output=False, out_scale=out_scale)
         self.register_buffer("qkv_out_scale", None if out_scale is None else torch.tensor(

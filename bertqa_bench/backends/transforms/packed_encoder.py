@@ -54,7 +54,7 @@ from torch import nn
 
 from ...kernels.cudnn_fp8_attention import attention_fp8, fp8_varlen_attention_reference
 from ...kernels.fp8_math import saturate_to_e4m3
-from ...kernels.varlen_attention import HEAD_DIMS, varlen_attention_op
+from ...kernels.varlen_attention import E4M3_HEAD_DIMS, HEAD_DIMS, varlen_attention_op
 from ...model.checkpoint import OFFSET_POSITION_FAMILIES, PACKED_FAMILIES
 from ..device_io import capture_streams
 from ..torch_options import PACKED_ATTENTION
@@ -124,9 +124,14 @@ class PackedEncoder(nn.Module):
         self.scale = self.head_dim ** -0.5
         self.attention = attention
         if attention == "triton":
-            if self.head_dim not in HEAD_DIMS:  # refused here, before compiling and capturing
-                raise ValueError(f"attention 'triton' takes head sizes {', '.join(map(str, HEAD_DIMS))}; this "
-                                 f"model's is {self.head_dim} (packed_attention: cudnn or flash take it)")
+            # refused here, before compiling and capturing; on e4m3 Q, K, V (layers whose QKV GEMM
+            # writes e4m3, swapped before packing) the FP8 MMA's K step needs head sizes >= 32
+            fp8_layers = any(getattr(m, "qkv_out_scale", None) is not None for m in bert.modules())
+            sizes = E4M3_HEAD_DIMS if fp8_layers else HEAD_DIMS
+            if self.head_dim not in sizes:
+                raise ValueError(f"attention 'triton' takes head sizes {', '.join(map(str, sizes))}"
+                                 f"{' on e4m3 Q, K, V' if fp8_layers else ''}; this model's is {self.head_dim} "
+                                 "(packed_attention: cudnn or flash take it)")
         # FP8 attention for layers whose QKV GEMM writes e4m3 (fp8_surgery attention_fp8): cuDNN's,
         # or the Triton kernel on e4m3 inputs (``_fp8_attention``); bound here, outside traced code
         self._cudnn_fp8 = attention_fp8
@@ -193,8 +198,9 @@ class PackedEncoder(nn.Module):
         """Attention on e4m3 Q, K, V (the values over ``qkv_scale``), e4m3 out at ``o_inv_scale``: the
         Triton kernel on CUDA with attention 'triton', cuDNN's FP8 attention otherwise; off CUDA,
         the reference pipeline (P rounded to e4m3, or kept for ``fp8_pv`` fp16)."""
-        if self.attention == "triton" and self._kernel is not None and q8.is_cuda:
-            return self._kernel(q8, k8, v8, cu, max_len, self.scale, o_inv_scale, qkv_scale, self.fp8_pv == "e4m3")
+        if self.attention == "triton" and q8.is_cuda:  # never cuDNN's under the Triton row's name
+            return varlen_attention_op(q8, k8, v8, cu, max_len, self.scale, o_inv_scale, qkv_scale,
+                                       self.fp8_pv == "e4m3")
         if self.fp8_pv != "e4m3" and not q8.is_cuda:
             return fp8_varlen_attention_reference(q8, k8, v8, cu, self.scale, qkv_scale, o_inv_scale, p_e4m3=False)
         return self._cudnn_fp8(q8, k8, v8, cu, max_len, self.scale, qkv_scale, o_inv_scale)
