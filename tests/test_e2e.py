@@ -109,6 +109,19 @@ def _plugin_dist(site):
         f"hang = {PLUGINS}:Hang\n")
 
 
+def test_one_round_starts_one_process_a_row(tiny_suite):
+    """bench.max_rounds 1 (the CI gate's): round k's pass comes from process k mod n, so a second
+    process would time nothing and end as a failed row. One process a row, the note saying why."""
+    suite = tiny_suite(backends=["eager-fp32", "ort-fp32"],
+                       bench={"backends": ["eager-fp32", "ort-fp32"], "batch_size": 8, "warmup_batches": 1,
+                              "min_passes": 1, "max_rounds": 1, "min_duration_s": 0, "processes": 2})
+    out = run_bench(load_suite(str(suite)), tracker=None, progress=False)
+    rows = {r.backend: r for r in RunBundle.load(out.run_dir).results}
+    for r in rows.values():
+        assert r.ok, (r.backend, r.error)
+        assert r.processes == 1 and "bench.max_rounds 1 gives the others no round" in r.processes_note, r.backend
+
+
 def test_a_crash_and_a_hang_between_working_backends_lose_nothing(tiny_suite, tmp_path, monkeypatch):
     site = tmp_path / "site"
     _plugin_dist(site)

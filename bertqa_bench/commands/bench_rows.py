@@ -180,6 +180,12 @@ class RowRunner:
         """The row's second (and further) worker processes, started and prepared beside its first
         while memory allows (``room_for_another``); the row's note says why it has fewer."""
         extra, wanted = [], self.cfg.bench.processes if self.cfg.bench.isolation == "process" else 1
+        if wanted > self.cfg.bench.max_rounds:
+            # round k's pass comes from process k mod n: a process past max_rounds would never time
+            # a pass, and a worker that ends without one is a failed row
+            self._process_notes[v.name] = (f"{self.cfg.bench.max_rounds} of {wanted} processes: bench.max_rounds "
+                                           f"{self.cfg.bench.max_rounds} gives the others no round")
+            wanted = self.cfg.bench.max_rounds
         for i in range(2, wanted + 1):
             why = room_for_another(readies, mem_available_mib())
             if not why:
