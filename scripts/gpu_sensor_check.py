@@ -19,6 +19,7 @@ no row of the quiet run is marked and every GPU row of the loaded one is), else 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import subprocess
@@ -69,6 +70,16 @@ def stop_load(pid: int) -> None:
         pass
 
 
+@contextlib.contextmanager
+def planted_load(folder: Path):
+    """The GEMM loop running in a process of its own for the block's duration, stopped after it."""
+    pid = start_load(folder)
+    try:
+        yield pid
+    finally:
+        stop_load(pid)
+
+
 def read_sensor(rounds: int, threshold: float, label: str) -> bool:
     sensor = GpuSensor()
     readings = []
@@ -117,20 +128,14 @@ def main(argv=None) -> int:
     ok = True
     with tempfile.TemporaryDirectory(prefix="gpu-sensor-check-") as d:
         quiet = read_sensor(a.rounds, a.threshold, "quiet")
-        pid = start_load(Path(d))
-        try:
+        with planted_load(Path(d)):
             loaded = read_sensor(a.rounds, a.threshold, "loaded")
-        finally:
-            stop_load(pid)
         ok = not quiet and loaded
         if a.bench:
             time.sleep(5)  # the load's context gone from the card
             quiet_rows = bench_rows(a.bench, a.sets, "quiet")
-            pid = start_load(Path(d))
-            try:
+            with planted_load(Path(d)):
                 loaded_rows = bench_rows(a.bench, a.sets, "loaded")
-            finally:
-                stop_load(pid)
             ok = ok and not any(r.timing_noisy for r in quiet_rows if r.ok) and all(
                 r.timing_noisy for r in loaded_rows if r.ok and r.device == "cuda")
     print("PASS: quiet not noisy, planted load noisy" if ok else "FAIL: see the readings above")
