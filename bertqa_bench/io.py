@@ -6,6 +6,7 @@ the old file or the new one, never half of one: write next to the target, then r
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -96,15 +97,35 @@ def atomic_dir(path: PathLike, replace: bool = True) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
     try:
         yield tmp
-        if path.exists() and not replace:
-            shutil.rmtree(tmp, ignore_errors=True)
-        elif path.exists():
+        if replace and path.exists():
             old = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.old."))
             os.replace(path, old / "x")
-            os.replace(tmp, path)
+            _swap_in(tmp, path, replace)
             shutil.rmtree(old, ignore_errors=True)
         else:
-            os.replace(tmp, path)
+            _swap_in(tmp, path, replace)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _swap_in(tmp: Path, path: Path, replace: bool) -> None:
+    """Rename ``tmp`` onto ``path``. A check for ``path`` before the rename cannot be trusted:
+    another process can finish the same entry between the check and the rename, which then
+    fails with ENOTEMPTY (two benches started together, building one evaluation set). Without
+    ``replace`` the entry that got there first stays; with it the newer one wins."""
+    for _ in range(3):
+        try:
+            os.replace(tmp, path)
+            return
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST) or not path.is_dir():
+                raise
+            if not replace:
+                shutil.rmtree(tmp, ignore_errors=True)
+                return
+            old = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.old."))
+            with contextlib.suppress(FileNotFoundError):
+                os.replace(path, old / "x")
+            shutil.rmtree(old, ignore_errors=True)
+    os.replace(tmp, path)

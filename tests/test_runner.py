@@ -1,4 +1,7 @@
 """Batch plans (order round trip, token budgets, padding rows), the timing loop and warm-up."""
+import os
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -289,6 +292,30 @@ def test_a_content_keyed_cache_entry_finished_first_by_another_process_stays(tmp
     with atomic_dir(entry) as tmp:  # a saved model: the new one replaces the old
         (tmp / "x").write_text("new")
     assert (entry / "x").read_text() == "new"
+
+
+@pytest.mark.parametrize("replace", [False, True])
+def test_a_cache_entry_another_process_renames_in_just_before_ours_does_not_fail(tmp_path, monkeypatch, replace):
+    """The race CI hit: two benches started together both build one evaluation set, and the
+    other's rename lands between this one's check and its rename (ENOTEMPTY)."""
+    from bertqa_bench import io
+
+    entry, real_replace, planted = tmp_path / "entry", os.replace, []
+
+    def racing_replace(src, dst):
+        if Path(dst) == entry and not planted:  # the other process finishes first, just now
+            other = tmp_path / ".other"
+            other.mkdir()
+            (other / "x").write_text("other")
+            real_replace(other, entry)
+            planted.append(1)
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(io.os, "replace", racing_replace)
+    with io.atomic_dir(entry, replace=replace) as tmp:
+        (tmp / "x").write_text("ours")
+    assert planted and (entry / "x").read_text() == ("ours" if replace else "other")
+    assert [p.name for p in tmp_path.iterdir()] == ["entry"]  # no temporary left behind
 
 
 def test_token_efficiency_is_real_over_computed_tokens():
