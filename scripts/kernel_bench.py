@@ -18,6 +18,9 @@ would replace, with its numerics checked against a reference on the same inputs:
   GEMMs a residual follows, also with the residual added in the GEMM (cuBLASLt's C operand, beta 1)
   and the Inductor LayerNorm + e4m3 quantize kernel that then reads one tensor instead of two;
   reference: the same GEMM in fp32 on the decoded e4m3 values;
+* residual add + LayerNorm + e4m3 quantize (``--only layernorm``): Inductor's fused pass against the
+  suite's one-pass Triton kernel (``fp8.layernorm: triton``) at each launch shape it may use, with
+  fp16 or e4m3 GEMM outputs and an fp16 or bf16 residual; reference: the kernel's torch formula;
 * each inside a captured CUDA graph as well, replayed and compared with its eager result.
 
 Times are CUDA-event medians (min-max) over ``--iters`` calls after ``--warmup``; each line of the
@@ -445,7 +448,7 @@ def ffn_up(args, hidden, ffn, emit) -> None:
     from bertqa_bench.backends.transforms.fp8_surgery import fp8_classes
     from bertqa_bench.kernels.fp8_math import e4m3_codes_apart, static_act_scale
 
-    Fp8Linear, _, Fp8Intermediate = fp8_classes()
+    Fp8Linear, _, Fp8Intermediate = fp8_classes()[:3]
     torch.manual_seed(0)
     w = (torch.randn(ffn, hidden, device="cuda") * hidden ** -0.5).half()
     b = (torch.randn(ffn, device="cuda") * 0.1).half()
@@ -601,6 +604,62 @@ def _layernorm_after(args, y, r, emit, base) -> None:
         emit(rec)
 
 
+def add_layernorm(args, hidden, emit) -> None:
+    """Residual add + LayerNorm + e4m3 quantize, [tokens, hidden]: Inductor's fused pass (today's
+    path) against the suite's Triton kernel (kernels/add_layernorm_fp8.py, fp8 layernorm: triton)
+    at every launch shape it may use, on fp16 inputs, and on an e4m3 GEMM output (what a GEMM
+    writing e4m3 would hand it) and a bf16 residual; each checked against the torch reference
+    (e4m3 codes apart) and set against its bytes floor."""
+    from bertqa_bench.kernels import add_layernorm_fp8 as aln
+    from bertqa_bench.kernels.fp8_math import e4m3_codes_apart
+
+    torch.manual_seed(0)
+    m = args.tokens
+    y = torch.randn(m, hidden, device="cuda").half()
+    r = (torch.randn(m, hidden, device="cuda") * 2).half()
+    w = (1 + 0.1 * torch.randn(hidden, device="cuda")).half()
+    b = (0.1 * torch.randn(hidden, device="cuda")).half()
+    inv = 40.0
+    base = {"what": "add_layernorm", "M": m, "hidden": hidden}
+    ln = torch.nn.LayerNorm(hidden, device="cuda", dtype=torch.float16, eps=1e-12)
+    with torch.no_grad():
+        ln.weight.copy_(w)
+        ln.bias.copy_(b)
+    inductor = torch.compile(lambda y, r: (lambda h: (h, (h.float() * inv).clamp(-448, 448).to(torch.float8_e4m3fn)))(
+        ln(y + r)), dynamic=False)
+    cases = [("fp16 y, fp16 residual", y, r, {}), ("e4m3 y, fp16 residual", (y.float() / 0.01).clamp(-448, 448).to(
+        torch.float8_e4m3fn), r, {"y_scale": 0.01}), ("fp16 y, bf16 residual", y, r.bfloat16(), {})]
+    for label, yy, rr, kw in cases:
+        floor = m * hidden * (yy.element_size() + 2 * rr.element_size() + 1)
+        ref_x, ref8 = aln.add_layernorm_fp8_reference(yy, rr, w, b, 1e-12, x8_inv_scale=inv, **kw)
+        paths = {}
+        if not kw and rr.dtype == torch.float16:
+            paths["Inductor (LayerNorm + quantize, fused)"] = lambda: inductor(yy, rr)
+        for rows in aln.ROW_CHOICES:
+            for warps in aln.WARP_CHOICES:
+                x, x8 = torch.empty_like(rr), torch.empty(m, hidden, dtype=torch.float8_e4m3fn, device="cuda")
+
+                def call(rows=rows, warps=warps, x=x, x8=x8):
+                    aln.launch(yy, rr, w, b, x, x8, 1e-12, x8_inv_scale=inv, rows=rows, warps=warps, **kw)
+                    return x, x8
+                tag = " (default)" if (rows, warps) == aln.default_config(hidden) else ""
+                paths[f"Triton, {rows} row(s) x {warps} warps{tag}"] = call
+        for kernel, fn in paths.items():
+            rec = {**base, "inputs": label, "kernel": kernel, "floor_MB": round(floor / 1e6, 1)}
+            try:
+                out_x, out8 = fn()
+                apart = e4m3_codes_apart(out8, ref8)
+                rec["e4m3_codes_apart_max"] = int(apart.max())
+                rec["e4m3_codes_equal_pct"] = round(100 * float((apart == 0).float().mean()), 3)
+                rec["x_max_abs_err"] = float((out_x.float() - ref_x.float()).abs().max())
+                rec.update(timed_eager_and_graphed(lambda: fn()[1], out8, args))
+                us = rec["graph"]["us_median"]
+                rec["TB_s"] = round(floor / (us * 1e-6) / 1e12, 3)
+            except Exception as e:  # noqa: BLE001
+                rec["error"] = f"{type(e).__name__}: {e}"[:1500]
+            emit(rec)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="bert-large")
@@ -609,7 +668,7 @@ def main(argv=None) -> int:
     p.add_argument("--seq-max", type=int, default=384)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--iters", type=int, default=50)
-    p.add_argument("--only", choices=("attention", "ffn_up", "gemms"), default=None)
+    p.add_argument("--only", choices=("attention", "ffn_up", "gemms", "layernorm"), default=None)
     p.add_argument("--autotune", type=int, default=5, help="also time the epilogue autotuned (iterations; 0: not)")
     p.add_argument("--out", default="-", help="JSON lines file (default stdout)")
     p.add_argument("--from-run", default=None, metavar="RUN_DIR",
@@ -674,6 +733,8 @@ def main(argv=None) -> int:
         ffn_up(args, hidden, ffn, emit)
     if args.only in (None, "gemms"):
         gemms(args, hidden, ffn, emit)
+    if args.only in (None, "layernorm"):
+        add_layernorm(args, hidden, emit)
     return 0
 
 

@@ -333,7 +333,7 @@ def _ffn8_model(hidden: int = 64):
 @needs_cpu_scaled_mm
 def test_ffn_hidden_fp8_is_the_16bit_hidden_path_with_one_more_rounding():
     model, plain, done, amax, x = _ffn8_model()
-    Fp8Linear, _, Fp8Intermediate = fp8.fp8_classes()
+    Fp8Linear, _, Fp8Intermediate = fp8.fp8_classes()[:3]
     assert done["ffn_hidden_fp8"] == [f"model.bert.encoder.layer.{i}.intermediate" for i in range(2)]
     layer, ref_layer = model.model.bert.encoder.layer[0], plain.model.bert.encoder.layer[0]
     assert isinstance(layer.intermediate, Fp8Intermediate) and isinstance(layer.output.dense, Fp8Linear)
@@ -536,7 +536,7 @@ def test_swap_default_replaces_exactly_qkv_and_ffn_and_leaves_the_rest():
     amax = fp8.calibrate_amax(model, [inputs()], fp8.target_linears(model))
     assert all(v > 0 for v in amax.values())
     done = fp8.swap_to_fp8(model, amax)  # defaults: tensor scaling, fused QKV, qkv + ffn GEMMs
-    Fp8Linear, Fp8SelfAttention, _ = fp8.fp8_classes()
+    Fp8Linear, Fp8SelfAttention = fp8.fp8_classes()[:2]
     after = _linears(model)
     assert after == {"model.qa_outputs"} | {f"model.bert.encoder.layer.{i}.attention.output.dense" for i in range(2)}
     assert set(done["swapped"]) == before - after
@@ -669,7 +669,7 @@ def test_ffn_epilogue_path_is_the_epilogue_formula_on_the_layers_own_operands():
 
     from bertqa_bench.kernels import cublaslt_epilogues as ge
 
-    Fp8Linear, _, Fp8Intermediate = fp8.fp8_classes()
+    Fp8Linear, _, Fp8Intermediate = fp8.fp8_classes()[:3]
     g = torch.Generator().manual_seed(1)
     w, b = torch.randn(128, 64, generator=g) * 0.1, torch.randn(128, generator=g) * 0.1
     x = torch.randn(5, 7, 64, generator=g)
@@ -1024,6 +1024,92 @@ def test_residual_in_gemm_options_are_checked():
     torch_options.TorchOptions(weights="fp16", packed=True, token_bucket=256, fp8=f)
     with pytest.raises(ValueError, match="residual 'x' is not one of"):
         fp8.swap_to_fp8(qa(tiny_bert()), None, scaling="rowwise", residual="x")
+
+
+# --------------------------------------------------------------------------- add + LayerNorm + quantize in one kernel
+
+class _ReferenceLayerNorm(nn.Module):
+    """A LayerNorm computed by the fused kernel's torch reference on an already-added input: what
+    the plain path's LayerNorm module would be if it used the kernel's arithmetic."""
+
+    def __init__(self, norm):
+        super().__init__()
+        self.norm = norm
+
+    def forward(self, s):
+        from bertqa_bench.kernels.add_layernorm_fp8 import add_layernorm_scaled
+
+        h = s.shape[-1]
+        x = add_layernorm_scaled(s.reshape(-1, h), torch.zeros_like(s.reshape(-1, h)), self.norm.weight,
+                                 self.norm.bias, self.norm.eps)[0]
+        return x.reshape(s.shape).to(s.dtype)
+
+
+@needs_cpu_scaled_mm
+@pytest.mark.parametrize("ffn8", [False, True])
+def test_fused_layernorm_feeds_each_fp8_gemm_its_e4m3_input_at_that_gemms_scale(ffn8):
+    """layernorm: triton on the padding-free encoder: every LayerNorm an FP8 GEMM reads (each
+    layer's attention one feeds its FFN-up, the FFN one the next layer's fused QKV; not the last,
+    which the QA head reads) becomes one add + norm kernel, and the logits are bit for bit those of
+    the LayerNorm path computing the same LayerNorm arithmetic: the e4m3 copy is the one the GEMM
+    would have made, at that GEMM's own scale (a scale taken from another GEMM changes them)."""
+    from bertqa_bench.backends.transforms.packed_encoder import pack_model
+
+    model, x, mask, _, _ = _tiny_qa_and_its_fp8_all_copy()
+    targets = fp8.target_linears(model, fp8_rules.GEMM_KINDS)
+    amax = fp8.calibrate_amax(model, [x], targets, fp8.ffn_up_names(targets))
+    plain = copy.deepcopy(model)
+    kw = {"gemms": "all", "ffn_hidden_fp8": ffn8}
+    fp8.swap_to_fp8(plain, amax, **kw)
+    done = fp8.swap_to_fp8(model, amax, **kw, layernorm="triton")
+    assert done["fused_layernorms"] == ["model.bert.encoder.layer.0.attention.output.LayerNorm",
+                                        "model.bert.encoder.layer.0.output.LayerNorm",
+                                        "model.bert.encoder.layer.1.attention.output.LayerNorm"]
+    Fp8AddLayerNorm = fp8.fp8_classes()[3]
+    seen = []
+    for name in done["fused_layernorms"]:
+        norm = model.get_submodule(name)
+        consumer = name.replace("attention.output.LayerNorm", "intermediate.dense").replace(
+            "layer.0.output.LayerNorm", "layer.1.attention.self.qkv")
+        assert isinstance(norm, Fp8AddLayerNorm)
+        lin = model.get_submodule(consumer)
+        assert norm.consumer_act_scale == lin.act_scale_value
+        # what the consumer is handed: the kernel's e4m3 copy, never x to quantize again
+        lin.quantize_input = lambda x2, _f=lin.quantize_input, _n=consumer: seen.append((_n, x2.dtype)) or _f(x2)
+        _set = name.rsplit(".", 1)[0]
+        plain.get_submodule(_set).LayerNorm = _ReferenceLayerNorm(plain.get_submodule(name))
+    assert type(model.get_submodule("model.bert.encoder.layer.1.output.LayerNorm")) is nn.LayerNorm
+    ffn_norm = model.get_submodule(done["fused_layernorms"][1])
+    pack_model(model.model)
+    pack_model(plain.model)
+    with torch.no_grad():
+        got, want = model(*x), plain(*x)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    assert len(seen) == 3 and {dtype for _, dtype in seen} == {torch.float8_e4m3fn}, seen
+    # the same model with one consumer's scale off by a step: the kernel's output is what that GEMM reads
+    ffn_norm._x8_inv_scale *= 1.5
+    with torch.no_grad():
+        assert not torch.equal(model(*x)[0], want[0])
+
+
+def test_fused_layernorm_options_are_checked_before_any_work():
+    from bertqa_bench.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="fp8.layernorm 'apex' is not one of inductor, triton"):
+        torch_options.Fp8Options(layernorm="apex")
+    with pytest.raises(ConfigError, match="layernorm: triton adds the residual in its own kernel; residual: gemm"):
+        torch_options.Fp8Options(layernorm="triton", residual="gemm")
+    with pytest.raises(ConfigError, match="layernorm: triton .* needs scaling 'tensor'"):
+        torch_options.Fp8Options(layernorm="triton", scaling="rowwise")
+    with pytest.raises(ConfigError, match="needs scaling 'tensor' and qkv or ffn_in in FP8"):
+        torch_options.Fp8Options(layernorm="triton", gemms="attn_out,ffn_out")
+    f = torch_options.Fp8Options(layernorm="triton")
+    with pytest.raises(ConfigError, match="fp8.layernorm: triton .* needs packed: true"):
+        torch_options.TorchOptions(weights="fp16", fp8=f)
+    torch_options.TorchOptions(weights="fp16", packed=True, fp8=f)
+    with pytest.raises(ValueError, match="layernorm 'x' is not one of"):
+        fp8.swap_to_fp8(qa(tiny_bert()), None, scaling="rowwise", layernorm="x")
 
 
 @pytest.mark.gpu
@@ -1766,7 +1852,7 @@ def test_a_variants_kept_layers_stay_unquantized_in_the_model_it_builds(tmp_path
     assert isinstance(backend, TorchBackend)
     module, info = torch_builder.build_model(backend.options, ctx, backend.device, backend.name)
     assert info["fp8_keep_layers"] == "1"
-    Fp8Linear, Fp8SelfAttention, _ = fp8.fp8_classes()
+    Fp8Linear, Fp8SelfAttention = fp8.fp8_classes()[:2]
     layers = _encoder(module).layer
     for i, layer in enumerate(layers):
         linears = [layer.attention.self.query, layer.attention.self.key, layer.attention.self.value,

@@ -31,6 +31,16 @@ def gelu_info(gelu: str, module) -> str:
     return f"tanh form, {implementation(next(module.parameters()).is_cuda)}"
 
 
+def layernorm_info(layernorm: str, module, fused: int) -> str:
+    """What computes the residual + LayerNorm + quantize before the FP8 GEMMs (prepare_info's fp8_layernorm)."""
+    if layernorm != "triton":
+        return "the LayerNorm, then the GEMM's quantize (fused by torch.compile)"
+    from ..kernels.add_layernorm_fp8 import implementation
+
+    return (f"one pass writing the residual and its e4m3 copy before {fused} FP8 GEMMs: "
+            f"{implementation(next(module.parameters()).is_cuda)}")
+
+
 def torch_dtype(name: str):
     import torch
 
@@ -133,7 +143,7 @@ def calibrate_and_swap_fp8(module, f: Fp8Options, batches) -> dict:
                            act_margin=f.act_margin, keep_layers=keep, ffn_hidden_fp8=f.ffn_hidden_fp8,
                            ffn_gelu=f.ffn_gelu, attention_fp8=f.attention == "fp8", residual=f.residual,
                            cublaslt_gemms=f.cublaslt_gemms, cublaslt_autotune=f.cublaslt_autotune,
-                           attention_output=f.attention_output)
+                           attention_output=f.attention_output, layernorm=f.layernorm)
 
     kept, info = sensitivity_sweep(module, batches, lambda m, layer: swap(m, [i for i in range(n) if i != layer]),
                              f.sensitivity_keep)
@@ -148,6 +158,7 @@ def calibrate_and_swap_fp8(module, f: Fp8Options, batches) -> dict:
         "fp8_keep_layers": ",".join(map(str, keep)) or "none", "fp8_kept_linears": len(done["kept"]),
         "fp8_ffn_hidden": f"e4m3 in {len(done['ffn_hidden_fp8'])} layers" if f.ffn_hidden_fp8 else "16-bit",
         "fp8_ffn_gelu": gelu_info(f.ffn_gelu, module),
+        "fp8_layernorm": layernorm_info(f.layernorm, module, len(done["fused_layernorms"])),
         "fp8_residual": (f"added in {len(done['residual_in_gemm'])} GEMMs (cuBLASLt C operand, nvmath-python)"
                          if f.residual == "gemm" else "added in the LayerNorm pass"),
         "fp8_cublaslt": (f"{len(done['cublaslt'])} GEMMs ({','.join(parse_cublaslt_gemms(f.cublaslt_gemms))}) through "

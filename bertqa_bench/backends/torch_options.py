@@ -67,6 +67,11 @@ class Fp8Options:
     # that pass then reads one tensor instead of two); gemm needs scaling: tensor and the packed
     # encoder, whose layer calls the GEMM with its residual
     residual: str = "layernorm"
+    # the residual add + LayerNorm + e4m3 quantize before the QKV and FFN-up GEMMs: inductor (the
+    # LayerNorm and the GEMM's quantize fused by torch.compile) or triton (one pass of the suite's
+    # kernel, add_layernorm_fp8.py, writing the fp16 residual and its e4m3 copy at that GEMM's scale;
+    # fp8_rules.LAYERNORMS; needs scaling: tensor, residual: layernorm and the packed encoder)
+    layernorm: str = "inductor"
     # FP8 GEMMs with a 16-bit output (some of qkv, attn_out, ffn_in, ffn_out, or all, whose output is
     # 16-bit here; "" none) run through cuBLASLt planned by nvmath-python, with their bias in its
     # epilogue, instead of torch._scaled_mm: what lets cublaslt_autotune choose their algorithm

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...kernels.add_layernorm_fp8 import add_layernorm_fp8
 from ...kernels.cublaslt_epilogues import bias_for_epilogue, gemm_add_fp8, gemm_bias_fp8, gemm_gelu_fp8
 from ...kernels.fp8_math import _EPS, E4M3_MAX, gemm_writes_saturated_e4m3, quantize_e4m3, saturate_to_e4m3, weight_scale
 from ...kernels.gelu_fp8 import gelu_tanh_fp8
@@ -298,3 +299,37 @@ class Fp8SelfAttention(nn.Module):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, scale=self.scaling_factor)
         out = out.transpose(1, 2).reshape(bsz, seq, self.num_heads * self.head_dim)
         return out.to(self.qkv.act_dtype), None  # back to the model dtype (free when fused downstream)
+
+
+class Fp8AddLayerNorm(nn.Module):
+    """A BERT layer's residual add + LayerNorm whose output also feeds an FP8 GEMM: ``add_norm(y,
+    residual)`` returns (x, x8), the 16-bit LayerNorm output (the next residual) and x quantized
+    at that GEMM's static input scale, from one kernel (kernels/add_layernorm_fp8.py; fp8 option
+    ``layernorm: triton``), where Inductor's fused pass wrote x and the GEMM's quantize read it
+    again in the same kernel. The consumer takes x8 as it is (``Fp8Linear.quantize_input``).
+
+    Drop-in for the LayerNorm it replaces: its forward is that LayerNorm (the padded path, which
+    adds the residual itself); the packed encoder calls ``add_norm``."""
+
+    def __init__(self, norm: nn.LayerNorm, consumer_act_scale: float):
+        super().__init__()
+        if tuple(norm.normalized_shape) != (norm.weight.shape[0],) or norm.bias is None:
+            raise ValueError("Fp8AddLayerNorm replaces a LayerNorm over the last dimension with weight and bias")
+        self.normalized_shape = tuple(norm.normalized_shape)
+        self.eps = float(norm.eps)
+        self.weight, self.bias = norm.weight, norm.bias
+        self.consumer_act_scale = float(consumer_act_scale)
+        self._x8_inv_scale = 1.0 / self.consumer_act_scale
+
+    def extra_repr(self) -> str:
+        return f"{self.normalized_shape}, eps={self.eps}, e4m3 out at {self.consumer_act_scale:g} (one kernel)"
+
+    def forward(self, x):
+        return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+
+    def add_norm(self, y, residual):
+        """(LayerNorm(y + residual), its e4m3 copy at the consumer's scale), [*, hidden] each."""
+        lead, h = y.shape[:-1], y.shape[-1]
+        x, x8 = add_layernorm_fp8(y.reshape(-1, h), residual.reshape(-1, h), self.weight, self.bias, self.eps,
+                                  x8_inv_scale=self._x8_inv_scale)
+        return x.reshape(*lead, h), x8.reshape(*lead, h)

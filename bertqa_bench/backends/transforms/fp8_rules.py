@@ -24,6 +24,11 @@ FFN_GELUS = ("exact", "tanh", "epilogue")
 # them (Inductor fuses the add there), or in the GEMM itself as cuBLASLt's C operand
 # (cublaslt_epilogues.py), so that the LayerNorm pass reads one tensor instead of two
 RESIDUALS = ("layernorm", "gemm")
+# the residual add + LayerNorm + e4m3 quantize before an FP8 GEMM: Inductor's fused pass (the
+# LayerNorm module, then the GEMM's quantize, fused by torch.compile), or the suite's Triton kernel
+# (kernels/add_layernorm_fp8.py: one pass writing the 16-bit residual and its e4m3 copy at the
+# consuming GEMM's static input scale, which that GEMM takes as it is)
+LAYERNORMS = ("inductor", "triton")
 # the 16-bit attention's output, which the FP8 attention-output GEMM reads: fp16 (the model's
 # 16-bit dtype; that GEMM quantizes it in a pass of its own) or e4m3 (the packed encoder's Triton
 # attention kernel writes it at the GEMM's static input scale: half the bytes, no separate pass)
@@ -108,6 +113,21 @@ def check_residual(scaling: str, gemms, residual: str) -> None:
                          f"{','.join(parse_gemms(gemms))}")
 
 
+def check_layernorm(scaling: str, gemms, layernorm: str, residual: str) -> None:
+    """ValueError unless the add + LayerNorm pass's kernel fits the rest."""
+    if layernorm not in LAYERNORMS:
+        raise ValueError(f"layernorm '{layernorm}' is not one of {', '.join(LAYERNORMS)}")
+    if layernorm != "triton":
+        return
+    if residual != "layernorm":
+        raise ValueError("layernorm: triton adds the residual in its own kernel; residual: gemm adds it in the GEMM "
+                         "before: choose one (residual: layernorm)")
+    if scaling != "tensor" or not {"qkv", "ffn_in"} & set(parse_gemms(gemms)):
+        raise ValueError("layernorm: triton writes e4m3 at the next GEMM's static input scale: it needs scaling "
+                         f"'tensor' and qkv or ffn_in in FP8, not scaling '{scaling}' with gemms "
+                         f"{','.join(parse_gemms(gemms))}")
+
+
 def check_cublaslt(scaling: str, gemms, cublaslt_gemms, autotune: int, *, ffn_hidden_fp8: bool = False,
                    ffn_gelu: str = "exact", attention_fp8: bool = False, residual: str = "layernorm") -> None:
     """ValueError unless the GEMMs planned through nvmath-python (``cublaslt_gemms``) and their
@@ -150,7 +170,8 @@ def _one_of(field: str, value, choices) -> None:
 
 def check_recipe(scaling: str, gemms, *, fuse_qkv: bool = True, ffn_hidden_fp8: bool = False,
                  ffn_gelu: str = "exact", attention_fp8: bool = False, attention_output: str = "fp16",
-                 residual: str = "layernorm", cublaslt_gemms="", cublaslt_autotune: int = 0) -> None:
+                 residual: str = "layernorm", cublaslt_gemms="", cublaslt_autotune: int = 0,
+                 layernorm: str = "inductor") -> None:
     """ValueError, its message led by the field's name, unless the FP8 recipe's fields fit each
     other (what both check_fp8 and swap_to_fp8 refuse)."""
     _one_of("scaling", scaling, SCALINGS)
@@ -162,6 +183,7 @@ def check_recipe(scaling: str, gemms, *, fuse_qkv: bool = True, ffn_hidden_fp8: 
     check_attention_fp8(scaling, gemms, fuse_qkv, attention_fp8)
     check_attention_output(scaling, gemms, fuse_qkv, attention_output, attention_fp8)
     check_residual(scaling, gemms, residual)
+    check_layernorm(scaling, gemms, layernorm, residual)
     check_cublaslt(scaling, gemms, cublaslt_gemms, cublaslt_autotune, ffn_hidden_fp8=ffn_hidden_fp8,
                    ffn_gelu=ffn_gelu, attention_fp8=attention_fp8, residual=residual)
 
@@ -184,7 +206,8 @@ def check_fp8(fp8, torch_options=None) -> None:
         check_recipe(fp8.scaling, fp8.gemms, fuse_qkv=fp8.fuse_qkv, ffn_hidden_fp8=fp8.ffn_hidden_fp8,
                      ffn_gelu=fp8.ffn_gelu, attention_fp8=fp8.attention == "fp8",
                      attention_output=fp8.attention_output, residual=fp8.residual,
-                     cublaslt_gemms=fp8.cublaslt_gemms, cublaslt_autotune=fp8.cublaslt_autotune)
+                     cublaslt_gemms=fp8.cublaslt_gemms, cublaslt_autotune=fp8.cublaslt_autotune,
+                     layernorm=fp8.layernorm)
         if fp8.act_margin <= 0 or fp8.calibration_batches < 1:
             raise ValueError("act_margin must be > 0 and calibration_batches >= 1")
         try:
@@ -220,6 +243,9 @@ def _check_in_variant(fp8, t) -> None:
         (fp8.attention_pv != "e4m3" and t.packed_attention != "triton",
          f"fp8.attention_pv: {fp8.attention_pv} is the suite's Triton kernel's choice (cuDNN's FP8 attention takes "
          "P in e4m3): it needs packed_attention: triton"),
+        (fp8.layernorm == "triton" and not t.packed,
+         "fp8.layernorm: triton is the padding-free encoder's layer calling the add + LayerNorm kernel with the "
+         "GEMM's output and the residual apart (the padded model adds them itself): it needs packed: true"),
         (fp8.attention_output == "e4m3" and not (t.packed and t.packed_attention == "triton"),
          "fp8.attention_output: e4m3 is written by the padding-free encoder's Triton attention kernel: it needs "
          "packed: true and packed_attention: triton"),

@@ -53,17 +53,17 @@ _LAYER_PREFIX = "encoder.layer."
 def _define_modules():
     """The module classes (fp8_modules.py, which imports torch): loaded on first use, so that
     importing the variant registry does not import torch."""
-    from .fp8_modules import Fp8Intermediate, Fp8Linear, Fp8SelfAttention
+    from .fp8_modules import Fp8AddLayerNorm, Fp8Intermediate, Fp8Linear, Fp8SelfAttention
 
-    return Fp8Linear, Fp8SelfAttention, Fp8Intermediate
+    return Fp8Linear, Fp8SelfAttention, Fp8Intermediate, Fp8AddLayerNorm
 
 
 _CLASSES: Optional[tuple] = None
-_CLASS_NAMES = ("Fp8Linear", "Fp8SelfAttention", "Fp8Intermediate")
+_CLASS_NAMES = ("Fp8Linear", "Fp8SelfAttention", "Fp8Intermediate", "Fp8AddLayerNorm")
 
 
 def fp8_classes():
-    """(Fp8Linear, Fp8SelfAttention, Fp8Intermediate), created on first use."""
+    """(Fp8Linear, Fp8SelfAttention, Fp8Intermediate, Fp8AddLayerNorm), created on first use."""
     global _CLASSES
     if _CLASSES is None:
         _CLASSES = _define_modules()
@@ -171,7 +171,8 @@ def swap_to_fp8(model, act_amax: Optional[Mapping[str, float]] = None, *, scalin
                 act_margin: float = 2.0, keep_layers: Iterable[int] = (),
                 ffn_hidden_fp8: bool = False, ffn_gelu: str = "exact",
                 attention_fp8: bool = False, residual: str = "layernorm",
-                cublaslt_gemms="", cublaslt_autotune: int = 0, attention_output: str = "fp16") -> dict[str, Any]:
+                cublaslt_gemms="", cublaslt_autotune: int = 0, attention_output: str = "fp16",
+                layernorm: str = "inductor") -> dict[str, Any]:
     """Replace encoder Linears of ``model`` (those of the kinds in ``gemms``) in place by FP8 modules.
 
     ``act_amax`` (name -> calibrated input amax, ``calibrate_amax``) is needed for the static
@@ -190,14 +191,15 @@ def swap_to_fp8(model, act_amax: Optional[Mapping[str, float]] = None, *, scalin
     the padding-free encoder calls). ``cublaslt_gemms``: GEMM kinds (16-bit output) run through
     cuBLASLt planned by nvmath-python instead of torch._scaled_mm (``Fp8Linear.use_cublaslt``);
     ``cublaslt_autotune`` > 0: every GEMM planned there (those, the GELU epilogue, the residual
-    GEMMs) has its algorithm autotuned per shape.
-    ``keep_layers``: encoder layer indices left in 16 bits. Returns what was done: ``swapped``
+    GEMMs) has its algorithm autotuned per shape. ``layernorm`` (LAYERNORMS): "triton" makes each
+    LayerNorm an FP8 GEMM reads an ``Fp8AddLayerNorm`` (``_fuse_layernorms``). ``keep_layers``:
+    encoder layer indices left in 16 bits. Returns what was done: ``swapped``
     (Linear names now in FP8), ``fused_qkv`` (attention modules with one fused-QKV FP8 GEMM),
     ``gemms`` (FP8 GEMMs per forward), ``kept`` (targeted Linears left alone, with why)."""
     _check_swap(model, act_amax, scaling, parse_gemms(gemms), fuse_qkv, ffn_hidden_fp8, ffn_gelu, attention_fp8,
-                residual, cublaslt_gemms, cublaslt_autotune, attention_output)
+                residual, cublaslt_gemms, cublaslt_autotune, attention_output, layernorm)
     gemms = parse_gemms(gemms)
-    Fp8Linear_, Fp8SelfAttention_, Fp8Intermediate_ = fp8_classes()
+    Fp8Linear_, Fp8SelfAttention_ = fp8_classes()[:2]
     static = scaling != "rowwise"
 
     def scale_for(names: list[str]) -> Optional[float]:
@@ -240,21 +242,30 @@ def swap_to_fp8(model, act_amax: Optional[Mapping[str, float]] = None, *, scalin
         _set_submodule(model, name, Fp8Linear_.from_linear(lin, scaling=scaling, act_scale=scale_for([name]),
                                                            fast_accum=fast_accum, out_scale=out_scale))
         swapped.append(name)
+    return _finish_swap(model, fused, swapped, kept, ffn_gelu, attention_output, residual, cublaslt_gemms,
+                        cublaslt_autotune, layernorm)
+
+
+def _finish_swap(model, fused: list, swapped: list, kept: dict, ffn_gelu: str, attention_output: str, residual: str,
+                 cublaslt_gemms, cublaslt_autotune: int, layernorm: str) -> dict[str, Any]:
+    """What follows the GEMM swaps (the e4m3 paths between them, the cuBLASLt plans, the fused
+    LayerNorms), and swap_to_fp8's account of what was done."""
     attention_fp8_layers, e4m3_output_layers = _attention_outputs(model, fused, swapped, attention_output)
     return {"swapped": swapped, "fused_qkv": fused, "gemms": len(fused) + len(swapped) - 3 * len(fused),
-            "kept": kept, "ffn_hidden_fp8": _hidden_fp8(model, swapped, ffn_gelu, Fp8Intermediate_),
+            "kept": kept, "ffn_hidden_fp8": _hidden_fp8(model, swapped, ffn_gelu, fp8_classes()[2]),
             "attention_fp8": attention_fp8_layers, "attention_output_e4m3": e4m3_output_layers,
             "residual_in_gemm": _residual_in_gemm(model, swapped) if residual == "gemm" else [],
-            "cublaslt": _plan_cublaslt(model, swapped, fused, cublaslt_gemms, cublaslt_autotune)}
+            "cublaslt": _plan_cublaslt(model, swapped, fused, cublaslt_gemms, cublaslt_autotune),
+            "fused_layernorms": _fuse_layernorms(model) if layernorm == "triton" else []}
 
 
 def _check_swap(model, act_amax, scaling: str, gemms, fuse_qkv, ffn_hidden_fp8, ffn_gelu, attention_fp8, residual,
-                cublaslt_gemms, cublaslt_autotune, attention_output) -> None:
+                cublaslt_gemms, cublaslt_autotune, attention_output, layernorm) -> None:
     """Every combination swap_to_fp8 refuses, named before the model is touched."""
     # the recipe's own rules, as check_fp8 applies them to a suite's options (fp8_rules.py)
     check_recipe(scaling, gemms, fuse_qkv=fuse_qkv, ffn_hidden_fp8=ffn_hidden_fp8, ffn_gelu=ffn_gelu,
                  attention_fp8=attention_fp8, attention_output=attention_output, residual=residual,
-                 cublaslt_gemms=cublaslt_gemms, cublaslt_autotune=cublaslt_autotune)
+                 cublaslt_gemms=cublaslt_gemms, cublaslt_autotune=cublaslt_autotune, layernorm=layernorm)
     if scaling != "rowwise" and not act_amax:
         raise ValueError(f"scaling '{scaling}' needs calibrated activation amax values (act_amax)")
     for on, names, calibrate in ((attention_fp8, qkv_names, "qkv_names"), (ffn_hidden_fp8, ffn_up_names, "ffn_up_names")):
@@ -301,6 +312,43 @@ def _hidden_fp8(model, swapped: list, ffn_gelu: str, intermediate_cls) -> list:
         _set_submodule(model, inter, intermediate_cls(up, act, model.get_submodule(down).act_scale_value, ffn_gelu))
         hidden_fp8.append(inter)
     return hidden_fp8
+
+
+def _e4m3_input_scale(module) -> Optional[float]:
+    """The static per-tensor input scale of an FP8 GEMM that takes an e4m3 input as it is (the
+    fused QKV's, an FFN-up's: Fp8Linear, or inside Fp8SelfAttention / Fp8Intermediate); None
+    for anything else (a 16-bit Linear, a kept layer, dynamic or per-row scales)."""
+    lin = module
+    for inner in ("qkv", "dense"):
+        lin = getattr(lin, inner, lin)
+    if type(lin).__name__ != "Fp8Linear" or lin.scaling != "tensor":
+        return None
+    return lin.act_scale_value
+
+
+def _fuse_layernorms(model) -> list:
+    """Each residual + LayerNorm whose output an FP8 GEMM reads (the attention's feeds the FFN-up,
+    the FFN's the next layer's fused QKV) becomes an ``Fp8AddLayerNorm`` writing that GEMM's e4m3
+    input at its scale; the last layer's, which the QA head reads, stays as it is."""
+    add_norm = fp8_classes()[3]
+    layers = sorted({layer_index(n) for n, _ in model.named_modules() if layer_index(n) is not None})
+    if not layers:
+        return []
+    prefix = next(n for n, _ in model.named_modules() if n.endswith(_LAYER_PREFIX + str(layers[0])))[: -len(str(layers[0]))]
+    done = []
+    for i in layers:
+        here, after = f"{prefix}{i}", f"{prefix}{i + 1}"
+        consumers = ((f"{here}.attention.output.LayerNorm", f"{here}.intermediate"),
+                     (f"{here}.output.LayerNorm", f"{after}.attention.self"))
+        for norm_name, consumer in consumers:
+            try:
+                norm, scale = model.get_submodule(norm_name), _e4m3_input_scale(model.get_submodule(consumer))
+            except AttributeError:  # no next layer, or not a BERT layer's names
+                continue
+            if scale is not None:
+                _set_submodule(model, norm_name, add_norm(norm, scale))
+                done.append(norm_name)
+    return done
 
 
 def _residual_in_gemm(model, swapped: list) -> list:

@@ -112,6 +112,15 @@ def _dense_plus(dense, x, residual):
     return plus(x, residual) if plus is not None else dense(x) + residual
 
 
+def _add_norm(output, inp, residual):
+    """(LayerNorm(dense(inp) + residual), its e4m3 copy or None): one kernel writes both where the
+    LayerNorm feeds an FP8 GEMM (fp8_modules.Fp8AddLayerNorm, fp8 option ``layernorm: triton``)."""
+    add_norm = getattr(output.LayerNorm, "add_norm", None)
+    if add_norm is not None:
+        return add_norm(output.dense(inp), residual)
+    return output.LayerNorm(_dense_plus(output.dense, inp, residual)), None
+
+
 class PackedEncoder(nn.Module):
     def __init__(self, bert: nn.Module, *, use_kernel: bool = True, attention: str = "flash", fp8_pv: str = "e4m3"):
         super().__init__()
@@ -272,11 +281,12 @@ class PackedEncoder(nn.Module):
         if self.project is not None:
             x = self.project(x)
         t = x.shape[0]
+        x8 = None  # the previous LayerNorm's e4m3 copy of x, where one kernel wrote it for this layer's QKV GEMM
         for layer in self.bert.encoder.layer:
             att = layer.attention
             sa = att.self
             if hasattr(sa, "qkv"):  # FP8's fused query/key/value (fp8_surgery): one GEMM, [T, 3 x hidden]
-                q, k, v = sa.qkv(x).view(t, 3, self.heads, self.head_dim).unbind(1)
+                q, k, v = sa.qkv(x if x8 is None else x8).view(t, 3, self.heads, self.head_dim).unbind(1)
             else:
                 q = sa.query(x).view(t, self.heads, self.head_dim)
                 k = sa.key(x).view(t, self.heads, self.head_dim)
@@ -291,9 +301,9 @@ class PackedEncoder(nn.Module):
             else:
                 # (the fused FP8 GEMM may write bf16 under rowwise scaling: back to the model's dtype)
                 ctx = self._attention(q, k, v, cu, max_len).reshape(t, -1).to(x.dtype)
-            x = att.output.LayerNorm(_dense_plus(att.output.dense, ctx, x))
-            h = layer.intermediate(x)  # dense + activation (e4m3 out of FP8's Fp8Intermediate)
-            x = layer.output.LayerNorm(_dense_plus(layer.output.dense, h, x))
+            x, x8 = _add_norm(att.output, ctx, x)
+            h = layer.intermediate(x if x8 is None else x8)  # dense + activation (e4m3 out of FP8's Fp8Intermediate)
+            x, x8 = _add_norm(layer.output, h, x)
         return x
 
     def _encode_distilbert(self, ids, positions, cu, max_len: int):
