@@ -30,6 +30,18 @@ def covers(rows: list) -> bool:
     return len(ok) == len(rows) and all(a.speedup_low <= b.speedup <= a.speedup_high for a in ok for b in ok)
 
 
+def checks(rows: list) -> tuple[int, int]:
+    """(held, made): each run's interval against each other run's median, one check a pair."""
+    made = held = 0
+    for i, a in enumerate(rows):
+        for j, b in enumerate(rows):
+            if i != j:
+                made += 1
+                held += bool(a is not None and b is not None and a.speedup_low is not None
+                             and a.speedup_low <= b.speedup <= a.speedup_high)
+    return held, made
+
+
 def table(bundles: list) -> str:
     names = list(dict.fromkeys(r.backend for b in bundles for r in b.results))
     ref = bundles[0].meta.reference
@@ -44,7 +56,9 @@ def table(bundles: list) -> str:
         if n == ref:
             continue
         rows = [next((x for x in b.results if x.backend == n and x.ok), None) for b in bundles]
-        lines.append(f"| {n} | " + " | ".join(_cell(r) for r in rows) + f" | {'yes' if covers(rows) else '**no**'} |")
+        held, made = checks(rows)
+        lines.append(f"| {n} | " + " | ".join(_cell(r) for r in rows)
+                     + f" | {'yes' if covers(rows) else '**no**'}: {held} of {made} |")
     recs = [for_run(b.results, b.meta) for b in bundles]
     lines.append("| recommendation | " + " | ".join(r.headline() for r in recs) + " | "
                  + ("same" if len({r.tags()['recommended_backend'] for r in recs}) == 1 else "**differs**") + " |")
