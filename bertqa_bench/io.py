@@ -97,13 +97,7 @@ def atomic_dir(path: PathLike, replace: bool = True) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
     try:
         yield tmp
-        if replace and path.exists():
-            old = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.old."))
-            os.replace(path, old / "x")
-            _swap_in(tmp, path, replace)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            _swap_in(tmp, path, replace)
+        _swap_in(tmp, path, replace)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -116,14 +110,15 @@ def _swap_in(tmp: Path, path: Path, replace: bool) -> None:
     ``replace`` the entry that got there first stays; with it the newer one wins."""
     for _ in range(3):
         try:
-            os.replace(tmp, path)
+            os.replace(tmp, path)  # onto nothing, or an empty directory
             return
         except OSError as e:
-            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST) or not path.is_dir():
-                raise
-            if not replace:
+            if not replace and e.errno in (errno.ENOTEMPTY, errno.EEXIST) and path.is_dir():
                 shutil.rmtree(tmp, ignore_errors=True)
                 return
+            if not replace or not os.path.lexists(path):
+                raise
+            # the old entry moved aside whole (readers may hold it open), then the rename again
             old = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.old."))
             with contextlib.suppress(FileNotFoundError):
                 os.replace(path, old / "x")

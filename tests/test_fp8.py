@@ -1731,8 +1731,9 @@ def test_a_torch_without_triton_op_still_imports_the_fp8_rows():
     GELU runs through torch, saying why (a fresh process: the op registers once per process)."""
     code = ("import torch.library as L\ndel L.triton_op\n"
             "import bertqa_bench.backends.transforms.fp8_modules, bertqa_bench.backends.transforms.packed_encoder\n"
-            "from bertqa_bench.kernels import gelu_fp8\n"
+            "from bertqa_bench.kernels import add_layernorm_fp8, gelu_fp8\n"
             "assert gelu_fp8.gelu_tanh_fp8_op is None and not gelu_fp8._runs_triton(True)\n"
+            "assert add_layernorm_fp8.add_layernorm_fp8_op is None and not add_layernorm_fp8._runs_triton(True)\n"
             "print(gelu_fp8.implementation(True))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]

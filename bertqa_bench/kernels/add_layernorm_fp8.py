@@ -35,12 +35,7 @@ from typing import Optional
 import torch
 
 from .fp8_math import E4M3_MAX
-from .triton_support import HAS_TRITON
-
-try:  # torch >= 2.6
-    from torch.library import triton_op, wrap_triton
-except ImportError:
-    triton_op = wrap_triton = None
+from .triton_support import op_implementation, runs_triton_op, triton_op, wrap_triton
 
 # Launch shape by hidden size: (rows a program, warps). One row a program with 16 bytes of fp16 a
 # thread for 768-1,024 (Triton's LayerNorm tutorial and Apex's choice for these widths); scripts/
@@ -84,11 +79,6 @@ def add_layernorm_fp8_reference(y, residual, weight, bias, eps: float, **scales)
     """``add_layernorm_scaled`` rounded: x in residual's dtype, x8 in e4m3 (round to nearest even)."""
     xs, x8 = add_layernorm_scaled(y, residual, weight, bias, eps, **scales)
     return xs.to(residual.dtype), x8.to(torch.float8_e4m3fn)
-
-
-def op_unavailable_reason() -> str:
-    """Why this kernel cannot run as a torch op here ('' when it can)."""
-    return "" if triton_op is not None else f"torch {torch.__version__} has no torch.library.triton_op (2.6 and newer)"
 
 
 @functools.lru_cache(maxsize=None)
@@ -176,15 +166,12 @@ add_layernorm_fp8_op = (triton_op("bertqa::add_layernorm_fp8", mutates_args=())(
 
 
 def _runs_triton(on_cuda: bool) -> bool:
-    return on_cuda and HAS_TRITON and add_layernorm_fp8_op is not None
+    return runs_triton_op(on_cuda, add_layernorm_fp8_op)
 
 
 def implementation(on_cuda: bool) -> str:
     """What add_layernorm_fp8 runs for tensors on CUDA (or not), in words."""
-    if _runs_triton(on_cuda):
-        return "Triton kernel (one pass, fp32 statistics)"
-    why = "not on CUDA" if not on_cuda else "triton is not installed" if not HAS_TRITON else op_unavailable_reason()
-    return f"torch ({why})"
+    return op_implementation(on_cuda, add_layernorm_fp8_op, "Triton kernel (one pass, fp32 statistics)")
 
 
 def add_layernorm_fp8(y, residual, weight, bias, eps: float, *, x8_inv_scale: float, y_scale: float = 1.0,

@@ -31,12 +31,8 @@ import functools
 import torch
 
 from .fp8_math import E4M3_MAX
-from .triton_support import HAS_TRITON, triton_unavailable_reason  # noqa: F401 - this kernel's availability
-
-try:  # torch >= 2.6: the custom-op wrapper that keeps the kernel inside torch.compile's graph
-    from torch.library import triton_op, wrap_triton
-except ImportError:  # older torch: the FP8 rows still import and run GELU through torch
-    triton_op = wrap_triton = None
+from .triton_support import op_implementation, runs_triton_op, triton_op, wrap_triton
+from .triton_support import triton_unavailable_reason  # noqa: F401 - this kernel's availability
 
 _C = 0.7978845608028654  # sqrt(2 / pi)
 _K = 0.044715
@@ -57,11 +53,6 @@ def gelu_tanh_scaled(x8, in_scale: float, out_inv_scale: float):
 def gelu_tanh_fp8_reference(x8, in_scale: float, out_inv_scale: float):
     """``gelu_tanh_scaled`` rounded to e4m3 (round to nearest even, as the GPU's conversion)."""
     return gelu_tanh_scaled(x8, in_scale, out_inv_scale).to(torch.float8_e4m3fn)
-
-
-def op_unavailable_reason() -> str:
-    """Why this kernel cannot run as a torch op here ('' when it can)."""
-    return "" if triton_op is not None else f"torch {torch.__version__} has no torch.library.triton_op (2.6 and newer)"
 
 
 @functools.lru_cache(maxsize=None)
@@ -118,15 +109,12 @@ gelu_tanh_fp8_op = triton_op("bertqa::gelu_tanh_fp8", mutates_args=())(_gelu_tan
 
 
 def _runs_triton(on_cuda: bool) -> bool:
-    return on_cuda and HAS_TRITON and gelu_tanh_fp8_op is not None
+    return runs_triton_op(on_cuda, gelu_tanh_fp8_op)
 
 
 def implementation(on_cuda: bool) -> str:
     """What gelu_tanh_fp8 runs for tensors on CUDA (or not), in words."""
-    if _runs_triton(on_cuda):
-        return "Triton kernel (tanh.approx.f32)"
-    why = "not on CUDA" if not on_cuda else "triton is not installed" if not HAS_TRITON else op_unavailable_reason()
-    return f"torch ({why})"
+    return op_implementation(on_cuda, gelu_tanh_fp8_op, "Triton kernel (tanh.approx.f32)")
 
 
 def gelu_tanh_fp8(x8, in_scale: float, out_inv_scale: float):

@@ -321,7 +321,7 @@ def _e4m3_input_scale(module) -> Optional[float]:
     lin = module
     for inner in ("qkv", "dense"):
         lin = getattr(lin, inner, lin)
-    if type(lin).__name__ != "Fp8Linear" or lin.scaling != "tensor":
+    if not isinstance(lin, fp8_classes()[0]) or lin.scaling != "tensor":
         return None
     return lin.act_scale_value
 
@@ -331,19 +331,17 @@ def _fuse_layernorms(model) -> list:
     the FFN's the next layer's fused QKV) becomes an ``Fp8AddLayerNorm`` writing that GEMM's e4m3
     input at its scale; the last layer's, which the QA head reads, stays as it is."""
     add_norm = fp8_classes()[3]
-    layers = sorted({layer_index(n) for n, _ in model.named_modules() if layer_index(n) is not None})
-    if not layers:
-        return []
-    prefix = next(n for n, _ in model.named_modules() if n.endswith(_LAYER_PREFIX + str(layers[0])))[: -len(str(layers[0]))]
+    blocks = [n for _, n in sorted((layer_index(n), n) for n, _ in model.named_modules()
+                                   if n.endswith(f"{_LAYER_PREFIX}{layer_index(n)}"))]  # encoder.layer.N itself
     done = []
-    for i in layers:
-        here, after = f"{prefix}{i}", f"{prefix}{i + 1}"
-        consumers = ((f"{here}.attention.output.LayerNorm", f"{here}.intermediate"),
-                     (f"{here}.output.LayerNorm", f"{after}.attention.self"))
+    for here, after in zip(blocks, blocks[1:] + [None]):
+        consumers = [(f"{here}.attention.output.LayerNorm", f"{here}.intermediate")]
+        if after is not None:
+            consumers.append((f"{here}.output.LayerNorm", f"{after}.attention.self"))
         for norm_name, consumer in consumers:
             try:
                 norm, scale = model.get_submodule(norm_name), _e4m3_input_scale(model.get_submodule(consumer))
-            except AttributeError:  # no next layer, or not a BERT layer's names
+            except AttributeError:  # not a BERT layer's names
                 continue
             if scale is not None:
                 _set_submodule(model, norm_name, add_norm(norm, scale))
