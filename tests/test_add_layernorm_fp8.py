@@ -196,10 +196,7 @@ def test_the_op_is_registered_and_the_cpu_path_is_the_reference():
     assert aln.implementation(False).startswith("torch (not on CUDA")
 
 
-_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none on this machine")
-
-
-@_cuda
+@pytest.mark.gpu  # skipped without a CUDA device (conftest)
 @pytest.mark.parametrize("hidden", [768, 1024])
 def test_on_the_gpu_the_op_matches_the_reference_eagerly_compiled_and_graphed(hidden):
     """BERT's widths at a batch's row count: the e4m3 codes at most one apart from the reference

@@ -7,6 +7,7 @@ import contextlib
 import copy
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -2016,7 +2017,9 @@ def test_host_bucket_lengths_equal_the_devices():
                                                   "torch-compile-fp8all-graph-packed-cudnn-residual",
                                                   "torch-compile-fp16-packed-cudnn-attn",
                                                   "torch-compile-fp8-graph-packed+fp8-attention",
-                                                  "torch-compile-fp8-graph-packed+fp8-attention-pv16"))
+                                                  "torch-compile-fp8-graph-packed+fp8-attention-pv16",
+                                                  "torch-compile-fp8-graph-packed+fused-layernorm",
+                                                  "torch-compile-fp8-graph-packed+fp8-attention-pv16-fused-layernorm"))
 def test_fp8_attention_and_packing_variants_track_fp32_on_gpu(tmp_path, name):
     reason = TABLE.get(name).unavailable_reason()
     if reason:
@@ -2052,6 +2055,9 @@ def test_fp8_attention_and_packing_variants_track_fp32_on_gpu(tmp_path, name):
     if "epilogue" in name:
         assert info["fp8_ffn_gelu"].startswith("tanh form, cuBLASLt GELU_BIAS epilogue")
     opts = TABLE.get(name).options
+    if opts.fp8 is not None and opts.fp8.layernorm == "triton":  # both LayerNorms of each layer, the Triton op
+        assert re.match(r"one pass writing the residual and its e4m3 copy before [1-9]\d* FP8 GEMMs: Triton kernel",
+                        info["fp8_layernorm"]), info["fp8_layernorm"]
     if opts.fp8 is not None and opts.fp8.attention == "fp8":
         assert info["fp8_attention"].startswith("e4m3 Q, K, V")
         if opts.packed_attention == "triton":  # the Triton kernel on the QKV GEMM's e4m3 output
