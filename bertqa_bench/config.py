@@ -344,6 +344,12 @@ class BenchConfig:
     max_rounds: int = 20
     rounds_budget_s: float = 600.0
     target_halfwidth_pct: float = 5.0
+    # rounds: a between-run spread (percent, one standard deviation of a row's log speedup from
+    # run to run on this machine) added to every interval: what shifts a whole run (the host's
+    # state over tens of minutes, where the VM's cores land) moves every round of it alike, so
+    # no spread inside a run shows it. 0: the interval counts the rounds and processes only.
+    # Measure it once per machine class from reruns (scripts/rerun_table.py prints it).
+    rerun_spread_pct: float = 0.0
     # a run whose calibration workload (timed each round) varied more than this, as a coefficient
     # of variation in percent, is marked noisy
     noise_cv_pct: float = 10.0
@@ -384,6 +390,9 @@ class BenchConfig:
             setattr(self, k, _number(getattr(self, k), f"bench.{k}"))
             if not 0 < getattr(self, k) < float("inf"):
                 raise ConfigError(f"bench.{k} must be a positive number, not {getattr(self, k)}")
+        self.rerun_spread_pct = _number(self.rerun_spread_pct, "bench.rerun_spread_pct")
+        if not 0 <= self.rerun_spread_pct < 100:
+            raise ConfigError(f"bench.rerun_spread_pct must be a percentage from 0 to under 100, not {self.rerun_spread_pct}")
         if self.seq_multiple < 1:
             raise ConfigError("bench.seq_multiple must be >= 1")
         if isinstance(self.processes, bool) or not isinstance(self.processes, int) or self.processes < 1:

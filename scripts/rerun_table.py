@@ -1,13 +1,16 @@
 #!/usr/bin/env python3
 """Reruns of one suite side by side: each row's speedup and interval per run, and whether every
 run's interval holds the other runs' medians (what results/reference/cpu-2core-reproducibility.md
-shows).
+shows), and the spread of the runs' medians: the most bench.rerun_spread_pct should say for this
+machine (it also holds each run's own sampling error, so it is an upper bound).
 
     python scripts/rerun_table.py results/RUN1 results/RUN2 results/RUN3 [--title "..."]
 """
 from __future__ import annotations
 
 import argparse
+import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -42,35 +45,41 @@ def checks(rows: list) -> tuple[int, int]:
     return held, made
 
 
+def between_run_sd_pct(rows: list) -> str:
+    """The standard deviation of the runs' log speedups, as a percentage ('—' under two runs)."""
+    logs = [math.log(r.speedup) for r in rows if r is not None and r.speedup]
+    return f"{100 * math.expm1(statistics.stdev(logs)):.1f}%" if len(logs) > 1 else "—"
+
+
 def table(bundles: list) -> str:
     names = list(dict.fromkeys(r.backend for b in bundles for r in b.results))
     ref = bundles[0].meta.reference
-    head = ["row"] + [f"run {i + 1}" for i in range(len(bundles))] + ["each interval holds the others' medians"]
+    head = ["row"] + [f"run {i + 1}" for i in range(len(bundles))] + ["each interval holds the others' medians", "runs' spread (sd)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     ref_cells = []
     for b in bundles:
         r = next((x for x in b.results if x.backend == ref), None)
         ref_cells.append(f"{r.predict_s:.1f} s a pass" if r is not None and r.ok else "—")
-    lines.append(f"| {ref} (reference) | " + " | ".join(ref_cells) + " | |")
+    lines.append(f"| {ref} (reference) | " + " | ".join(ref_cells) + " | | |")
     for n in names:
         if n == ref:
             continue
         rows = [next((x for x in b.results if x.backend == n and x.ok), None) for b in bundles]
         held, made = checks(rows)
         lines.append(f"| {n} | " + " | ".join(_cell(r) for r in rows)
-                     + f" | {'yes' if covers(rows) else '**no**'}: {held} of {made} |")
+                     + f" | {'yes' if covers(rows) else '**no**'}: {held} of {made} | {between_run_sd_pct(rows)} |")
     recs = [for_run(b.results, b.meta) for b in bundles]
     lines.append("| recommendation | " + " | ".join(r.headline() for r in recs) + " | "
-                 + ("same" if len({r.tags()['recommended_backend'] for r in recs}) == 1 else "**differs**") + " |")
+                 + ("same" if len({r.tags()['recommended_backend'] for r in recs}) == 1 else "**differs**") + " | |")
     lines.append("| FP32 class | " + " | ".join(r.tags()["recommended_fp32_backend"] or "—" for r in recs) + " | "
-                 + ("same" if len({r.tags()['recommended_fp32_backend'] for r in recs}) == 1 else "**differs**") + " |")
+                 + ("same" if len({r.tags()['recommended_fp32_backend'] for r in recs}) == 1 else "**differs**") + " | |")
     timing = []
     for b in bundles:
         m = b.meta
         n = len((m.rounds or {}).get("calibration_s", []))
         timing.append(f"{n} rounds, calibration {m.calibration_cv_pct:.1f}%" + (" (noisy)" if m.timing_noisy else "")
                       if n else "blocks")
-    lines.append("| timing | " + " | ".join(timing) + " | |")
+    lines.append("| timing | " + " | ".join(timing) + " | | |")
     return "\n".join(lines)
 
 

@@ -3,6 +3,8 @@ measuring/sessions.merge_records): planted readings, no GPU and no clock needed.
 
 * per-process offsets widen the interval, and a rerun in new processes lands inside it about as
   often as it claims where the interval that ignored processes missed;
+* a between-run spread (bench.rerun_spread_pct) widens it at least by what that spread alone
+  gives, and covers reruns whose whole run shifts, which no spread inside a run shows;
 * the GPU sensor's decision on planted quiet, drifting and contended readings;
 * a noisy GPU reading marks only GPU rows, a noisy host only CPU rows (and a GPU row only as far
   as its passes are host-bound);
@@ -17,7 +19,7 @@ import pytest
 from bertqa_bench.record.noise import (GpuNoise, gpu_clock_text, gpu_samples_summary, gpu_sensor_noise, host_share,
                                        row_noise, sensor_round)
 from bertqa_bench.record.results import BackendResult, RunMeta
-from bertqa_bench.record.rounds import log_mean_variance, paired_speedup
+from bertqa_bench.record.rounds import log_mean_variance, paired_speedup, with_rerun_spread
 
 
 # --- the interval counts the processes ------------------------------------------------------------
@@ -79,6 +81,51 @@ def test_a_rerun_in_new_processes_lands_inside_the_interval_as_often_as_claimed(
     sd_diff = math.sqrt(2 * 0.25 / trials)
     assert hits_new / trials - hits_old / trials > 4 * sd_diff
     assert hits_old / trials < 0.95 - 4 * math.sqrt(0.95 * 0.05 / trials)  # the old interval under-covers
+
+
+def test_no_rerun_spread_leaves_the_interval_as_it_was():
+    assert with_rerun_spread(0.0004, 3.0, 0.0) == (0.0004, 3.0)
+    ref = [1.30, 1.33, 1.29, 1.31, 1.34]
+    assert paired_speedup(ref, [1.0] * 5, rerun_spread_pct=0.0) == paired_speedup(ref, [1.0] * 5)
+
+
+def test_a_rerun_spread_adds_its_variance_and_widens_the_interval_at_least_by_its_own():
+    var, df = with_rerun_spread(0.0004, 3.0, 3.0)
+    assert var == pytest.approx(0.0004 + math.log1p(0.03) ** 2)
+    assert df > 3.0  # a known variance adds no sampling error: the t quantile shrinks towards z
+    ref = [1.30, 1.33, 1.29, 1.31, 1.34]
+    plain, spread = paired_speedup(ref, [1.0] * 5), paired_speedup(ref, [1.0] * 5, rerun_spread_pct=3.0)
+    assert spread.speedup == plain.speedup
+    assert spread.low < plain.low and plain.high < spread.high
+    # t >= z at any degrees of freedom, and the variance is at least the spread's: the half-width
+    # is at least z * sqrt(2) * the spread alone (both this run's offset and the rerun's)
+    floor = 100 * math.expm1(1.959 * math.sqrt(2) * math.log1p(0.03))
+    assert spread.halfwidth_pct >= floor
+    # every rerun spread widens it more: the half-width grows with the spread
+    assert paired_speedup(ref, [1.0] * 5, rerun_spread_pct=4.0).halfwidth_pct > spread.halfwidth_pct
+
+
+def test_a_rerun_whose_whole_run_shifts_lands_inside_the_interval_with_the_rerun_spread():
+    """Simulated reruns where every run draws its own offset (sd 3 %, common to all its rounds:
+    the host's state over the run), two fresh processes (sd 1 %) and 5 rounds (noise 1.5 %): the
+    interval from the rounds and processes alone misses the next run's mean far more often than
+    5 %; with the run offset's sd as bench.rerun_spread_pct it holds about 95 %."""
+    rng = np.random.default_rng(3)
+    trials, n = 600, 5
+    groups = [(k % 2, k % 2) for k in range(n)]
+    hits = {0.0: 0, 3.0: 0}
+    for _ in range(trials):
+        runs = []
+        for _ in range(2):
+            run_offset, procs = rng.normal(0.0, 0.03), rng.normal(0.0, 0.01, 2)
+            runs.append(np.array([0.3 + run_offset + procs[k % 2] + rng.normal(0.0, 0.015) for k in range(n)]))
+        ref, rerun = list(np.exp(runs[0])), math.exp(float(np.median(runs[1])))
+        for spread in hits:
+            sp = paired_speedup(ref, [1.0] * n, groups=groups, rerun_spread_pct=spread)
+            hits[spread] += sp.low <= rerun <= sp.high
+    tol = 4 * math.sqrt(0.95 * 0.05 / trials)  # four binomial sds of a 95 % share over the trials
+    assert hits[0.0] / trials < 0.95 - tol
+    assert hits[3.0] / trials > 0.95 - tol
 
 
 def test_a_row_of_two_processes_is_one_record():

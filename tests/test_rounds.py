@@ -173,6 +173,28 @@ def test_later_rounds_that_spread_wider_do_not_extend_the_rounds():
     assert log.speedup("row").halfwidth_pct > 5.0  # wider than the target, and the rounds still ended
 
 
+def test_the_rerun_spread_widens_the_reported_interval_and_not_the_plan():
+    """bench.rerun_spread_pct reaches the intervals the run reports (the log keeps it), while the
+    number of rounds is fixed from the rounds' own spread: no count of rounds narrows a run's
+    offset, so planning on it would only spend the budget."""
+    pilot = [5.0, 5.3, 4.8, 5.1]
+    runs = {}
+    for spread in (0.0, 3.0):
+        host = Host(lambda t: 1.0)
+        settings = RoundsSettings(min_rounds=4, max_rounds=40, budget_s=1e9, target_halfwidth_pct=5.0,
+                                  rerun_spread_pct=spread)
+        ref = ScriptedSession("ref", [10.0] * 40, host)
+        row = ScriptedSession("row", pilot + [5.0, 5.2] * 18, host)
+        runs[spread] = run_rounds([ref, row], "ref", settings, calibrate=lambda: 0.0, clock=lambda: host.t,
+                                  log=lambda _: None)
+    plain, spread = runs[0.0], runs[3.0]
+    assert spread.n_rounds == plain.n_rounds == plain.planned_rounds  # the same plan
+    assert spread.rerun_spread_pct == 3.0 and spread.to_dict()["rerun_spread_pct"] == 3.0
+    assert spread.speedup("row", within_run=True) == plain.speedup("row")
+    wide, narrow = spread.speedup("row"), plain.speedup("row")
+    assert wide.speedup == narrow.speedup and wide.low < narrow.low and narrow.high < wide.high
+
+
 def test_rounds_needed_is_the_fewest_that_reach_the_target():
     from bertqa_bench.record.rounds import rounds_needed
 
@@ -281,6 +303,9 @@ def test_the_table_shows_the_interval_and_the_rounds_line():
     assert "0.95× [0.76–1.03] ≈" in table
     text = "\n".join(rounds_lines(rows, meta))
     assert "5 interleaved rounds" in text and "`openvino-fp32` ±15.0%" in text and "within the 10% threshold" in text
+    assert "between-run" not in text  # no spread configured: none claimed
+    meta.rerun_spread_pct = 3.0
+    assert "a between-run spread of 3% (bench.rerun_spread_pct" in "\n".join(rounds_lines(rows, meta))
 
 
 def test_a_block_timed_row_is_marked_and_says_why():
@@ -308,5 +333,5 @@ def test_settings_follow_the_suite():
     from bertqa_bench.commands.bench_rows import rounds_settings
 
     bench = SimpleNamespace(min_passes=4, max_rounds=9, rounds_budget_s=30.0, target_halfwidth_pct=2.5,
-                            noise_cv_pct=7.0)
-    assert rounds_settings(bench) == RoundsSettings(4, 9, 30.0, 2.5, 7.0)
+                            noise_cv_pct=7.0, rerun_spread_pct=1.5)
+    assert rounds_settings(bench) == RoundsSettings(4, 9, 30.0, 2.5, 7.0, 1.5)

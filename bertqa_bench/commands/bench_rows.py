@@ -52,7 +52,8 @@ CUDA_CONTEXT_MIB = 1024
 
 def rounds_settings(b: BenchConfig) -> RoundsSettings:
     return RoundsSettings(min_rounds=b.min_passes, max_rounds=b.max_rounds, budget_s=b.rounds_budget_s,
-                          target_halfwidth_pct=b.target_halfwidth_pct, noise_cv_pct=b.noise_cv_pct)
+                          target_halfwidth_pct=b.target_halfwidth_pct, noise_cv_pct=b.noise_cv_pct,
+                          rerun_spread_pct=b.rerun_spread_pct)
 
 
 def mem_available_mib() -> Optional[float]:
@@ -331,6 +332,7 @@ class RowRunner:
             meta.calibration_cv_pct = rounds.calibration_cv_pct
             meta.timing_noisy = rounds.noisy(self.cfg.bench.noise_cv_pct)
             meta.noise_cv_pct = self.cfg.bench.noise_cv_pct
+            meta.rerun_spread_pct = rounds.rerun_spread_pct
             gpu = rounds.gpu_noise
             if gpu is not None:
                 meta.gpu_sensor_spread_pct, meta.gpu_sensor_jitter_pct = gpu.spread_pct, gpu.jitter_pct

@@ -56,6 +56,7 @@ class RoundsSettings:
     budget_s: float = 600.0
     target_halfwidth_pct: float = 5.0
     noise_cv_pct: float = 10.0
+    rerun_spread_pct: float = 0.0  # bench.rerun_spread_pct: in the intervals reported, not in the plan
 
 
 class RowProcesses:
@@ -94,6 +95,7 @@ class RoundsLog:
     gpu_sensor: list = field(default_factory=list)  # record/noise.sensor_round per round (GPU runs)
     planned_rounds: Optional[int] = None
     plan_note: str = ""
+    rerun_spread_pct: float = 0.0
 
     @property
     def n_rounds(self) -> int:
@@ -106,10 +108,13 @@ class RoundsLog:
             return None
         return list(zip(ref, row))
 
-    def speedup(self, name: str) -> Optional[PairedSpeedup]:
+    def speedup(self, name: str, within_run: bool = False) -> Optional[PairedSpeedup]:
+        """The row's speedup, its interval holding the between-run spread (``rerun_spread_pct``);
+        ``within_run``: without it, as the rounds are printed while they run."""
         if self.reference not in self.passes or name not in self.passes:
             return None
-        return paired_speedup(self.passes[self.reference], self.passes[name], groups=self._groups(name))
+        return paired_speedup(self.passes[self.reference], self.passes[name], groups=self._groups(name),
+                              rerun_spread_pct=0.0 if within_run else self.rerun_spread_pct)
 
     def n_processes(self, name: str) -> int:
         return len({p for p in self.processes.get(name, []) if p is not None}) or 1
@@ -130,7 +135,8 @@ class RoundsLog:
         return {"names": list(self.names), "reference": self.reference, "passes": dict(self.passes),
                 "calibration_s": list(self.calibration_s), "orders": list(self.orders), "ended": dict(self.ended),
                 "stop_reason": self.stop_reason, "processes": dict(self.processes), "gpu_sensor": list(self.gpu_sensor),
-                "planned_rounds": self.planned_rounds, "plan_note": self.plan_note}
+                "planned_rounds": self.planned_rounds, "plan_note": self.plan_note,
+                "rerun_spread_pct": self.rerun_spread_pct}
 
 
 def run_rounds(sessions: Sequence, reference: str, settings: RoundsSettings, *,
@@ -142,7 +148,7 @@ def run_rounds(sessions: Sequence, reference: str, settings: RoundsSettings, *,
     calibration (GPU runs)."""
     alive = [s if isinstance(s, RowProcesses) else RowProcesses(s.name, [s]) for s in sessions]
     rec = RoundsLog([s.name for s in alive], reference, {s.name: [] for s in alive},
-                    processes={s.name: [] for s in alive})
+                    processes={s.name: [] for s in alive}, rerun_spread_pct=settings.rerun_spread_pct)
     started = clock()
     while alive:
         k = rec.n_rounds
@@ -227,7 +233,7 @@ def _halfwidths(rec: RoundsLog, names: Sequence[str]) -> dict:
     for n in names:
         if n == rec.reference:
             continue
-        sp = rec.speedup(n)
+        sp = rec.speedup(n, within_run=True)
         out[n] = None if sp is None else sp.halfwidth_pct
     return out
 

@@ -63,11 +63,13 @@ def paired_ratios(ref_s: Sequence[Optional[float]], row_s: Sequence[Optional[flo
 
 
 def paired_speedup(ref_s: Sequence[Optional[float]], row_s: Sequence[Optional[float]],
-                   confidence: float = CONFIDENCE, groups: Optional[Sequence] = None) -> Optional[PairedSpeedup]:
+                   confidence: float = CONFIDENCE, groups: Optional[Sequence] = None,
+                   rerun_spread_pct: float = 0.0) -> Optional[PairedSpeedup]:
     """The row's paired speedup over the rounds both ran (None when no round paired).
     ``groups``: each round's pair of worker processes (the reference's, the row's), as any
     hashable label; with two or more, the interval includes the spread between processes
-    (``log_mean_variance``)."""
+    (``log_mean_variance``). ``rerun_spread_pct``: a between-run standard deviation of the log
+    ratio, known from reruns (``with_rerun_spread``)."""
     kept = [(a / b, None if groups is None else groups[k]) for k, (a, b) in enumerate(zip(ref_s, row_s))
             if a is not None and b is not None and a > 0 and b > 0]
     if not kept:
@@ -79,7 +81,7 @@ def paired_speedup(ref_s: Sequence[Optional[float]], row_s: Sequence[Optional[fl
         return PairedSpeedup(med, None, None, None, n)
     logs = [math.log(r) for r in ratios]
     mean = statistics.fmean(logs)
-    var_mean, df = log_mean_variance(logs, [g for _, g in kept])
+    var_mean, df = with_rerun_spread(*log_mean_variance(logs, [g for _, g in kept]), rerun_spread_pct)
     # sqrt(2): a rerun's mean carries its own sampling error (and its own processes) beside this run's
     half = float(stats.t.ppf(0.5 + confidence / 2, df)) * math.sqrt(2.0 * var_mean)
     return PairedSpeedup(med, math.exp(mean - half), math.exp(mean + half), 100.0 * math.expm1(half), n)
@@ -118,6 +120,19 @@ def log_mean_variance(logs: Sequence[float], groups: Sequence) -> tuple[float, f
     return within + between, df
 
 
+def with_rerun_spread(var_mean: float, df: float, rerun_spread_pct: float) -> tuple[float, float]:
+    """(variance, degrees of freedom) with a between-run variance added: a run's mean log ratio
+    is mu + its run's offset + the rounds' and processes' error, and a rerun draws a new offset,
+    so the offset's variance joins the mean's. It is taken as known (measured over many reruns,
+    not estimated from this run), so it adds no sampling error: Satterthwaite's degrees of
+    freedom grow with its share, from ``df`` (no spread) towards a normal interval."""
+    spread = math.log1p(rerun_spread_pct / 100.0) ** 2
+    if spread == 0.0:
+        return var_mean, df
+    total = var_mean + spread
+    return total, math.inf if var_mean == 0.0 else df * (total / var_mean) ** 2
+
+
 def rounds_needed(sd_log: float, target_halfwidth_pct: float, at_least: int, at_most: int,
                   confidence: float = CONFIDENCE) -> int:
     """The fewest rounds (from ``at_least`` to ``at_most``) whose replication interval would be
@@ -153,4 +168,4 @@ def widest(halfwidths: Sequence[Optional[float]]) -> float:
 
 
 __all__ = ["CONFIDENCE", "PairedSpeedup", "block_speedup", "log_mean_variance", "log_ratio_sd", "paired_ratios",
-           "paired_speedup", "round_order", "rounds_needed", "spread_pct", "widest"]
+           "paired_speedup", "round_order", "rounds_needed", "spread_pct", "widest", "with_rerun_spread"]
