@@ -21,7 +21,12 @@ would replace, with its numerics checked against a reference on the same inputs:
 * residual add + LayerNorm + e4m3 quantize (``--only layernorm``): Inductor's fused pass against the
   suite's one-pass Triton kernel (``fp8.layernorm: triton``) at each launch shape it may use, with
   fp16 or e4m3 GEMM outputs and an fp16 or bf16 residual; reference: the kernel's torch formula;
-* each inside a captured CUDA graph as well, replayed and compared with its eager result.
+* each inside a captured CUDA graph as well, replayed and compared with its eager result;
+* with ``--energy-s S``, each graph replayed back to back for about S seconds between two reads of
+  NVML's energy counter: joules a call, the card's average power and the sustained time a call
+  (``energy_record``). On a power-capped card a pass's time follows its energy (the fused-LayerNorm
+  lever was 31 % faster as a kernel and 0.6 % end to end: h200-mlperf-bert-large-fused-layernorm.md),
+  so a lever's prediction needs the joules each kernel costs, not only its microseconds.
 
 Times are CUDA-event medians (min-max) over ``--iters`` calls after ``--warmup``; each line of the
 output is one JSON record. Random weights and activations: kernel timing and numerics only.
@@ -48,6 +53,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -88,14 +94,61 @@ def graphed(fn):
 
 
 def timed_eager_and_graphed(fn, out, args) -> dict:
-    """fn timed eagerly and replayed in a CUDA graph, and whether the replay writes ``out``'s bytes."""
+    """fn timed eagerly and replayed in a CUDA graph, and whether the replay writes ``out``'s bytes;
+    with ``args.energy_s``, the replay's energy a call too (``energy_of_replays``)."""
     rec = timed(fn, args.warmup, args.iters)
     replay, gout = graphed(fn)
     replay()
     torch.cuda.synchronize()
     rec["graph_replay_equals_eager"] = bool(torch.equal(gout.view(torch.uint8), out.view(torch.uint8)))
     rec["graph"] = timed(replay, args.warmup, args.iters)
+    if getattr(args, "energy_s", 0):
+        rec["energy"] = energy_of_replays(replay, rec["graph"]["us_median"], args.energy_s)
     return rec
+
+
+def replays_for(seconds: float, us_per_call: float) -> int:
+    """How many back-to-back calls of ``us_per_call`` fill ``seconds`` (at least 100: NVML's energy
+    counter moves in millijoules and updates every few milliseconds, so a window needs many calls)."""
+    if not seconds > 0 or not us_per_call > 0:
+        raise ValueError(f"replays_for needs positive seconds and a positive time a call, got {seconds}, {us_per_call}")
+    return max(100, int(seconds * 1e6 / us_per_call))
+
+
+def energy_record(mj_before: float, mj_after: float, s_before: float, s_after: float, calls: int,
+                  clocks_mhz=()) -> dict:
+    """Joules a call and the card's average power over ``calls`` calls between two reads of NVML's
+    total-energy counter (millijoules) at two host times (seconds); the sustained time a call; the
+    median SM clock sampled over the window."""
+    if calls < 1 or s_after <= s_before or mj_after < mj_before:
+        raise ValueError(f"energy_record: {calls} calls, {s_after - s_before:.3f} s, {mj_after - mj_before} mJ: "
+                         "the counter or the clock went backwards, or nothing was called")
+    joules, seconds = (mj_after - mj_before) / 1000.0, s_after - s_before
+    return {"mJ_per_call": round(1000.0 * joules / calls, 4), "avg_power_w": round(joules / seconds, 1),
+            "us_per_call_sustained": round(1e6 * seconds / calls, 1), "calls": calls, "window_s": round(seconds, 3),
+            "sm_clock_mhz_median": statistics.median(clocks_mhz) if clocks_mhz else None}
+
+
+def energy_of_replays(replay, us_per_call: float, seconds: float) -> dict:
+    """Replay a captured graph back to back for about ``seconds`` between two reads of NVML's energy
+    counter (``energy_record``); the SM clock read every ~10 % of the window on the host."""
+    from bertqa_bench.measuring.gpu_sensor import NVML_HINT, nvml, nvml_handle
+
+    mod = nvml()
+    if mod is None:
+        return {"error": f"no NVML here: {NVML_HINT}"}
+    h = nvml_handle(mod, torch.cuda.current_device())
+    calls = replays_for(seconds, us_per_call)
+    chunk = max(1, calls // 10)
+    torch.cuda.synchronize()
+    e0, t0, clocks = mod.nvmlDeviceGetTotalEnergyConsumption(h), time.perf_counter(), []
+    for done in range(0, calls, chunk):
+        for _ in range(min(chunk, calls - done)):
+            replay()
+        torch.cuda.synchronize()  # the queue stays short, so the clock read is of this window
+        clocks.append(mod.nvmlDeviceGetClockInfo(h, mod.NVML_CLOCK_SM))
+    e1, t1 = mod.nvmlDeviceGetTotalEnergyConsumption(h), time.perf_counter()
+    return energy_record(e0, e1, t0, t1, calls, clocks)
 
 
 def epilogue_support(emit) -> None:
@@ -671,6 +724,9 @@ def main(argv=None) -> int:
     p.add_argument("--only", choices=("attention", "ffn_up", "gemms", "layernorm"), default=None)
     p.add_argument("--autotune", type=int, default=5, help="also time the epilogue autotuned (iterations; 0: not)")
     p.add_argument("--out", default="-", help="JSON lines file (default stdout)")
+    p.add_argument("--energy-s", type=float, default=0.0, metavar="S",
+                   help="also replay each graph ~S seconds between two reads of NVML's energy counter: joules a "
+                        "call, average power, sustained time a call (0: not; 1-2 s gives ~1 %% resolution)")
     p.add_argument("--from-run", default=None, metavar="RUN_DIR",
                    help="attention on the sequence lengths of this bench run's packed plan instead of random ones")
     p.add_argument("--backend", default=None, help="with --from-run: whose plan (default: the run's first packed row)")
@@ -688,6 +744,8 @@ def main(argv=None) -> int:
     unknown = sorted(set(args.kernels or ()) - set(ATTENTION_KERNELS))
     if unknown:
         p.error(f"unknown --kernels {','.join(unknown)}; valid: {','.join(ATTENTION_KERNELS)}")
+    if args.energy_s < 0:
+        p.error(f"--energy-s is seconds of replays a kernel (0: none), not {args.energy_s:g}")
     if args.tiles and args.only not in (None, "attention"):
         p.error(f"--tiles times the attention kernel's tiles: not with --only {args.only}")
     if args.tiles and args.kernels and "triton-e4m3" not in args.kernels:

@@ -168,7 +168,7 @@ MUTANTS = [
       ("tests/test_noise_sensors.py", "-k", "rerun_spread or whole_run"),
       "bench.rerun_spread_pct is accepted and left out of the interval (a run that shifts as a whole lands outside)"),
     M("rounds-rerun-spread-not-passed", "bertqa_bench/measuring/rounds.py",
-      "rerun_spread_pct=0.0 if within_run else self.rerun_spread_pct)", "rerun_spread_pct=0.0)",
+      "spread = 0.0 if within_run or name == self.reference else self.rerun_spread_pct", "spread = 0.0",
       ("tests/test_rounds.py", "-k", "rerun_spread"),
       "the bench reports intervals without the configured between-run spread"),
     M("rounds-second-process-not-started", "bertqa_bench/commands/bench_rows.py",

@@ -1,6 +1,7 @@
 """scripts/kernel_bench.py's host side: the sequence lengths it reads from a bench run's own plan and
 evaluation set (``--from-run``), which batches it samples, and its refusals of bad input before any
-GPU work. The timing itself needs a GPU and is not tested here."""
+GPU work, and the arithmetic of its energy records. The timing itself needs a GPU and is not tested
+here."""
 import importlib.util
 import json
 import sys
@@ -147,3 +148,30 @@ def test_pass_records_count_only_the_kernels_own_timed_records(kb):
     assert set(out) == {"triton-e4m3", "flash"}
     assert out["triton-e4m3"]["sampled"] == 2 and out["triton-e4m3"]["mean_batch_us"] == 15.0
     assert out["triton-e4m3"]["pass_estimate_us"] == 945.0 and out["flash"]["pass_estimate_us"] == 1890.0
+
+
+def test_an_energy_record_is_joules_over_calls_and_power_over_the_window(kb):
+    # 2,000 calls in 1.6 s between counter reads 1,120,000 mJ apart: 560 mJ a call, 700 W, 800 us a call
+    rec = kb.energy_record(5_000_000.0, 6_120_000.0, 10.0, 11.6, 2000, clocks_mhz=[1650, 1700, 1680])
+    assert rec["mJ_per_call"] == pytest.approx(560.0) and rec["avg_power_w"] == pytest.approx(700.0)
+    assert rec["us_per_call_sustained"] == pytest.approx(800.0) and rec["sm_clock_mhz_median"] == 1680
+    assert kb.energy_record(0.0, 10.0, 0.0, 1.0, 10)["sm_clock_mhz_median"] is None
+
+
+@pytest.mark.parametrize("args", [(5.0, 4.0, 1.0, 2.0, 10), (0.0, 1.0, 2.0, 2.0, 10), (0.0, 1.0, 0.0, 1.0, 0)])
+def test_an_energy_record_refuses_a_counter_or_clock_that_went_backwards(kb, args):
+    with pytest.raises(ValueError, match="energy_record"):
+        kb.energy_record(*args)
+
+
+def test_the_energy_window_holds_enough_calls(kb):
+    assert kb.replays_for(1.0, 62.7) == int(1e6 / 62.7)  # a second of a 62.7 us kernel
+    assert kb.replays_for(0.001, 500.0) == 100  # never fewer than 100 calls
+    with pytest.raises(ValueError):
+        kb.replays_for(1.0, 0.0)
+
+
+def test_a_negative_energy_window_is_refused_before_any_gpu_work(kb, capsys):
+    with pytest.raises(SystemExit):
+        kb.main(["--energy-s", "-1"])
+    assert "--energy-s is seconds" in capsys.readouterr().err

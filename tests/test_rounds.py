@@ -193,6 +193,7 @@ def test_the_rerun_spread_widens_the_reported_interval_and_not_the_plan():
     assert spread.speedup("row", within_run=True) == plain.speedup("row")
     wide, narrow = spread.speedup("row"), plain.speedup("row")
     assert wide.speedup == narrow.speedup and wide.low < narrow.low and narrow.high < wide.high
+    assert spread.speedup("ref") == plain.speedup("ref")  # the reference is 1.0 in every run
 
 
 def test_rounds_needed_is_the_fewest_that_reach_the_target():

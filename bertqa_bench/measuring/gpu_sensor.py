@@ -39,6 +39,13 @@ def nvml():
         return None
 
 
+def nvml_handle(nvml_mod, device: int):
+    """NVML's handle of CUDA device ``device``: NVML counts the host's GPUs, CUDA the visible ones."""
+    visible = cuda_visible_devices()
+    index = int(visible[device]) if visible and all(v.isdigit() for v in visible) else device
+    return nvml_mod.nvmlDeviceGetHandleByIndex(index)
+
+
 def other_gpu_processes(nvml_mod, handle) -> Optional[int]:
     """Processes on the card that are not this run's (machine_state.same_run): None if unreadable."""
     try:
@@ -56,11 +63,7 @@ class GpuSensor:
         self.device, self.gemm_n, self.gemm_reps = device, gemm_n, gemm_reps
         self.copy_mib, self.copy_reps = copy_mib, copy_reps
         self._nvml = nvml()
-        self._handle = None
-        if self._nvml is not None:
-            visible = cuda_visible_devices()  # NVML counts the host's GPUs, CUDA the visible ones
-            index = int(visible[device]) if visible and all(v.isdigit() for v in visible) else device
-            self._handle = self._nvml.nvmlDeviceGetHandleByIndex(index)
+        self._handle = nvml_handle(self._nvml, device) if self._nvml is not None else None
 
     def __call__(self) -> dict:
         import torch  # the parent of a GPU bench; slow to import, so only here

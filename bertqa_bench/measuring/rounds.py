@@ -113,8 +113,10 @@ class RoundsLog:
         ``within_run``: without it, as the rounds are printed while they run."""
         if self.reference not in self.passes or name not in self.passes:
             return None
+        # the reference against itself is 1.0 in every run: no rerun moves it
+        spread = 0.0 if within_run or name == self.reference else self.rerun_spread_pct
         return paired_speedup(self.passes[self.reference], self.passes[name], groups=self._groups(name),
-                              rerun_spread_pct=0.0 if within_run else self.rerun_spread_pct)
+                              rerun_spread_pct=spread)
 
     def n_processes(self, name: str) -> int:
         return len({p for p in self.processes.get(name, []) if p is not None}) or 1

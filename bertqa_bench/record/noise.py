@@ -56,9 +56,13 @@ def sensor_round(gemm_ms: Sequence[float], copy_ms: Sequence[float], other_proce
         raise ValueError(f"GPU sensor: every repetition needs a positive time, got gemm {list(gemm_ms)} "
                          f"copy {list(copy_ms)}")
     jitter = [v for v in (spread_pct(gemm_ms), spread_pct(copy_ms)) if v is not None]
+    # the repetitions themselves too: on a quiet H200 they spread 7.5-9.7 % within a round, close to
+    # the 10 % threshold, and which of them are slow (the first, as the clock settles, or any) says
+    # whether the warm-up or the measure should change
     return {"total_ms": float(sum(gemm_ms) + sum(copy_ms)), "gemm_ms": float(statistics.median(gemm_ms)),
             "copy_ms": float(statistics.median(copy_ms)) if copy_ms else None,
-            "jitter_pct": max(jitter) if jitter else None, "other_processes": other_processes}
+            "jitter_pct": max(jitter) if jitter else None, "other_processes": other_processes,
+            "gemm_reps_ms": [round(float(t), 4) for t in gemm_ms], "copy_reps_ms": [round(float(t), 4) for t in copy_ms]}
 
 
 @dataclass(frozen=True)
