@@ -102,7 +102,7 @@ def timed_eager_and_graphed(fn, out, args) -> dict:
     torch.cuda.synchronize()
     rec["graph_replay_equals_eager"] = bool(torch.equal(gout.view(torch.uint8), out.view(torch.uint8)))
     rec["graph"] = timed(replay, args.warmup, args.iters)
-    if getattr(args, "energy_s", 0):
+    if args.energy_s:
         rec["energy"] = energy_of_replays(replay, rec["graph"]["us_median"], args.energy_s)
     return rec
 

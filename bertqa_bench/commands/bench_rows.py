@@ -332,7 +332,6 @@ class RowRunner:
             meta.calibration_cv_pct = rounds.calibration_cv_pct
             meta.timing_noisy = rounds.noisy(self.cfg.bench.noise_cv_pct)
             meta.noise_cv_pct = self.cfg.bench.noise_cv_pct
-            meta.rerun_spread_pct = rounds.rerun_spread_pct
             gpu = rounds.gpu_noise
             if gpu is not None:
                 meta.gpu_sensor_spread_pct, meta.gpu_sensor_jitter_pct = gpu.spread_pct, gpu.jitter_pct

@@ -326,7 +326,6 @@ class RunMeta:
     calibration_cv_pct: Optional[float] = None
     timing_noisy: Optional[bool] = None  # some row was marked noisy (each row's timing_noisy says which)
     noise_cv_pct: Optional[float] = None
-    rerun_spread_pct: Optional[float] = None  # bench.rerun_spread_pct, in every row's interval
     gpu_sensor_spread_pct: Optional[float] = None
     gpu_sensor_jitter_pct: Optional[float] = None
 

@@ -64,8 +64,8 @@ def rounds_lines(results: list[BackendResult], meta: RunMeta) -> list[str]:
                      "round, its interval [95 %] what a rerun with as many rounds, in new processes, shows"
                      + (f"; intervals reached: {widths}" if widths else "") + ".")
         lines += processes_lines(results)
-        if meta.rerun_spread_pct:
-            lines.append(f"Between runs: each interval also holds a between-run spread of {meta.rerun_spread_pct:g}% "
+        if log.get("rerun_spread_pct"):
+            lines.append(f"Between runs: each interval also holds a between-run spread of {log['rerun_spread_pct']:g}% "
                          "(bench.rerun_spread_pct, measured from reruns on this kind of machine): what moves a whole "
                          "run alike, which no spread inside one run shows.")
         lines += sensor_lines(results, meta, n)
