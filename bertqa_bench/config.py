@@ -356,6 +356,10 @@ class BenchConfig:
     # rounds: the worker processes each row's passes come from, taking turns by round (fewer where
     # memory does not hold them); the interval then includes the spread between processes
     processes: int = 2
+    # rounds: the spread between processes estimated once for the run, pooled over its rows (each
+    # row's own estimate from two processes has one degree of freedom: t 12.7, and one unlucky pair
+    # of processes gives an interval several times too wide); false: each row's own
+    pool_process_spread: bool = True
     num_threads: Optional[int] = None
     isolation: str = "process"  # process: each variant in its own spawned process; inprocess: debugging/tests
     timeout_s: float = 1800.0  # per variant (prepare + warm-up + timed passes); past it the child is killed
@@ -395,6 +399,8 @@ class BenchConfig:
             raise ConfigError(f"bench.rerun_spread_pct must be a percentage from 0 to under 100, not {self.rerun_spread_pct}")
         if self.seq_multiple < 1:
             raise ConfigError("bench.seq_multiple must be >= 1")
+        if not isinstance(self.pool_process_spread, bool):
+            raise ConfigError(f"bench.pool_process_spread must be true or false, not {self.pool_process_spread!r}")
         if isinstance(self.processes, bool) or not isinstance(self.processes, int) or self.processes < 1:
             raise ConfigError(f"bench.processes must be a whole number >= 1, not {self.processes!r}")
         for k in ("tokens_per_batch", "max_batch_rows", "num_threads"):

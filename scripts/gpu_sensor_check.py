@@ -127,10 +127,17 @@ def main(argv=None) -> int:
         print(f"note: no NVML ({NVML_HINT}); the sensor still times its workload", file=sys.stderr)
     ok = True
     with tempfile.TemporaryDirectory(prefix="gpu-sensor-check-") as d:
-        quiet = read_sensor(a.rounds, a.threshold, "quiet")
-        with planted_load(Path(d)):
-            loaded = read_sensor(a.rounds, a.threshold, "loaded")
-        ok = not quiet and loaded
+        if a.bench:
+            # the sensor phases in a child process: a CUDA context left open in this one, the
+            # benches' parent, would count as another process on the card (machine_state.same_run
+            # counts the bench's own descendants only), and mark the quiet bench's rows
+            ok = subprocess.run([sys.executable, __file__, "--rounds", str(a.rounds), "--threshold",
+                                 str(a.threshold)], check=False).returncode == 0
+        else:
+            quiet = read_sensor(a.rounds, a.threshold, "quiet")
+            with planted_load(Path(d)):
+                loaded = read_sensor(a.rounds, a.threshold, "loaded")
+            ok = not quiet and loaded
         if a.bench:
             time.sleep(5)  # the load's context gone from the card
             quiet_rows = bench_rows(a.bench, a.sets, "quiet")

@@ -21,6 +21,12 @@ would replace, with its numerics checked against a reference on the same inputs:
 * residual add + LayerNorm + e4m3 quantize (``--only layernorm``): Inductor's fused pass against the
   suite's one-pass Triton kernel (``fp8.layernorm: triton``) at each launch shape it may use, with
   fp16 or e4m3 GEMM outputs and an fp16 or bf16 residual; reference: the kernel's torch formula;
+* the layer's four GEMMs in INT8 (``--only int8``): cuBLASLt's IMMA GEMM through ``torch._int_mm``
+  alone and with its dequantize as Inductor compiles it (by default, and under max-autotune with
+  the int8 template's fused epilogue) against the FP8 GEMM of today's path, for the energy an
+  INT8 path could save on a power-capped card; reference: the GEMM in fp32 on the fp16 inputs;
+* every algorithm cuBLASLt offers for the FFN-up GEMM with its GELU + bias epilogue and e4m3 output
+  (``--only ffn_up_candidates``, at each ``--candidates`` limit), each planned alone and timed;
 * each inside a captured CUDA graph as well, replayed and compared with its eager result;
 * with ``--energy-s S``, each graph replayed back to back for about S seconds between two reads of
   NVML's energy counter: joules a call, the card's average power and the sustained time a call
@@ -101,7 +107,13 @@ def timed_eager_and_graphed(fn, out, args) -> dict:
     replay()
     torch.cuda.synchronize()
     rec["graph_replay_equals_eager"] = bool(torch.equal(gout.view(torch.uint8), out.view(torch.uint8)))
-    rec["graph"] = timed(replay, args.warmup, args.iters)
+    rec.update(replay_record(replay, args))
+    return rec
+
+
+def replay_record(replay, args) -> dict:
+    """A captured graph's replay timed (``timed``) and, with ``args.energy_s``, its energy a call."""
+    rec = {"graph": timed(replay, args.warmup, args.iters)}
     if args.energy_s:
         rec["energy"] = energy_of_replays(replay, rec["graph"]["us_median"], args.energy_s)
     return rec
@@ -546,7 +558,7 @@ def ffn_up(args, hidden, ffn, emit) -> None:
         rec = {"what": "ffn_up_kernels", "kernel": label, "tokens": args.tokens, "hidden": hidden, "ffn": ffn}
         try:
             replay, _ = graphed(fn)
-            rec["graph"] = timed(replay, args.warmup, args.iters)
+            rec.update(replay_record(replay, args))
         except Exception as e:  # noqa: BLE001
             rec["error"] = f"{type(e).__name__}: {e}"[:1000]
         emit(rec)
@@ -557,7 +569,7 @@ def ffn_up(args, hidden, ffn, emit) -> None:
         try:
             replay, _ = graphed(lambda: cublaslt_epilogues.gemm_gelu_fp8(x8, up.weight_fp8, ep.epilogue_bias, up.weight_scale,
                                                                      sa, ep.down_inv_scale, True, args.autotune))
-            rec["graph"] = timed(replay, args.warmup, args.iters)
+            rec.update(replay_record(replay, args))
         except Exception as e:  # noqa: BLE001
             rec["error"] = f"{type(e).__name__}: {e}"[:1000]
         emit(rec)
@@ -582,6 +594,65 @@ def ffn_up(args, hidden, ffn, emit) -> None:
             rec["error"] = f"{type(e).__name__}: {e}"[:2000]
             rec["traceback"] = traceback.format_exc()[-3000:]
         emit(rec)
+
+
+def algorithm_fields(alg) -> dict:
+    """What an nvmath ``Algorithm`` (a cuBLASLt algorithm) says of itself, where it says it."""
+    out = {}
+    for k in ("algorithm_id", "tile", "stages", "split_k", "cta_swizzling", "cluster_shape", "inner_shape"):
+        try:
+            v = getattr(alg, k)
+        except Exception:  # noqa: BLE001 - a field this nvmath or this algorithm lacks
+            continue
+        out[k] = v if isinstance(v, (int, float, str, type(None))) else str(v)
+    return out
+
+
+def ffn_up_candidates(args, hidden, ffn, emit) -> None:
+    """Every algorithm cuBLASLt offers for the FFN-up GEMM with its GELU + bias epilogue and an e4m3
+    output (nvmath-python), at each ``--candidates`` limit, each planned alone and timed in a CUDA
+    graph: whether any algorithm past the 8 the backend's autotuning compares (nvmath's default
+    limit) hides the GELU behind the main loop. The same GEMM with a plain e4m3 output is the
+    bound a hidden epilogue approaches (``ffn_up``'s ``gemm_e4m3_out``)."""
+    from nvmath.linalg.advanced import Matmul, MatmulEpilog, MatmulPlanPreferences
+
+    from bertqa_bench.kernels.cublaslt_epilogues import _e4m3_type
+
+    torch.manual_seed(0)
+    w8 = (torch.randn(ffn, hidden, device="cuda") * 16).clamp(-448, 448).to(torch.float8_e4m3fn)
+    x8 = (torch.randn(args.tokens, hidden, device="cuda") * 16).clamp(-448, 448).to(torch.float8_e4m3fn)
+    bias = (torch.randn(ffn, device="cuda") * 0.1).half()
+    one = torch.ones((), device="cuda")
+    scales = {"a": one / 256, "b": one / 256, "d": one / 4}
+
+    def planned(limit=None, algorithms=None):
+        mm = Matmul(w8, x8.t(), quantization_scales=scales,
+                    options={"result_type": _e4m3_type(), "fast_accumulation": True})
+        found = mm.plan(preferences=None if limit is None else MatmulPlanPreferences(limit=limit),
+                        algorithms=algorithms, epilog=MatmulEpilog.GELU_BIAS, epilog_inputs={"bias": bias})
+        return mm, found
+
+    base = {"what": "ffn_up_candidates", "M": args.tokens, "N": ffn, "K": hidden}
+    for limit in args.candidates:
+        try:
+            _, found = planned(limit)
+        except Exception as e:  # noqa: BLE001
+            emit({**base, "limit": limit, "error": f"{type(e).__name__}: {e}"[:1000]})
+            continue
+        emit({**base, "limit": limit, "found": len(found)})
+        for rank, alg in enumerate(found):
+            rec = {**base, "limit": limit, "rank": rank, **algorithm_fields(alg)}
+            try:
+                mm, _ = planned(algorithms=[alg])
+
+                def call(mm=mm):
+                    d = mm.execute(release_workspace=False, stream=torch.cuda.current_stream())
+                    return d[0] if isinstance(d, tuple) else d
+                replay, _ = graphed(call)
+                rec.update(replay_record(replay, args))
+            except Exception as e:  # noqa: BLE001
+                rec["error"] = f"{type(e).__name__}: {e}"[:500]
+            emit(rec)
 
 
 def gemms(args, hidden, ffn, emit) -> None:
@@ -627,6 +698,72 @@ def gemms(args, hidden, ffn, emit) -> None:
             emit(rec)
         if residual:
             _layernorm_after(args, x.new_empty(m, n).copy_(ref), r, emit, base)
+
+
+def int8_gemm_paths(x8, w8, sx: float, sw, b) -> dict:
+    """The ways an INT8 GEMM with a per-tensor input scale ``sx`` and per-row weight scales ``sw``
+    can produce the layer's fp16 output (y = x8 w8^T sx sw + b): cuBLASLt's IMMA GEMM alone (int32
+    out, no epilogue), then with the dequantize as Inductor compiles it by default (a pointwise
+    kernel after the GEMM) and under max-autotune with ``force_fuse_int_mm_with_mul`` (Inductor's
+    Triton int8 template, the dequantize fused into its epilogue where it chooses that template)."""
+    import torch._inductor.config as inductor_config
+
+    w8t, scale = w8.t(), (sw * sx).float()
+
+    def dequant(x, w, s, bias):
+        return (torch._int_mm(x, w).float() * s + bias).half()
+
+    default = torch.compile(dequant, dynamic=False)
+    with inductor_config.patch(force_fuse_int_mm_with_mul=True):
+        tuned = torch.compile(dequant, dynamic=False, mode="max-autotune-no-cudagraphs")
+        tuned(x8, w8t, scale, b)  # compiled (and autotuned) here, under the patched config
+    return {"torch._int_mm (cuBLASLt IMMA, int32 out, no epilogue)": (lambda: torch._int_mm(x8, w8t), False),
+            "int8 GEMM + dequantize + bias, Inductor default": (lambda: default(x8, w8t, scale, b), True),
+            "int8 GEMM + dequantize + bias, Inductor max-autotune (fused int_mm x mul)": (
+                lambda: tuned(x8, w8t, scale, b), True)}
+
+
+def int8_gemms(args, hidden, ffn, emit) -> None:
+    """The layer's four GEMMs in INT8 against the same GEMM in FP8 (today's ``torch._scaled_mm``,
+    fp16 out + bias), on the same Gaussian activations: time and, with ``--energy-s``, joules a call.
+    Hopper's dense INT8 and FP8 tensor-core peaks are equal; what an INT8 path could save on a
+    power-capped card is the energy of its integer products (MLPerf's bert-99 H200 results run INT8)."""
+    from bertqa_bench.backends.transforms.fp8_surgery import fp8_classes
+    from bertqa_bench.kernels.fp8_math import static_act_scale
+
+    Fp8Linear = fp8_classes()[0]
+    torch.manual_seed(0)
+    m = args.tokens
+    for name, n, k in (("qkv", 3 * hidden, hidden), ("attn_out", hidden, hidden), ("ffn_up", ffn, hidden),
+                       ("ffn_down", hidden, ffn)):
+        w = (torch.randn(n, k, device="cuda") * k ** -0.5).half()
+        b = (torch.randn(n, device="cuda") * 0.1).half()
+        x = torch.randn(m, k, device="cuda").half()
+        ref = x.float() @ w.float().t() + b.float()
+        sx = float(x.abs().amax()) / 127.0
+        sw = w.float().abs().amax(dim=1) / 127.0
+        x8 = (x.float() / sx).round().clamp(-127, 127).to(torch.int8)
+        w8 = (w.float() / sw[:, None]).round().clamp(-127, 127).to(torch.int8)
+        lin = Fp8Linear(w, b, scaling="tensor", act_scale=static_act_scale(float(x.abs().amax())), fast_accum=True)
+        xf8, _ = lin.quantize_input(x)
+        base = {"what": "int8_gemm", "gemm": name, "M": m, "N": n, "K": k, "tflop": round(2 * m * n * k / 1e12, 4)}
+        paths = {"fp8 torch._scaled_mm (fast accum), fp16 out + bias": (lambda: lin(xf8), True)}
+        try:
+            paths.update(int8_gemm_paths(x8, w8, sx, sw, b))
+        except Exception as e:  # noqa: BLE001
+            emit({**base, "kernel": "int8 compiled paths", "error": f"{type(e).__name__}: {e}"[:1500]})
+            paths["torch._int_mm (cuBLASLt IMMA, int32 out, no epilogue)"] = (lambda: torch._int_mm(x8, w8.t()), False)
+        for label, (fn, dequantized) in paths.items():
+            rec = {**base, "kernel": label}
+            try:
+                out = fn()
+                got = out.float() if dequantized else out.float() * (sw * sx) + b.float()
+                rec["max_rel_err"] = float(((got - ref).abs() / (ref.abs() + 1)).max())
+                rec.update(timed_eager_and_graphed(fn, out, args))
+                rec["pflops_graph"] = round(rec["tflop"] / (rec["graph"]["us_median"] * 1e-6) / 1e3, 3)
+            except Exception as e:  # noqa: BLE001
+                rec["error"] = f"{type(e).__name__}: {e}"[:1500]
+            emit(rec)
 
 
 def _layernorm_after(args, y, r, emit, base) -> None:
@@ -721,7 +858,11 @@ def main(argv=None) -> int:
     p.add_argument("--seq-max", type=int, default=384)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--iters", type=int, default=50)
-    p.add_argument("--only", choices=("attention", "ffn_up", "gemms", "layernorm"), default=None)
+    p.add_argument("--only", choices=("attention", "ffn_up", "gemms", "layernorm", "int8", "ffn_up_candidates"),
+                   default=None)
+    p.add_argument("--candidates", default=[8, 64], metavar="N,N",
+                   type=lambda v: [int(k) for k in v.split(",") if k],
+                   help="with --only ffn_up_candidates: the algorithm limits asked of cuBLASLt (default 8,64)")
     p.add_argument("--autotune", type=int, default=5, help="also time the epilogue autotuned (iterations; 0: not)")
     p.add_argument("--out", default="-", help="JSON lines file (default stdout)")
     p.add_argument("--energy-s", type=float, default=0.0, metavar="S",
@@ -744,6 +885,8 @@ def main(argv=None) -> int:
     unknown = sorted(set(args.kernels or ()) - set(ATTENTION_KERNELS))
     if unknown:
         p.error(f"unknown --kernels {','.join(unknown)}; valid: {','.join(ATTENTION_KERNELS)}")
+    if not args.candidates or min(args.candidates) < 1:
+        p.error(f"--candidates are how many algorithms to ask cuBLASLt for, each >= 1, not {args.candidates}")
     if args.energy_s < 0:
         p.error(f"--energy-s is seconds of replays a kernel (0: none), not {args.energy_s:g}")
     if args.tiles and args.only not in (None, "attention"):
@@ -793,6 +936,10 @@ def main(argv=None) -> int:
         gemms(args, hidden, ffn, emit)
     if args.only in (None, "layernorm"):
         add_layernorm(args, hidden, emit)
+    if args.only in (None, "int8"):
+        int8_gemms(args, hidden, ffn, emit)
+    if args.only == "ffn_up_candidates":  # every algorithm timed alone: only when asked
+        ffn_up_candidates(args, hidden, ffn, emit)
     return 0
 
 

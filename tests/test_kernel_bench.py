@@ -101,6 +101,9 @@ def test_bad_arguments_are_refused_before_any_gpu_work(kb, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         kb.main(["--tiles", "--kernels", "flash,cudnn"])
     assert e.value.code == 2 and "add triton-e4m3 to --kernels" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        kb.main(["--only", "ffn_up_candidates", "--candidates", "8,0"])
+    assert e.value.code == 2 and "each >= 1, not [8, 0]" in capsys.readouterr().err
 
 
 def _tile(config, batch, us, **kw):
@@ -175,3 +178,29 @@ def test_a_negative_energy_window_is_refused_before_any_gpu_work(kb, capsys):
     with pytest.raises(SystemExit):
         kb.main(["--energy-s", "-1"])
     assert "--energy-s is seconds" in capsys.readouterr().err
+
+
+def test_the_int8_paths_give_the_gemm_within_int8_rounding(kb):
+    # CPU tensors: the paths' arithmetic (cuBLASLt's IMMA kernel on CUDA, the same op on the CPU).
+    # Each output is x8 w8^T sx sw + b; against the fp32 GEMM of the unrounded inputs its error is
+    # the rounding of x and w to 127 levels: |dy| <= (K/2) (sx max|w| + sw max|x| + sx sw / 2),
+    # well under 1 relative to |y| + 1 at these scales, and the three paths agree to fp16 rounding
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    m, n, k = 32, 48, 64
+    x, w = torch.randn(m, k), torch.randn(n, k) * k ** -0.5
+    b = (torch.randn(n) * 0.1).half()
+    sx, sw = float(x.abs().amax()) / 127, w.abs().amax(1) / 127
+    x8 = (x / sx).round().clamp(-127, 127).to(torch.int8)
+    w8 = (w / sw[:, None]).round().clamp(-127, 127).to(torch.int8)
+    ref = x @ w.t() + b.float()
+    outs = {}
+    for label, (fn, dequantized) in kb.int8_gemm_paths(x8, w8, sx, sw, b).items():
+        out = fn()
+        outs[label] = out.float() if dequantized else out.float() * (sw * sx) + b.float()
+    bound = (k / 2) * (sx * float(w.abs().max()) + float(sw.max()) * float(x.abs().max()) + sx * float(sw.max()) / 2)
+    for label, got in outs.items():
+        assert float((got - ref).abs().max()) <= bound, label
+    first = next(iter(outs.values()))
+    for got in outs.values():
+        assert torch.allclose(got, first, rtol=2 ** -10, atol=2 ** -10 * 4)

@@ -3,6 +3,8 @@ measuring/sessions.merge_records): planted readings, no GPU and no clock needed.
 
 * per-process offsets widen the interval, and a rerun in new processes lands inside it about as
   often as it claims where the interval that ignored processes missed;
+* the spread between processes pooled over a run's rows (bench.pool_process_spread) covers a
+  rerun as often as each row's own estimate, without its one-degree-of-freedom blow-ups;
 * a between-run spread (bench.rerun_spread_pct) widens it at least by what that spread alone
   gives, and covers reruns whose whole run shifts, which no spread inside a run shows;
 * the GPU sensor's decision on planted quiet, drifting and contended readings;
@@ -19,7 +21,8 @@ import pytest
 from bertqa_bench.record.noise import (GpuNoise, gpu_clock_text, gpu_samples_summary, gpu_sensor_noise, host_share,
                                        row_noise, sensor_round)
 from bertqa_bench.record.results import BackendResult, RunMeta
-from bertqa_bench.record.rounds import log_mean_variance, paired_speedup, with_rerun_spread
+from bertqa_bench.record.rounds import (ProcessAnova, log_mean_variance, paired_logs, paired_speedup,
+                                        pooled_process_variance, process_anova, with_rerun_spread)
 
 
 # --- the interval counts the processes ------------------------------------------------------------
@@ -81,6 +84,61 @@ def test_a_rerun_in_new_processes_lands_inside_the_interval_as_often_as_claimed(
     sd_diff = math.sqrt(2 * 0.25 / trials)
     assert hits_new / trials - hits_old / trials > 4 * sd_diff
     assert hits_old / trials < 0.95 - 4 * math.sqrt(0.95 * 0.05 / trials)  # the old interval under-covers
+
+
+def test_the_pooled_process_spread_weights_rows_by_their_degrees_of_freedom_and_truncates_once():
+    two = ProcessAnova(msb=0.010, msw=0.002, n0=2.0, m=2, n=4)      # component (0.010 - 0.002) / 2 = 0.004
+    three = ProcessAnova(msb=0.001, msw=0.003, n0=2.0, m=3, n=6)    # component -0.001: below zero alone
+    var, df = pooled_process_variance([two, three, None])
+    assert df == 3.0  # (2 - 1) + (3 - 1); a row without two processes adds nothing
+    assert var == pytest.approx((1 * 0.004 + 2 * -0.001) / 3)  # the negative estimate counts before truncation
+    assert pooled_process_variance([three]) == (0.0, 2.0)
+    assert pooled_process_variance([None, None]) is None
+
+
+def test_an_interval_takes_the_pooled_spread_in_place_of_its_own():
+    logs, groups = [0.40, 0.47, 0.41, 0.46], [0, 1, 0, 1]  # two processes 6 % apart: a large own estimate
+    anova = process_anova(logs, groups)
+    again = process_anova(*paired_logs([math.exp(v) for v in logs], [1.0] * 4, groups))
+    assert (again.msb, again.msw, again.n0, again.m) == pytest.approx((anova.msb, anova.msw, anova.n0, anova.m))
+    own_var, own_df = log_mean_variance(logs, groups)
+    pooled_var, pooled_df = log_mean_variance(logs, groups, pooled_between=(0.0001, 5.0))
+    assert own_df < 1.5 < pooled_df  # its own: near one degree of freedom; the pool's five lift it
+    assert pooled_var == pytest.approx(anova.msw / 4 + 0.0001 / 2)
+    assert own_var == pytest.approx(anova.msw / 4 + anova.between_component / 2)
+    ref = [math.exp(v) for v in logs]
+    own = paired_speedup(ref, [1.0] * 4, groups=groups)
+    pooled = paired_speedup(ref, [1.0] * 4, groups=groups, pooled_between=(0.0001, 5.0))
+    assert pooled.speedup == own.speedup and pooled.halfwidth_pct < own.halfwidth_pct / 3
+
+
+def test_a_rerun_lands_inside_the_pooled_interval_as_often_and_without_its_blow_ups():
+    """Simulated reruns of the default suite's shape: two rows against one reference, 4 rounds
+    alternating between two processes; every run draws new processes for the reference (offset sd
+    2 %, shared by both rows' ratios) and for each row (2 %), each round its noise (2 %). Row 0's
+    interval from its own processes and from the spread pooled over both rows: a rerun's mean
+    lands inside either about 95 % of the time, but the own estimate's single degree of freedom
+    makes its widest intervals several times the pooled ones."""
+    rng = np.random.default_rng(5)
+    trials, n, rows = 600, 4, 2
+    groups = [(k % 2, k % 2) for k in range(n)]
+    hits, widths = {"own": 0, "pooled": 0}, {"own": [], "pooled": []}
+    for _ in range(trials):
+        runs = []
+        for _ in range(2):
+            ref_offsets, row_offsets = rng.normal(0.0, 0.02, 2), rng.normal(0.0, 0.02, (rows, 2))
+            runs.append(np.array([[0.3 + ref_offsets[k % 2] - row_offsets[r, k % 2] + rng.normal(0.0, 0.02)
+                                   for k in range(n)] for r in range(rows)]))
+        refs = [list(np.exp(runs[0][r])) for r in range(rows)]
+        pooled = pooled_process_variance([process_anova(*paired_logs(refs[r], [1.0] * n, groups)) for r in range(rows)])
+        rerun = math.exp(runs[1][0].mean())
+        for key, between in (("own", None), ("pooled", pooled)):
+            sp = paired_speedup(refs[0], [1.0] * n, groups=groups, pooled_between=between)
+            hits[key] += sp.low <= rerun <= sp.high
+            widths[key].append(sp.halfwidth_pct)
+    tol = 4 * math.sqrt(0.95 * 0.05 / trials)
+    assert hits["pooled"] / trials > 0.95 - tol and hits["own"] / trials > 0.95 - tol
+    assert np.percentile(widths["pooled"], 95) < np.percentile(widths["own"], 95) / 2
 
 
 def test_no_rerun_spread_leaves_the_interval_as_it_was():
@@ -252,6 +310,10 @@ def test_the_views_carry_the_gpu_clock_and_the_processes():
     assert "power-capped at 1,650 MHz, 692 W" in table and "2.00× [1.90–2.10] |" in table  # no ~ on a quiet GPU
     text = "\n".join(rounds_lines(rows, meta))
     assert "every row's passes came from 2 worker processes" in text and "GPU sensor" in text
+    assert "pooled" not in text  # each row's own spread between its processes
+    pooled = RunMeta(**{**meta.__dict__, "rounds": {**meta.rounds, "pool_process_spread": True}})
+    assert "the spread between processes, pooled over the rows (bench.pool_process_spread)" in "\n".join(
+        rounds_lines(rows, pooled))
     assert "`fast` power-capped at 1,650 MHz" in text
     params, metrics, tags = result_view(rows[1], ["f1"], "f1")
     assert metrics["gpu_sm_clock_mhz"] == 1650.0 and metrics["gpu_power_w"] == 692.0

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from bertqa_bench.measuring.rounds import RoundsLog, RoundsSettings, run_rounds
+from bertqa_bench.measuring.rounds import RoundsLog, RoundsSettings, RowProcesses, run_rounds
 from bertqa_bench.measuring.sessions import SessionEnded
 from bertqa_bench.record.results import BackendResult, RunMeta
 from bertqa_bench.record.rounds import block_speedup, paired_ratios, paired_speedup, round_order, spread_pct
@@ -196,6 +196,29 @@ def test_the_rerun_spread_widens_the_reported_interval_and_not_the_plan():
     assert spread.speedup("ref") == plain.speedup("ref")  # the reference is 1.0 in every run
 
 
+def test_a_pooled_process_spread_reaches_every_row_but_the_reference():
+    """bench.pool_process_spread: the rows' process offsets estimated once over the rows against
+    the reference; a row whose own two processes happened to differ gets the pool's estimate
+    and its degrees of freedom instead of its own, a row whose processes agree gets the pool's
+    too, and the reference stays 1.0."""
+    runs = {}
+    for pool in (False, True):
+        host = Host(lambda t: 1.0)
+        settings = RoundsSettings(min_rounds=4, max_rounds=4, budget_s=1e9, target_halfwidth_pct=50.0,
+                                  pool_process_spread=pool)
+        ref = RowProcesses("ref", [ScriptedSession("ref", [10.0] * 4, host), ScriptedSession("ref2", [10.0] * 4, host)])
+        wide = RowProcesses("wide", [ScriptedSession("w0", [5.0, 5.1], host), ScriptedSession("w1", [5.5, 5.6], host)])
+        calm = RowProcesses("calm", [ScriptedSession("c0", [4.0, 4.05], host), ScriptedSession("c1", [4.02, 4.0], host)])
+        runs[pool] = run_rounds([ref, wide, calm], "ref", settings, calibrate=lambda: 0.0, clock=lambda: host.t,
+                                log=lambda _: None)
+    own, pooled = runs[False], runs[True]
+    assert pooled.to_dict()["pool_process_spread"] is True and own.pooled_between() is not None
+    assert pooled.speedup("wide").speedup == own.speedup("wide").speedup
+    assert pooled.speedup("wide").halfwidth_pct < own.speedup("wide").halfwidth_pct  # one df no more
+    assert pooled.speedup("calm").halfwidth_pct > own.speedup("calm").halfwidth_pct  # the pool's spread reaches it
+    assert pooled.speedup("ref") == own.speedup("ref")
+
+
 def test_rounds_needed_is_the_fewest_that_reach_the_target():
     from bertqa_bench.record.rounds import rounds_needed
 
@@ -334,5 +357,5 @@ def test_settings_follow_the_suite():
     from bertqa_bench.commands.bench_rows import rounds_settings
 
     bench = SimpleNamespace(min_passes=4, max_rounds=9, rounds_budget_s=30.0, target_halfwidth_pct=2.5,
-                            noise_cv_pct=7.0, rerun_spread_pct=1.5)
-    assert rounds_settings(bench) == RoundsSettings(4, 9, 30.0, 2.5, 7.0, 1.5)
+                            noise_cv_pct=7.0, rerun_spread_pct=1.5, pool_process_spread=True)
+    assert rounds_settings(bench) == RoundsSettings(4, 9, 30.0, 2.5, 7.0, 1.5, True)

@@ -53,7 +53,7 @@ CUDA_CONTEXT_MIB = 1024
 def rounds_settings(b: BenchConfig) -> RoundsSettings:
     return RoundsSettings(min_rounds=b.min_passes, max_rounds=b.max_rounds, budget_s=b.rounds_budget_s,
                           target_halfwidth_pct=b.target_halfwidth_pct, noise_cv_pct=b.noise_cv_pct,
-                          rerun_spread_pct=b.rerun_spread_pct)
+                          rerun_spread_pct=b.rerun_spread_pct, pool_process_spread=b.pool_process_spread)
 
 
 def mem_available_mib() -> Optional[float]:

@@ -28,7 +28,8 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from ..record.noise import GpuNoise, gpu_sensor_noise
-from ..record.rounds import PairedSpeedup, log_ratio_sd, paired_speedup, round_order, rounds_needed, spread_pct
+from ..record.rounds import (PairedSpeedup, log_ratio_sd, paired_logs, paired_speedup, pooled_process_variance,
+                             process_anova, round_order, rounds_needed, spread_pct)
 from .sessions import SessionEnded
 
 # The calibration: numpy's tanh over a fixed array of 2**20 float32 values, 300 times, on one
@@ -57,6 +58,7 @@ class RoundsSettings:
     target_halfwidth_pct: float = 5.0
     noise_cv_pct: float = 10.0
     rerun_spread_pct: float = 0.0  # bench.rerun_spread_pct: in the intervals reported, not in the plan
+    pool_process_spread: bool = False  # bench.pool_process_spread: the process offsets' variance pooled over rows
 
 
 class RowProcesses:
@@ -96,6 +98,7 @@ class RoundsLog:
     planned_rounds: Optional[int] = None
     plan_note: str = ""
     rerun_spread_pct: float = 0.0
+    pool_process_spread: bool = False
 
     @property
     def n_rounds(self) -> int:
@@ -115,8 +118,16 @@ class RoundsLog:
             return None
         # the reference against itself is 1.0 in every run: no rerun moves it
         spread = 0.0 if within_run or name == self.reference else self.rerun_spread_pct
+        pooled = self.pooled_between() if self.pool_process_spread and name != self.reference else None
         return paired_speedup(self.passes[self.reference], self.passes[name], groups=self._groups(name),
-                              rerun_spread_pct=spread)
+                              rerun_spread_pct=spread, pooled_between=pooled)
+
+    def pooled_between(self) -> Optional[tuple[float, float]]:
+        """The process offsets' variance pooled over the rows against the reference
+        (record/rounds.pooled_process_variance; bench.pool_process_spread)."""
+        ref = self.passes.get(self.reference, [])
+        return pooled_process_variance([process_anova(*paired_logs(ref, self.passes[n], self._groups(n)))
+                                        for n in self.passes if n != self.reference])
 
     def n_processes(self, name: str) -> int:
         return len({p for p in self.processes.get(name, []) if p is not None}) or 1
@@ -138,7 +149,7 @@ class RoundsLog:
                 "calibration_s": list(self.calibration_s), "orders": list(self.orders), "ended": dict(self.ended),
                 "stop_reason": self.stop_reason, "processes": dict(self.processes), "gpu_sensor": list(self.gpu_sensor),
                 "planned_rounds": self.planned_rounds, "plan_note": self.plan_note,
-                "rerun_spread_pct": self.rerun_spread_pct}
+                "rerun_spread_pct": self.rerun_spread_pct, "pool_process_spread": self.pool_process_spread}
 
 
 def run_rounds(sessions: Sequence, reference: str, settings: RoundsSettings, *,
@@ -150,7 +161,8 @@ def run_rounds(sessions: Sequence, reference: str, settings: RoundsSettings, *,
     calibration (GPU runs)."""
     alive = [s if isinstance(s, RowProcesses) else RowProcesses(s.name, [s]) for s in sessions]
     rec = RoundsLog([s.name for s in alive], reference, {s.name: [] for s in alive},
-                    processes={s.name: [] for s in alive}, rerun_spread_pct=settings.rerun_spread_pct)
+                    processes={s.name: [] for s in alive}, rerun_spread_pct=settings.rerun_spread_pct,
+                    pool_process_spread=settings.pool_process_spread)
     started = clock()
     while alive:
         k = rec.n_rounds

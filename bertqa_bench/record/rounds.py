@@ -62,16 +62,30 @@ def paired_ratios(ref_s: Sequence[Optional[float]], row_s: Sequence[Optional[flo
     return [a / b for a, b in zip(ref_s, row_s) if a is not None and b is not None and a > 0 and b > 0]
 
 
+def _paired(ref_s: Sequence[Optional[float]], row_s: Sequence[Optional[float]], groups: Optional[Sequence]) -> list:
+    """(ratio, the round's process label) of every round both sides ran."""
+    return [(a / b, None if groups is None else groups[k]) for k, (a, b) in enumerate(zip(ref_s, row_s))
+            if a is not None and b is not None and a > 0 and b > 0]
+
+
+def paired_logs(ref_s: Sequence[Optional[float]], row_s: Sequence[Optional[float]],
+                groups: Optional[Sequence] = None) -> tuple[list[float], list]:
+    """(log ratios, their rounds' process labels) over the rounds both sides ran."""
+    kept = _paired(ref_s, row_s, groups)
+    return [math.log(r) for r, _ in kept], [g for _, g in kept]
+
+
 def paired_speedup(ref_s: Sequence[Optional[float]], row_s: Sequence[Optional[float]],
                    confidence: float = CONFIDENCE, groups: Optional[Sequence] = None,
-                   rerun_spread_pct: float = 0.0) -> Optional[PairedSpeedup]:
+                   rerun_spread_pct: float = 0.0,
+                   pooled_between: Optional[tuple[float, float]] = None) -> Optional[PairedSpeedup]:
     """The row's paired speedup over the rounds both ran (None when no round paired).
     ``groups``: each round's pair of worker processes (the reference's, the row's), as any
     hashable label; with two or more, the interval includes the spread between processes
-    (``log_mean_variance``). ``rerun_spread_pct``: a between-run standard deviation of the log
-    ratio, known from reruns (``with_rerun_spread``)."""
-    kept = [(a / b, None if groups is None else groups[k]) for k, (a, b) in enumerate(zip(ref_s, row_s))
-            if a is not None and b is not None and a > 0 and b > 0]
+    (``log_mean_variance``; ``pooled_between``: that spread pooled over the run's rows,
+    ``pooled_process_variance``). ``rerun_spread_pct``: a between-run standard deviation of the
+    log ratio, known from reruns (``with_rerun_spread``)."""
+    kept = _paired(ref_s, row_s, groups)
     if not kept:
         return None
     ratios = [r for r, _ in kept]
@@ -81,13 +95,64 @@ def paired_speedup(ref_s: Sequence[Optional[float]], row_s: Sequence[Optional[fl
         return PairedSpeedup(med, None, None, None, n)
     logs = [math.log(r) for r in ratios]
     mean = statistics.fmean(logs)
-    var_mean, df = with_rerun_spread(*log_mean_variance(logs, [g for _, g in kept]), rerun_spread_pct)
+    var_mean, df = with_rerun_spread(*log_mean_variance(logs, [g for _, g in kept], pooled_between),
+                                     rerun_spread_pct)
     # sqrt(2): a rerun's mean carries its own sampling error (and its own processes) beside this run's
     half = float(stats.t.ppf(0.5 + confidence / 2, df)) * math.sqrt(2.0 * var_mean)
     return PairedSpeedup(med, math.exp(mean - half), math.exp(mean + half), 100.0 * math.expm1(half), n)
 
 
-def log_mean_variance(logs: Sequence[float], groups: Sequence) -> tuple[float, float]:
+@dataclass(frozen=True)
+class ProcessAnova:
+    """One row's one-way analysis of its log ratios by worker process: the between- and
+    within-process mean squares, the (unbalanced) group size n0, the processes m and rounds n."""
+
+    msb: float
+    msw: float
+    n0: float
+    m: int
+    n: int
+
+    @property
+    def between_component(self) -> float:
+        """The method-of-moments estimate of the process offsets' variance, not truncated."""
+        return (self.msb - self.msw) / self.n0
+
+
+def process_anova(logs: Sequence[float], groups: Sequence) -> Optional[ProcessAnova]:
+    """The row's ``ProcessAnova``; None under two processes or with no round beyond one a process."""
+    n = len(logs)
+    by: dict = {}
+    for y, g in zip(logs, groups):
+        by.setdefault(g, []).append(y)
+    m = len(by)
+    if m < 2 or n - m < 1:
+        return None
+    means = {g: statistics.fmean(v) for g, v in by.items()}
+    grand = statistics.fmean(logs)
+    msw = sum((y - means[g]) ** 2 for g, v in by.items() for y in v) / (n - m)
+    msb = sum(len(v) * (means[g] - grand) ** 2 for g, v in by.items()) / (m - 1)
+    n0 = (n - sum(len(v) ** 2 for v in by.values()) / n) / (m - 1)  # the group size, unbalanced groups
+    return ProcessAnova(msb, msw, n0, m, n)
+
+
+def pooled_process_variance(anovas: Sequence[Optional[ProcessAnova]]) -> Optional[tuple[float, float]]:
+    """(variance of a process offset, its degrees of freedom) pooled over a run's rows: each row's
+    estimate weighted by its m - 1 degrees of freedom, truncated at zero once, after pooling, on
+    the sum of the rows' m - 1. Two processes give a row's own estimate one degree of freedom, so
+    its t quantile is 12.7 and one unlucky pair makes an interval several times too wide (a
+    default-suite run gave openvino-fp32 [0.76-3.10]); the rows of one run share the reference's
+    processes and the machine's, and pooling takes their offsets as alike in spread (on the log
+    scale). None where no row has two processes."""
+    rows = [a for a in anovas if a is not None]
+    if not rows:
+        return None
+    df = sum(a.m - 1 for a in rows)
+    return max(0.0, sum((a.m - 1) * a.between_component for a in rows) / df), float(df)
+
+
+def log_mean_variance(logs: Sequence[float], groups: Sequence,
+                      pooled_between: Optional[tuple[float, float]] = None) -> tuple[float, float]:
     """(variance of the mean log ratio, its degrees of freedom), counting the worker processes.
 
     One process (or no labels): s^2 / n on n - 1 degrees of freedom. Several: a one-way random
@@ -97,26 +162,19 @@ def log_mean_variance(logs: Sequence[float], groups: Sequence) -> tuple[float, f
     round noise), and Satterthwaite's degrees of freedom for that sum, each term on its own
     (n - m and m - 1): where two processes differ by more than their rounds' noise, they fall
     towards 1 and the interval widens as it must, since two processes say little about a
-    third's offset."""
+    third's offset. ``pooled_between``: (the offsets' variance, its degrees of freedom) pooled
+    over the run's rows (``pooled_process_variance``), in place of this row's own estimate."""
     n = len(logs)
-    labels = list(groups) if groups is not None else [None] * n
-    by: dict = {}
-    for y, g in zip(logs, labels):
-        by.setdefault(g, []).append(y)
-    m = len(by)
-    sd2 = statistics.variance(logs)
-    if m < 2 or n - m < 1:
-        return sd2 / n, n - 1
-    means = {g: statistics.fmean(v) for g, v in by.items()}
-    grand = statistics.fmean(logs)
-    msw = sum((y - means[g]) ** 2 for g, v in by.items() for y in v) / (n - m)
-    msb = sum(len(v) * (means[g] - grand) ** 2 for g, v in by.items()) / (m - 1)
-    n0 = (n - sum(len(v) ** 2 for v in by.values()) / n) / (m - 1)  # the group size, unbalanced groups
-    within, between = msw / n, max(0.0, (msb - msw) / n0) / m
+    anova = process_anova(logs, list(groups) if groups is not None else [None] * n)
+    if anova is None:
+        return statistics.variance(logs) / n, n - 1
+    m = anova.m
+    sigma_b2, df_b = pooled_between if pooled_between is not None else (max(0.0, anova.between_component), m - 1)
+    within, between = anova.msw / n, sigma_b2 / m
     if between == 0.0 or within == 0.0:
-        return within + between, (n - m) if between == 0.0 else (m - 1)
-    # each term on its own degrees of freedom: continuous from n - m (processes agree) to m - 1
-    df = (within + between) ** 2 / (within ** 2 / (n - m) + between ** 2 / (m - 1))
+        return within + between, (n - m) if between == 0.0 else df_b
+    # each term on its own degrees of freedom: continuous from n - m (processes agree) to df_b
+    df = (within + between) ** 2 / (within ** 2 / (n - m) + between ** 2 / df_b)
     return within + between, df
 
 
@@ -167,5 +225,6 @@ def widest(halfwidths: Sequence[Optional[float]]) -> float:
     return max((math.inf if h is None else h for h in halfwidths), default=0.0)
 
 
-__all__ = ["CONFIDENCE", "PairedSpeedup", "block_speedup", "log_mean_variance", "log_ratio_sd", "paired_ratios",
-           "paired_speedup", "round_order", "rounds_needed", "spread_pct", "widest", "with_rerun_spread"]
+__all__ = ["CONFIDENCE", "PairedSpeedup", "ProcessAnova", "block_speedup", "log_mean_variance", "log_ratio_sd",
+           "paired_logs", "paired_ratios", "paired_speedup", "pooled_process_variance", "process_anova", "round_order",
+           "rounds_needed", "spread_pct", "widest", "with_rerun_spread"]

@@ -63,7 +63,7 @@ def rounds_lines(results: list[BackendResult], meta: RunMeta) -> list[str]:
                      "each speedup is the median over rounds of the reference's pass / the row's pass of the same "
                      "round, its interval [95 %] what a rerun with as many rounds, in new processes, shows"
                      + (f"; intervals reached: {widths}" if widths else "") + ".")
-        lines += processes_lines(results)
+        lines += processes_lines(results, bool(log.get("pool_process_spread")))
         if log.get("rerun_spread_pct"):
             lines.append(f"Between runs: each interval also holds a between-run spread of {log['rerun_spread_pct']:g}% "
                          "(bench.rerun_spread_pct, measured from reruns on this kind of machine): what moves a whole "
@@ -76,8 +76,9 @@ def rounds_lines(results: list[BackendResult], meta: RunMeta) -> list[str]:
     return lines
 
 
-def processes_lines(results: list[BackendResult]) -> list[str]:
-    """How many worker processes each row's passes came from, and why fewer where memory said so."""
+def processes_lines(results: list[BackendResult], pooled: bool = False) -> list[str]:
+    """How many worker processes each row's passes came from, and why fewer where memory said so;
+    ``pooled``: the spread between processes was estimated over all rows (bench.pool_process_spread)."""
     rows = [r for r in results if r.ok and r.timing_mode == "rounds" and r.processes]
     if not rows:
         return []
@@ -85,7 +86,9 @@ def processes_lines(results: list[BackendResult]) -> list[str]:
     head = (f"Processes: every row's passes came from {rows[0].processes} worker process"
             f"{'es' if rows[0].processes != 1 else ''}" if len(counts) == 1
             else "Processes: " + ", ".join(f"`{r.backend}` {r.processes}" for r in rows))
-    return [head + (", taking turns by round; each interval includes the spread between them" if max(counts) > 1
+    spread = ("the spread between processes, pooled over the rows (bench.pool_process_spread)" if pooled
+              else "the spread between them")
+    return [head + (f", taking turns by round; each interval includes {spread}" if max(counts) > 1
                     else "; the spread between processes is not in the intervals") + "."] + [
         f"- `{r.backend}`: {r.processes_note}" for r in rows if r.processes_note]
 
