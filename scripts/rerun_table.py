@@ -4,7 +4,11 @@ run's interval holds the other runs' medians (what results/reference/cpu-2core-r
 shows), and the spread of the runs' medians: the most bench.rerun_spread_pct should say for this
 machine (it also holds each run's own sampling error, so it is an upper bound).
 
-    python scripts/rerun_table.py results/RUN1 results/RUN2 results/RUN3 [--title "..."]
+    python scripts/rerun_table.py results/RUN1 results/RUN2 results/RUN3 [--process-spread own|pooled]
+
+``--process-spread`` recomputes every row's interval from the rounds each run recorded (their
+passes and which process timed each), with the spread between processes each row's own or pooled
+over the run's rows (bench.pool_process_spread), so the two rules are compared on the same runs.
 """
 from __future__ import annotations
 
@@ -16,6 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bertqa_bench.measuring.rounds import RoundsLog  # noqa: E402
+from bertqa_bench.record.judging import apply_speedup  # noqa: E402
 from bertqa_bench.record.results import RunBundle  # noqa: E402
 from bertqa_bench.reporting.recommend import for_run  # noqa: E402
 
@@ -49,6 +55,22 @@ def between_run_sd_pct(rows: list) -> str:
     """The standard deviation of the runs' log speedups, as a percentage ('—' under two runs)."""
     logs = [math.log(r.speedup) for r in rows if r is not None and r.speedup]
     return f"{100 * math.expm1(statistics.stdev(logs)):.1f}%" if len(logs) > 1 else "—"
+
+
+def recomputed(bundle, pooled: bool):
+    """The bundle with every rounds row's speedup and interval recomputed from its recorded rounds,
+    the spread between processes pooled over the rows or each row's own."""
+    log = bundle.meta.rounds or {}
+    if not log.get("passes"):
+        return bundle
+    rounds = RoundsLog(list(log["names"]), log["reference"], passes=dict(log["passes"]),
+                       processes=dict(log.get("processes") or {}), calibration_s=list(log["calibration_s"]),
+                       rerun_spread_pct=float(log.get("rerun_spread_pct") or 0.0), pool_process_spread=pooled)
+    for r in bundle.results:
+        if r.ok and r.timing_mode == "rounds" and r.backend in rounds.passes:
+            apply_speedup(r, rounds.speedup(r.backend), "rounds", r.timing_mode_note)
+    bundle.meta.rounds = {**log, "pool_process_spread": pooled}
+    return bundle
 
 
 def table(bundles: list) -> str:
@@ -86,8 +108,13 @@ def table(bundles: list) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("runs", nargs="+", type=Path)
+    p.add_argument("--process-spread", choices=("own", "pooled"), default=None,
+                   help="recompute the intervals from the recorded rounds with this rule (default: as recorded)")
     a = p.parse_args(argv)
-    print(table([RunBundle.load(d) for d in a.runs]))
+    bundles = [RunBundle.load(d) for d in a.runs]
+    if a.process_spread:
+        bundles = [recomputed(b, a.process_spread == "pooled") for b in bundles]
+    print(table(bundles))
     return 0
 
 

@@ -698,9 +698,9 @@ def test_ffn_epilogue_path_is_the_epilogue_formula_on_the_layers_own_operands():
     for fast, tune in ((True, 0), (False, 3)):
         up.fast_accum, up.cublaslt_autotune = fast, tune
         seen = []
-        epi._epilogue = lambda *a: seen.append(a[-2:]) or ge.gemm_gelu_fp8(*a)
+        epi._epilogue = lambda *a: seen.append(a[-3:]) or ge.gemm_gelu_fp8(*a)
         epi(x)
-        assert seen == [(fast, tune)]
+        assert seen == [(fast, tune, 0)]  # and the candidates (fp8.cublaslt_candidates, default 0)
 
 
 def test_packed_attention_option_is_checked_and_cudnn_needs_a_gpu():
@@ -1150,16 +1150,16 @@ def _fp16_gemm_is_its_formula_and_captures(run, exact, magnitude, label):
 # --------------------------------------------------------------------------- GEMMs planned through nvmath
 
 def _recorded(model, done, calls):
-    """Wrap the nvmath-planned ops of ``model`` to record (module name, autotune) per call."""
+    """Wrap the nvmath-planned ops of ``model`` to record (module name, (autotune, candidates)) per call."""
     for name in done["cublaslt"] + done["residual_in_gemm"]:
         lin = model.get_submodule(name)
         if lin.planned_gemm:
-            lin._gemm_bias = lambda *a, _f=lin._gemm_bias, _n=name: calls.append((_n, a[-1])) or _f(*a)
+            lin._gemm_bias = lambda *a, _f=lin._gemm_bias, _n=name: calls.append((_n, a[-2:])) or _f(*a)
         if lin.residual_in_gemm:
-            lin._gemm_add = lambda *a, _f=lin._gemm_add, _n=name: calls.append((_n + "+r", a[-1])) or _f(*a)
+            lin._gemm_add = lambda *a, _f=lin._gemm_add, _n=name: calls.append((_n + "+r", a[-2:])) or _f(*a)
     for inter in done["ffn_hidden_fp8"]:
         m = model.get_submodule(inter)
-        m._epilogue = lambda *a, _f=m._epilogue, _n=inter: calls.append((_n, a[-1])) or _f(*a)
+        m._epilogue = lambda *a, _f=m._epilogue, _n=inter: calls.append((_n, a[-2:])) or _f(*a)
 
 
 @needs_cpu_scaled_mm
@@ -1201,7 +1201,7 @@ def test_cublaslt_gemms_run_the_planned_op_with_the_autotune_setting_and_keep_th
             got = planned(*x)
         # the plain op for every named GEMM, the GELU epilogue per layer, all told 4
         assert sorted(n for n, _ in calls) == sorted(done["cublaslt"] + done["ffn_hidden_fp8"]), packed
-        assert {t for _, t in calls} == {4}
+        assert {t for _, t in calls} == {(4, 0)}
         for g, w in zip(got, want):
             assert (g - w)[real].abs().max() < 1e-4, packed
     # residual: gemm takes over the attention-output and FFN-down GEMMs on the packed encoder: the
@@ -1216,7 +1216,19 @@ def test_cublaslt_gemms_run_the_planned_op_with_the_autotune_setting_and_keep_th
         got = resid(*x)
     assert sorted(n for n, _ in calls) == sorted(done["cublaslt"] + done["ffn_hidden_fp8"]
                                                  + [n + "+r" for n in done["residual_in_gemm"]])
-    assert {t for _, t in calls} == {4}
+    assert {t for _, t in calls} == {(4, 0)}
+    for g, w in zip(got, want):
+        assert (g - w)[real].abs().max() < 1e-4
+    # cublaslt_candidates: every planned GEMM asks cuBLASLt for that many algorithms to time
+    wide = copy.deepcopy(model)
+    done = fp8.swap_to_fp8(wide, amax, gemms="all", ffn_hidden_fp8=True, ffn_gelu="epilogue",
+                           cublaslt_gemms="qkv", cublaslt_autotune=4, cublaslt_candidates=64)
+    calls.clear()
+    _recorded(wide, done, calls)
+    with torch.no_grad():
+        got = wide(*x)
+    assert calls and {t for _, t in calls} == {(4, 64)}
+    assert "autotuned x4 among up to 64" in wide.get_submodule(done["ffn_hidden_fp8"][0]).extra_repr()
     for g, w in zip(got, want):
         assert (g - w)[real].abs().max() < 1e-4
     # a GEMM not planned through nvmath does not claim an autotuned algorithm
@@ -1526,6 +1538,13 @@ def test_cublaslt_options_are_checked():
         torch_options.Fp8Options(gemms="all", residual="gemm", cublaslt_gemms="qkv,attn_out")
     with pytest.raises(ConfigError, match="cublaslt_autotune must be an integer >= 0"):
         torch_options.Fp8Options(cublaslt_gemms="qkv", cublaslt_autotune="5")
+    # the candidates are the algorithms autotuning times: without autotuning they change nothing
+    with pytest.raises(ConfigError, match="cublaslt_candidates: 64 algorithms are timed only when autotuned"):
+        torch_options.Fp8Options(cublaslt_gemms="qkv", cublaslt_candidates=64)
+    for bad in (-1, True, "64"):
+        with pytest.raises(ConfigError, match="cublaslt_candidates must be an integer >= 0"):
+            torch_options.Fp8Options(cublaslt_gemms="qkv", cublaslt_autotune=5, cublaslt_candidates=bad)
+    torch_options.Fp8Options(cublaslt_gemms="qkv", cublaslt_autotune=5, cublaslt_candidates=64)
 
 
 @pytest.mark.gpu

@@ -143,7 +143,8 @@ def calibrate_and_swap_fp8(module, f: Fp8Options, batches) -> dict:
                            act_margin=f.act_margin, keep_layers=keep, ffn_hidden_fp8=f.ffn_hidden_fp8,
                            ffn_gelu=f.ffn_gelu, attention_fp8=f.attention == "fp8", residual=f.residual,
                            cublaslt_gemms=f.cublaslt_gemms, cublaslt_autotune=f.cublaslt_autotune,
-                           attention_output=f.attention_output, layernorm=f.layernorm)
+                           attention_output=f.attention_output, layernorm=f.layernorm,
+                           cublaslt_candidates=f.cublaslt_candidates)
 
     kept, info = sensitivity_sweep(module, batches, lambda m, layer: swap(m, [i for i in range(n) if i != layer]),
                              f.sensitivity_keep)
@@ -163,8 +164,9 @@ def calibrate_and_swap_fp8(module, f: Fp8Options, batches) -> dict:
                          if f.residual == "gemm" else "added in the LayerNorm pass"),
         "fp8_cublaslt": (f"{len(done['cublaslt'])} GEMMs ({','.join(parse_cublaslt_gemms(f.cublaslt_gemms))}) through "
                          "cuBLASLt planned by nvmath-python" if done["cublaslt"] else "none: torch._scaled_mm"),
-        "fp8_cublaslt_algorithm": (f"autotuned per shape ({f.cublaslt_autotune} timings of each candidate)"
-                                   if f.cublaslt_autotune else "cuBLASLt's heuristic"),
+        "fp8_cublaslt_algorithm": (f"autotuned per shape ({f.cublaslt_autotune} timings of each of up to "
+                                   f"{f.cublaslt_candidates or 8} candidates)" if f.cublaslt_autotune
+                                   else "cuBLASLt's heuristic"),
         "fp8_attention": ((f"e4m3 Q, K, V, probabilities and output in {len(done['attention_fp8'])} layers"
                            if f.attention_pv == "e4m3" else
                            f"e4m3 Q, K, V and output, probabilities in fp16, in {len(done['attention_fp8'])} layers")

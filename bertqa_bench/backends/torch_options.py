@@ -81,6 +81,10 @@ class Fp8Options:
     # gemm) times cuBLASLt's candidate algorithms this many times each when its shape is first run
     # (a warm-up batch) and keeps the fastest; 0: the heuristic's first choice
     cublaslt_autotune: int = 0
+    # with cublaslt_autotune: how many algorithms cuBLASLt is asked for, the ones autotuning times
+    # (0: nvmath's default, 8); the FFN-up GEMM's GELU epilogue took 301 us a layer in a BERT-large
+    # pass against 195 for the FFN-down GEMM of the same FLOPs (h200-bert-large-pass-profile.md)
+    cublaslt_candidates: int = 0
 
     def __post_init__(self):
         check_fp8(self)  # the recipe alone; TorchOptions checks it again against the variant around it

@@ -176,7 +176,17 @@ def _random_like(t):
     return r
 
 
-def _matmul(x8, w8, bias, w_scale, x_scale, out_inv_scale, fast_accum: bool, autotune: int):
+def _preferences(candidates: int):
+    """nvmath's plan preferences asking cuBLASLt for up to ``candidates`` algorithms (0: nvmath's
+    default, 8): the ones autotuning then times (``_planned``)."""
+    if candidates <= 0:
+        return None
+    from nvmath.linalg.advanced import MatmulPlanPreferences
+
+    return MatmulPlanPreferences(limit=int(candidates))
+
+
+def _matmul(x8, w8, bias, w_scale, x_scale, out_inv_scale, fast_accum: bool, autotune: int, candidates: int = 0):
     """D^T = GELU(W @ X^T * scales + bias) * out_inv_scale in e4m3, column-major; returns D [M, N]."""
     from nvmath.linalg.advanced import Matmul, MatmulEpilog
 
@@ -189,10 +199,11 @@ def _matmul(x8, w8, bias, w_scale, x_scale, out_inv_scale, fast_accum: bool, aut
         # paths would differ in more than the epilogue
         mm = Matmul(w8, b, quantization_scales=scales, stream=stream,
                     options={"result_type": _e4m3_type(), "fast_accumulation": bool(fast_accum)})
-        mm.plan(algorithms=algorithms, epilog=MatmulEpilog.GELU_BIAS, epilog_inputs={"bias": bias}, stream=stream)
+        mm.plan(preferences=_preferences(candidates), algorithms=algorithms, epilog=MatmulEpilog.GELU_BIAS,
+                epilog_inputs={"bias": bias}, stream=stream)
         return mm
 
-    return _planned(("gelu", x8.device.index, x8.shape[0], w8.shape[0], w8.shape[1], fast_accum, autotune),
+    return _planned(("gelu", x8.device.index, x8.shape[0], w8.shape[0], w8.shape[1], fast_accum, autotune, candidates),
                     f"the GELU epilogue for {tuple(x8.shape)} x {tuple(w8.shape)}", make,
                     {"a": w8, "b": b, "quantization_scales": scales, "epilog_inputs": {"bias": bias}},
                     torch.cuda.current_stream(x8.device), autotune)
@@ -204,25 +215,27 @@ def _matmul(x8, w8, bias, w_scale, x_scale, out_inv_scale, fast_accum: bool, aut
 @torch.library.custom_op("bertqa::fp8_gemm_gelu", mutates_args=())
 def fp8_gemm_gelu(x8: torch.Tensor, w8: torch.Tensor, bias: torch.Tensor, w_scale: torch.Tensor,
                   x_scale: torch.Tensor, out_inv_scale: torch.Tensor, fast_accum: bool = False,
-                  autotune: int = 0) -> torch.Tensor:
+                  autotune: int = 0, candidates: int = 0) -> torch.Tensor:
     """e4m3 [M, K] x8, [N, K] w8 -> e4m3 [M, N]: cuBLASLt's GELU_BIAS epilogue on CUDA, the same
     formula in torch elsewhere. Scales are 0-d fp32 tensors (on the device: no host copy).
     ``fast_accum``: Hopper's fast FP8 accumulation (CUDA only; the torch formula accumulates in fp32).
-    ``autotune``: see ``_planned`` (CUDA only)."""
+    ``autotune``: see ``_planned``; ``candidates``: how many algorithms it times (``_preferences``;
+    CUDA only)."""
     if x8.is_cuda:
         m, x8 = _padded_to_multiple(x8.contiguous())
-        return _matmul(x8, w8, bias, w_scale, x_scale, out_inv_scale, fast_accum, autotune)[:m]
+        return _matmul(x8, w8, bias, w_scale, x_scale, out_inv_scale, fast_accum, autotune, candidates)[:m]
     return fp8_gemm_gelu_reference(x8, w8, bias, w_scale, x_scale, out_inv_scale)
 
 
 @fp8_gemm_gelu.register_fake
-def _(x8, w8, bias, w_scale, x_scale, out_inv_scale, fast_accum=False, autotune=0):
+def _(x8, w8, bias, w_scale, x_scale, out_inv_scale, fast_accum=False, autotune=0, candidates=0):
     return x8.new_empty((x8.shape[0], w8.shape[0]), dtype=torch.float8_e4m3fn)
 
 
-def gemm_gelu_fp8(x8, w8, bias, w_scale, x_scale, out_inv_scale, fast_accum: bool = False, autotune: int = 0):
+def gemm_gelu_fp8(x8, w8, bias, w_scale, x_scale, out_inv_scale, fast_accum: bool = False, autotune: int = 0,
+                  candidates: int = 0):
     """``fp8_gemm_gelu`` as a plain function: what a module holds (a custom op object does not copy)."""
-    return fp8_gemm_gelu(x8, w8, bias, w_scale, x_scale, out_inv_scale, fast_accum, autotune)
+    return fp8_gemm_gelu(x8, w8, bias, w_scale, x_scale, out_inv_scale, fast_accum, autotune, candidates)
 
 
 def implementation(on_cuda: bool) -> str:
@@ -290,7 +303,7 @@ def fp8_gemm_add_reference(x8, w8, bias, w_scale, x_scale, residual):
     return y.to(residual.dtype)
 
 
-def _matmul_16(x8, w8, bias, w_scale, x_scale, residual, fast_accum: bool, autotune: int):
+def _matmul_16(x8, w8, bias, w_scale, x_scale, residual, fast_accum: bool, autotune: int, candidates: int = 0):
     """D^T = W @ X^T * scales + bias (+ R^T), fp16 column-major; returns D [M, N] (see _matmul)."""
     import nvmath
     from nvmath.linalg.advanced import Matmul, MatmulEpilog
@@ -304,7 +317,8 @@ def _matmul_16(x8, w8, bias, w_scale, x_scale, residual, fast_accum: bool, autot
         mm = Matmul(w8, b, quantization_scales=scales, stream=stream,
                     options={"result_type": nvmath.CudaDataType.CUDA_R_16F, "fast_accumulation": bool(fast_accum)},
                     **kw)
-        mm.plan(algorithms=algorithms, epilog=MatmulEpilog.BIAS, epilog_inputs={"bias": bias}, stream=stream)
+        mm.plan(preferences=_preferences(candidates), algorithms=algorithms, epilog=MatmulEpilog.BIAS,
+                epilog_inputs={"bias": bias}, stream=stream)
         return mm
 
     operands = {"a": w8, "b": b, "quantization_scales": scales, "epilog_inputs": {"bias": bias}}
@@ -312,14 +326,15 @@ def _matmul_16(x8, w8, bias, w_scale, x_scale, residual, fast_accum: bool, autot
         operands["c"] = c
     what = "the residual GEMM" if c is not None else "the FP8 GEMM"
     return _planned(("add" if c is not None else "bias", x8.device.index, x8.shape[0], w8.shape[0], w8.shape[1],
-                     fast_accum, autotune),
+                     fast_accum, autotune, candidates),
                     f"{what} for {tuple(x8.shape)} x {tuple(w8.shape)}", make, operands,
                     torch.cuda.current_stream(x8.device), autotune)
 
 
 @torch.library.custom_op("bertqa::fp8_gemm_bias", mutates_args=())
 def fp8_gemm_bias(x8: torch.Tensor, w8: torch.Tensor, bias: torch.Tensor, w_scale: torch.Tensor,
-                  x_scale: torch.Tensor, fast_accum: bool = False, autotune: int = 0) -> torch.Tensor:
+                  x_scale: torch.Tensor, fast_accum: bool = False, autotune: int = 0,
+                  candidates: int = 0) -> torch.Tensor:
     """e4m3 [M, K] x8, [N, K] w8 -> [M, N] in the bias's dtype (fp16 on CUDA): cuBLASLt planned through
     nvmath-python with the bias in its epilogue on CUDA (``autotune``: see ``_planned``), the same
     formula in torch elsewhere."""
@@ -327,37 +342,38 @@ def fp8_gemm_bias(x8: torch.Tensor, w8: torch.Tensor, bias: torch.Tensor, w_scal
         if bias.dtype != torch.float16:
             raise ValueError(f"the FP8 GEMM through nvmath writes fp16 and takes its bias in fp16, not {bias.dtype}")
         m, x8 = _padded_to_multiple(x8.contiguous())
-        return _matmul_16(x8, w8, bias, w_scale, x_scale, None, fast_accum, autotune)[:m]
+        return _matmul_16(x8, w8, bias, w_scale, x_scale, None, fast_accum, autotune, candidates)[:m]
     return fp8_gemm_bias_reference(x8, w8, bias, w_scale, x_scale)
 
 
 @fp8_gemm_bias.register_fake
-def _(x8, w8, bias, w_scale, x_scale, fast_accum=False, autotune=0):
+def _(x8, w8, bias, w_scale, x_scale, fast_accum=False, autotune=0, candidates=0):
     return x8.new_empty((x8.shape[0], w8.shape[0]), dtype=bias.dtype)
 
 
-def gemm_bias_fp8(x8, w8, bias, w_scale, x_scale, fast_accum: bool = False, autotune: int = 0):
+def gemm_bias_fp8(x8, w8, bias, w_scale, x_scale, fast_accum: bool = False, autotune: int = 0, candidates: int = 0):
     """``fp8_gemm_bias`` as a plain function (what a module holds)."""
-    return fp8_gemm_bias(x8, w8, bias, w_scale, x_scale, fast_accum, autotune)
+    return fp8_gemm_bias(x8, w8, bias, w_scale, x_scale, fast_accum, autotune, candidates)
 
 
 @torch.library.custom_op("bertqa::fp8_gemm_add", mutates_args=())
 def fp8_gemm_add(x8: torch.Tensor, w8: torch.Tensor, bias: torch.Tensor, w_scale: torch.Tensor,
                  x_scale: torch.Tensor, residual: torch.Tensor, fast_accum: bool = False,
-                 autotune: int = 0) -> torch.Tensor:
+                 autotune: int = 0, candidates: int = 0) -> torch.Tensor:
     """e4m3 [M, K] x8, [N, K] w8, fp16 [M, N] residual -> fp16 [M, N]: cuBLASLt with the residual
     as C (beta 1) and the bias in its epilogue on CUDA, the same formula in torch elsewhere."""
     if x8.is_cuda:
         m, x8, residual = _padded_to_multiple(x8.contiguous(), residual.contiguous())
-        return _matmul_16(x8, w8, bias, w_scale, x_scale, residual, fast_accum, autotune)[:m]
+        return _matmul_16(x8, w8, bias, w_scale, x_scale, residual, fast_accum, autotune, candidates)[:m]
     return fp8_gemm_add_reference(x8, w8, bias, w_scale, x_scale, residual)
 
 
 @fp8_gemm_add.register_fake
-def _(x8, w8, bias, w_scale, x_scale, residual, fast_accum=False, autotune=0):
+def _(x8, w8, bias, w_scale, x_scale, residual, fast_accum=False, autotune=0, candidates=0):
     return residual.new_empty((x8.shape[0], w8.shape[0]))
 
 
-def gemm_add_fp8(x8, w8, bias, w_scale, x_scale, residual, fast_accum: bool = False, autotune: int = 0):
+def gemm_add_fp8(x8, w8, bias, w_scale, x_scale, residual, fast_accum: bool = False, autotune: int = 0,
+                 candidates: int = 0):
     """``fp8_gemm_add`` as a plain function (what a module holds)."""
-    return fp8_gemm_add(x8, w8, bias, w_scale, x_scale, residual, fast_accum, autotune)
+    return fp8_gemm_add(x8, w8, bias, w_scale, x_scale, residual, fast_accum, autotune, candidates)

@@ -99,6 +99,8 @@ class Fp8Linear(nn.Module):
     # the residual GEMM, a GELU epilogue reading this layer's weights) has its algorithm
     # autotuned when its shape is planned (cublaslt_epilogues._planned)
     cublaslt_autotune = 0
+    # > 0: how many algorithms cuBLASLt is asked for, the ones autotuning times (0: nvmath's 8)
+    cublaslt_candidates = 0
 
     def use_cublaslt(self, autotune: int = 0) -> None:
         """Run this GEMM (fp16 out, bias in the epilogue) through cuBLASLt planned by nvmath-python,
@@ -143,7 +145,8 @@ class Fp8Linear(nn.Module):
         lead = x.shape[:-1]
         xq, sa = self.quantize_input(x.reshape(-1, self.in_features))
         y = self._gemm_add(xq, self.weight_fp8, self.cublaslt_bias, self.weight_scale, sa,
-                           residual.reshape(-1, self.out_features), self.fast_accum, self.cublaslt_autotune)
+                           residual.reshape(-1, self.out_features), self.fast_accum, self.cublaslt_autotune,
+                           self.cublaslt_candidates)
         return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
@@ -154,6 +157,7 @@ class Fp8Linear(nn.Module):
                 + (", residual added in the GEMM" if self.residual_in_gemm else "")
                 + (", cuBLASLt through nvmath" if self.planned_gemm else "")
                 + (f", algorithm autotuned x{self.cublaslt_autotune}"
+                   + (f" among up to {self.cublaslt_candidates}" if self.cublaslt_candidates else "")
                    if self.cublaslt_autotune and (self.planned_gemm or self.residual_in_gemm) else ""))
 
     def quantize_input(self, x2):
@@ -177,7 +181,7 @@ class Fp8Linear(nn.Module):
         xq, sa = self.quantize_input(x.reshape(-1, self.in_features))
         if self.planned_gemm:
             y = self._gemm_bias(xq, self.weight_fp8, self.cublaslt_bias, self.weight_scale, sa, self.fast_accum,
-                                self.cublaslt_autotune)
+                                self.cublaslt_autotune, self.cublaslt_candidates)
             return y.reshape(*lead, self.out_features)
         if self.gemm_scale_a is not None:
             sa = self.gemm_scale_a
@@ -234,9 +238,11 @@ class Fp8Intermediate(nn.Module):
         self._inv_down_scale = 1.0 / float(down_act_scale)
 
     def extra_repr(self) -> str:
-        tuned = self.gelu == "epilogue" and self.dense.cublaslt_autotune
+        d = self.dense
+        tuned = self.gelu == "epilogue" and d.cublaslt_autotune
+        among = f" among up to {d.cublaslt_candidates}" if d.cublaslt_candidates else ""
         return (f"hidden=e4m3, gelu={self.gelu}, down_act_scale={1.0 / self._inv_down_scale}"
-                + (f", epilogue algorithm autotuned x{self.dense.cublaslt_autotune}" if tuned else ""))
+                + (f", epilogue algorithm autotuned x{d.cublaslt_autotune}{among}" if tuned else ""))
 
     def forward(self, hidden_states):
         if self._epilogue is not None:  # cublaslt_epilogues: GEMM, bias, GELU and e4m3 out in one cuBLASLt kernel
@@ -244,7 +250,7 @@ class Fp8Intermediate(nn.Module):
             lead = hidden_states.shape[:-1]
             x8, sa = d.quantize_input(hidden_states.reshape(-1, d.in_features))
             h8 = self._epilogue(x8, d.weight_fp8, self.epilogue_bias, d.weight_scale, sa, self.down_inv_scale,
-                                d.fast_accum, d.cublaslt_autotune)
+                                d.fast_accum, d.cublaslt_autotune, d.cublaslt_candidates)
             return h8.reshape(*lead, d.out_features)
         if self._tanh_gelu is not None:  # gelu_fp8: one Triton kernel on CUDA, e4m3 in and out
             return self._tanh_gelu(self.dense(hidden_states), self.out_scale_value, self._inv_down_scale)

@@ -163,6 +163,16 @@ def check_cublaslt(scaling: str, gemms, cublaslt_gemms, autotune: int, *, ffn_hi
 
 
 
+def check_candidates(autotune: int, candidates: int) -> None:
+    """ValueError unless ``cublaslt_candidates`` is a whole number >= 0 and, above 0, something is
+    autotuned: without autotuning the heuristic's first algorithm runs, however many it lists."""
+    if isinstance(candidates, bool) or not isinstance(candidates, int) or candidates < 0:
+        raise ValueError(f"cublaslt_candidates must be an integer >= 0 (0: nvmath's default, 8), not {candidates!r}")
+    if candidates > 0 and not autotune:
+        raise ValueError(f"cublaslt_candidates: {candidates} algorithms are timed only when autotuned: set "
+                         "cublaslt_autotune > 0")
+
+
 def _one_of(field: str, value, choices) -> None:
     if value not in choices:
         raise ValueError(f"{field} '{value}' is not one of {', '.join(choices)}")
@@ -171,7 +181,7 @@ def _one_of(field: str, value, choices) -> None:
 def check_recipe(scaling: str, gemms, *, fuse_qkv: bool = True, ffn_hidden_fp8: bool = False,
                  ffn_gelu: str = "exact", attention_fp8: bool = False, attention_output: str = "fp16",
                  residual: str = "layernorm", cublaslt_gemms="", cublaslt_autotune: int = 0,
-                 layernorm: str = "inductor") -> None:
+                 layernorm: str = "inductor", cublaslt_candidates: int = 0) -> None:
     """ValueError, its message led by the field's name, unless the FP8 recipe's fields fit each
     other (what both check_fp8 and swap_to_fp8 refuse)."""
     _one_of("scaling", scaling, SCALINGS)
@@ -186,6 +196,7 @@ def check_recipe(scaling: str, gemms, *, fuse_qkv: bool = True, ffn_hidden_fp8: 
     check_layernorm(scaling, gemms, layernorm, residual)
     check_cublaslt(scaling, gemms, cublaslt_gemms, cublaslt_autotune, ffn_hidden_fp8=ffn_hidden_fp8,
                    ffn_gelu=ffn_gelu, attention_fp8=attention_fp8, residual=residual)
+    check_candidates(cublaslt_autotune, cublaslt_candidates)
 
 
 def needs_nvmath(fp8) -> bool:
@@ -207,7 +218,7 @@ def check_fp8(fp8, torch_options=None) -> None:
                      ffn_gelu=fp8.ffn_gelu, attention_fp8=fp8.attention == "fp8",
                      attention_output=fp8.attention_output, residual=fp8.residual,
                      cublaslt_gemms=fp8.cublaslt_gemms, cublaslt_autotune=fp8.cublaslt_autotune,
-                     layernorm=fp8.layernorm)
+                     layernorm=fp8.layernorm, cublaslt_candidates=fp8.cublaslt_candidates)
         if fp8.act_margin <= 0 or fp8.calibration_batches < 1:
             raise ValueError("act_margin must be > 0 and calibration_batches >= 1")
         try:

@@ -172,7 +172,7 @@ def swap_to_fp8(model, act_amax: Optional[Mapping[str, float]] = None, *, scalin
                 ffn_hidden_fp8: bool = False, ffn_gelu: str = "exact",
                 attention_fp8: bool = False, residual: str = "layernorm",
                 cublaslt_gemms="", cublaslt_autotune: int = 0, attention_output: str = "fp16",
-                layernorm: str = "inductor") -> dict[str, Any]:
+                layernorm: str = "inductor", cublaslt_candidates: int = 0) -> dict[str, Any]:
     """Replace encoder Linears of ``model`` (those of the kinds in ``gemms``) in place by FP8 modules.
 
     ``act_amax`` (name -> calibrated input amax, ``calibrate_amax``) is needed for the static
@@ -191,13 +191,14 @@ def swap_to_fp8(model, act_amax: Optional[Mapping[str, float]] = None, *, scalin
     the padding-free encoder calls). ``cublaslt_gemms``: GEMM kinds (16-bit output) run through
     cuBLASLt planned by nvmath-python instead of torch._scaled_mm (``Fp8Linear.use_cublaslt``);
     ``cublaslt_autotune`` > 0: every GEMM planned there (those, the GELU epilogue, the residual
-    GEMMs) has its algorithm autotuned per shape. ``layernorm`` (LAYERNORMS): "triton" makes each
+    GEMMs) has its algorithm autotuned per shape, among up to ``cublaslt_candidates`` algorithms
+    (0: nvmath's default, 8). ``layernorm`` (LAYERNORMS): "triton" makes each
     LayerNorm an FP8 GEMM reads an ``Fp8AddLayerNorm`` (``_fuse_layernorms``). ``keep_layers``:
     encoder layer indices left in 16 bits. Returns what was done: ``swapped``
     (Linear names now in FP8), ``fused_qkv`` (attention modules with one fused-QKV FP8 GEMM),
     ``gemms`` (FP8 GEMMs per forward), ``kept`` (targeted Linears left alone, with why)."""
     _check_swap(model, act_amax, scaling, parse_gemms(gemms), fuse_qkv, ffn_hidden_fp8, ffn_gelu, attention_fp8,
-                residual, cublaslt_gemms, cublaslt_autotune, attention_output, layernorm)
+                residual, cublaslt_gemms, (cublaslt_autotune, cublaslt_candidates), attention_output, layernorm)
     gemms = parse_gemms(gemms)
     Fp8Linear_, Fp8SelfAttention_ = fp8_classes()[:2]
     static = scaling != "rowwise"
@@ -243,11 +244,11 @@ def swap_to_fp8(model, act_amax: Optional[Mapping[str, float]] = None, *, scalin
                                                            fast_accum=fast_accum, out_scale=out_scale))
         swapped.append(name)
     return _finish_swap(model, fused, swapped, kept, ffn_gelu, attention_output, residual, cublaslt_gemms,
-                        cublaslt_autotune, layernorm)
+                        (cublaslt_autotune, cublaslt_candidates), layernorm)
 
 
 def _finish_swap(model, fused: list, swapped: list, kept: dict, ffn_gelu: str, attention_output: str, residual: str,
-                 cublaslt_gemms, cublaslt_autotune: int, layernorm: str) -> dict[str, Any]:
+                 cublaslt_gemms, cublaslt_tuning: tuple[int, int], layernorm: str) -> dict[str, Any]:
     """What follows the GEMM swaps (the e4m3 paths between them, the cuBLASLt plans, the fused
     LayerNorms), and swap_to_fp8's account of what was done."""
     attention_fp8_layers, e4m3_output_layers = _attention_outputs(model, fused, swapped, attention_output)
@@ -255,17 +256,18 @@ def _finish_swap(model, fused: list, swapped: list, kept: dict, ffn_gelu: str, a
             "kept": kept, "ffn_hidden_fp8": _hidden_fp8(model, swapped, ffn_gelu, fp8_classes()[2]),
             "attention_fp8": attention_fp8_layers, "attention_output_e4m3": e4m3_output_layers,
             "residual_in_gemm": _residual_in_gemm(model, swapped) if residual == "gemm" else [],
-            "cublaslt": _plan_cublaslt(model, swapped, fused, cublaslt_gemms, cublaslt_autotune),
+            "cublaslt": _plan_cublaslt(model, swapped, fused, cublaslt_gemms, *cublaslt_tuning),
             "fused_layernorms": _fuse_layernorms(model) if layernorm == "triton" else []}
 
 
 def _check_swap(model, act_amax, scaling: str, gemms, fuse_qkv, ffn_hidden_fp8, ffn_gelu, attention_fp8, residual,
-                cublaslt_gemms, cublaslt_autotune, attention_output, layernorm) -> None:
+                cublaslt_gemms, cublaslt_tuning, attention_output, layernorm) -> None:
     """Every combination swap_to_fp8 refuses, named before the model is touched."""
     # the recipe's own rules, as check_fp8 applies them to a suite's options (fp8_rules.py)
     check_recipe(scaling, gemms, fuse_qkv=fuse_qkv, ffn_hidden_fp8=ffn_hidden_fp8, ffn_gelu=ffn_gelu,
                  attention_fp8=attention_fp8, attention_output=attention_output, residual=residual,
-                 cublaslt_gemms=cublaslt_gemms, cublaslt_autotune=cublaslt_autotune, layernorm=layernorm)
+                 cublaslt_gemms=cublaslt_gemms, cublaslt_autotune=cublaslt_tuning[0],
+                 cublaslt_candidates=cublaslt_tuning[1], layernorm=layernorm)
     if scaling != "rowwise" and not act_amax:
         raise ValueError(f"scaling '{scaling}' needs calibrated activation amax values (act_amax)")
     for on, names, calibrate in ((attention_fp8, qkv_names, "qkv_names"), (ffn_hidden_fp8, ffn_up_names, "ffn_up_names")):
@@ -358,9 +360,10 @@ def _residual_in_gemm(model, swapped: list) -> list:
     return done
 
 
-def _plan_cublaslt(model, swapped: list, fused: list, cublaslt_gemms, cublaslt_autotune: int) -> list:
+def _plan_cublaslt(model, swapped: list, fused: list, cublaslt_gemms, cublaslt_autotune: int,
+                   cublaslt_candidates: int = 0) -> list:
     """The GEMM kinds ``cublaslt_gemms`` names run through cuBLASLt (nvmath-python); every FP8
-    GEMM learns the autotune setting (its epilogue and residual GEMMs plan there too)."""
+    GEMM learns the autotune settings (its epilogue and residual GEMMs plan there too)."""
     planned = []
     kinds = parse_cublaslt_gemms(cublaslt_gemms)
     for name in swapped:
@@ -374,7 +377,7 @@ def _plan_cublaslt(model, swapped: list, fused: list, cublaslt_gemms, cublaslt_a
         if kind in kinds:
             lin.use_cublaslt(cublaslt_autotune)
             planned.append(label)
-        lin.cublaslt_autotune = int(cublaslt_autotune)
+        lin.cublaslt_autotune, lin.cublaslt_candidates = int(cublaslt_autotune), int(cublaslt_candidates)
     return planned
 
 
