@@ -614,9 +614,9 @@ def ffn_up_candidates(args, hidden, ffn, emit) -> None:
     graph: whether any algorithm past the 8 the backend's autotuning compares (nvmath's default
     limit) hides the GELU behind the main loop. The same GEMM with a plain e4m3 output is the
     bound a hidden epilogue approaches (``ffn_up``'s ``gemm_e4m3_out``)."""
-    from nvmath.linalg.advanced import Matmul, MatmulEpilog, MatmulPlanPreferences
+    from nvmath.linalg.advanced import Matmul, MatmulEpilog
 
-    from bertqa_bench.kernels.cublaslt_epilogues import _e4m3_type
+    from bertqa_bench.kernels.cublaslt_epilogues import _e4m3_type, _preferences
 
     torch.manual_seed(0)
     w8 = (torch.randn(ffn, hidden, device="cuda") * 16).clamp(-448, 448).to(torch.float8_e4m3fn)
@@ -628,8 +628,7 @@ def ffn_up_candidates(args, hidden, ffn, emit) -> None:
     def planned(limit=None, algorithms=None):
         mm = Matmul(w8, x8.t(), quantization_scales=scales,
                     options={"result_type": _e4m3_type(), "fast_accumulation": True})
-        found = mm.plan(preferences=None if limit is None else MatmulPlanPreferences(limit=limit),
-                        algorithms=algorithms, epilog=MatmulEpilog.GELU_BIAS, epilog_inputs={"bias": bias})
+        found = mm.plan(preferences=_preferences(limit or 0), algorithms=algorithms, epilog=MatmulEpilog.GELU_BIAS, epilog_inputs={"bias": bias})
         return mm, found
 
     base = {"what": "ffn_up_candidates", "M": args.tokens, "N": ffn, "K": hidden}

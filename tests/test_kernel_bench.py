@@ -2,26 +2,18 @@
 evaluation set (``--from-run``), which batches it samples, and its refusals of bad input before any
 GPU work, and the arithmetic of its energy records. The timing itself needs a GPU and is not tested
 here."""
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import load_script
 
 from bertqa_bench.record.schedule import make_plan
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
 @pytest.fixture(scope="module")
 def kb():
-    spec = importlib.util.spec_from_file_location("kernel_bench", ROOT / "scripts" / "kernel_bench.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("kernel_bench")
 
 
 def _run_folder(tmp_path, lengths, batching="packed", name="row-packed"):

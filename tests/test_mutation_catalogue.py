@@ -1,20 +1,15 @@
 """`make mutation-check` plants each bug by replacing one exact snippet: every snippet must still
 stand exactly once in its file, or the mutant silently plants nothing after code moves."""
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _mutants():
-    spec = importlib.util.spec_from_file_location("mutation_check", ROOT / "scripts" / "mutation_check.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look the module up while the file executes
-    spec.loader.exec_module(mod)
-    return mod.MUTANTS
+    return load_script("mutation_check").MUTANTS
 
 
 @pytest.mark.parametrize("mutant", _mutants(), ids=lambda m: m.name)

@@ -2,26 +2,17 @@
 run recorded under either process-spread rule (bench.pool_process_spread)."""
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from conftest import load_script
 
 from bertqa_bench.measuring.rounds import RoundsLog
 from bertqa_bench.record.results import BackendResult
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
 @pytest.fixture(scope="module")
 def rt():
-    spec = importlib.util.spec_from_file_location("rerun_table", ROOT / "scripts" / "rerun_table.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("rerun_table")
 
 
 def _bundle(pooled: bool):
