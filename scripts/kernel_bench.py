@@ -26,7 +26,9 @@ would replace, with its numerics checked against a reference on the same inputs:
   the int8 template's fused epilogue) against the FP8 GEMM of today's path, for the energy an
   INT8 path could save on a power-capped card; reference: the GEMM in fp32 on the fp16 inputs;
 * every algorithm cuBLASLt offers for the FFN-up GEMM with its GELU + bias epilogue and e4m3 output
-  (``--only ffn_up_candidates``, at each ``--candidates`` limit), each planned alone and timed;
+  (``--only ffn_up_candidates``, at each ``--candidates`` limit), each planned alone and timed, and
+  the same for all four of the layer's GEMMs with their epilogues beside ``torch._scaled_mm``
+  (``--only gemm_candidates``);
 * each inside a captured CUDA graph as well, replayed and compared with its eager result;
 * with ``--energy-s S``, each graph replayed back to back for about S seconds between two reads of
   NVML's energy counter: joules a call, the card's average power and the sustained time a call
@@ -67,6 +69,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SHAPES = {"bert-base": (768, 12, 3072), "bert-large": (1024, 16, 4096)}
+# the quack kernel's configurations timed by default (kernels/quack_gemm_gelu.py; each compiles in
+# seconds): every ping-pong tile with a cluster of 2 along M, two along N, and the cooperative
+# tiles nearest cuBLASLt's choices (256 x 128 and 128 x 256)
+QUACK_TILES = ["pingpong-128x128-c2x1", "pingpong-128x160-c2x1", "pingpong-128x192-c2x1", "pingpong-128x208-c2x1",
+               "pingpong-192x128-c2x1", "pingpong-128x192-c1x2", "pingpong-128x128-c1x2",
+               "coop-256x128-c2x1", "coop-256x128-c1x2", "coop-256x192-c2x1", "coop-128x256-c2x1"]
 
 
 def timed(fn, warmup: int, iters: int) -> dict:
@@ -554,11 +562,18 @@ def ffn_up(args, hidden, ffn, emit) -> None:
         alone["gemm_gelu_bias_epilogue (nvmath, heuristic, fp32 promotion: no fast accumulation)"] = \
             lambda: cublaslt_epilogues.gemm_gelu_fp8(x8, up.weight_fp8, ep.epilogue_bias, up.weight_scale, sa,
                                                 ep.down_inv_scale, False)
+    alone.update(inductor_gelu_paths(x8, up, sa, down_scale))
+    alone.update(quack_gelu_paths(x8, up, sa, down_scale, args.quack_tiles))
     for label, fn in alone.items():
         rec = {"what": "ffn_up_kernels", "kernel": label, "tokens": args.tokens, "hidden": hidden, "ffn": ffn}
         try:
-            replay, _ = graphed(fn)
+            replay, out = graphed(fn)
             rec.update(replay_record(replay, args))
+            if "Inductor" in label or ", quack (" in label:  # a new path: its codes against the epilogue's formula
+                diff = e4m3_codes_apart(out, cublaslt_epilogues.fp8_gemm_gelu_reference(
+                    x8, up.weight_fp8, up.bias_unscaled.to(cublaslt_epilogues.BIAS_DTYPE), up.weight_scale, sa,
+                    torch.tensor(1 / down_scale, device="cuda")))
+                rec.update(share_within_one_code=float((diff <= 1).float().mean()), max_codes_apart=int(diff.max()))
         except Exception as e:  # noqa: BLE001
             rec["error"] = f"{type(e).__name__}: {e}"[:1000]
         emit(rec)
@@ -596,6 +611,61 @@ def ffn_up(args, hidden, ffn, emit) -> None:
         emit(rec)
 
 
+def inductor_gelu_paths(x8, up, sa, down_scale) -> dict:
+    """FFN-up's GEMM + bias + tanh-GELU + e4m3 quantize as one function compiled by Inductor under
+    max-autotune: with the GELU fused into a Triton GEMM template's epilogue where Inductor chooses
+    one (``TRITON`` only: the template always), or cuBLASLt's GEMM and a pointwise kernel after it
+    (``ATEN,TRITON``: whichever Inductor times faster). Labels -> zero-argument callables."""
+    from bertqa_bench.kernels.cublaslt_epilogues import gelu_tanh
+
+    w8, sw, bias, inv = up.weight_fp8, up.weight_scale, up.bias_unscaled, 1.0 / down_scale
+
+    def f(a8):
+        y = torch._scaled_mm(a8, w8.t(), scale_a=sa, scale_b=sw, out_dtype=torch.bfloat16, use_fast_accum=True)
+        return (gelu_tanh(y.float() + bias) * inv).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+
+    out = {}
+    for backends in ("TRITON", "ATEN,TRITON"):
+        # max-autotune without Inductor's own CUDA graphs (``graphed`` captures): options, not mode,
+        # since torch.compile takes one or the other
+        fn = torch.compile(f, dynamic=False, options={"max_autotune": True, "triton.cudagraphs": False,
+                                                      "max_autotune_gemm_backends": backends})
+        out[f"gemm + bias + gelu + e4m3, Inductor max-autotune ({backends})"] = lambda fn=fn: fn(x8)
+    return out
+
+
+def quack_gelu_paths(x8, up, sa, down_scale, tiles) -> dict:
+    """FFN-up's GEMM + bias + tanh-GELU + e4m3 output as one quack (CuTe DSL) kernel
+    (kernels/quack_gemm_gelu.py) at each of ``tiles``; none where quack cannot run here (the reason
+    is printed). Labels -> zero-argument callables; each tile compiles on its first call."""
+    from bertqa_bench.kernels import quack_gemm_gelu
+
+    why = quack_gemm_gelu.quack_unavailable_reason()
+    if why:
+        print(f"kernel_bench: no quack paths: {why}", file=sys.stderr)
+        return {}
+    alpha = (sa.float() * up.weight_scale.float()).reshape(1)
+    inv = torch.tensor([1.0 / down_scale], dtype=torch.float32, device=x8.device)
+    from quack.gemm_interface import gemm, gemm_act
+
+    out = {f"gemm + bias + gelu + e4m3, quack ({tile})":
+           lambda tile=tile: quack_gemm_gelu.gemm_gelu_quack(x8, up.weight_fp8, up.bias_unscaled, alpha, inv, tile)
+           for tile in tiles}
+    # quack's own entry points on the same operands, to tell its main loop from the suite's epilogue:
+    # the plain GEMM (bf16 out, the library's default configuration and its autotuner's choice) and
+    # its own GELU epilogue (bf16 out, no e4m3 scale)
+    w_t, a = up.weight_fp8.t(), float(alpha)
+    out["quack library gemm, bf16 out (default configuration)"] = lambda: gemm(x8, w_t, out_dtype=torch.bfloat16,
+                                                                               tuned=False)
+    out["quack library gemm, bf16 out (autotuned)"] = lambda: gemm(x8, w_t, out_dtype=torch.bfloat16, tuned=True)
+    for tile in tiles:
+        out[f"quack library gemm_act gelu_tanh_approx, bf16 out, no pre-activation ({tile})"] = (
+            lambda tile=tile: gemm_act(x8, w_t, bias=up.bias_unscaled.bfloat16(), activation="gelu_tanh_approx",
+                                       alpha=a, postact_dtype=torch.bfloat16, store_preact=False, tuned=False,
+                                       config=quack_gemm_gelu._config(tile))[1])
+    return out
+
+
 def algorithm_fields(alg) -> dict:
     """What an nvmath ``Algorithm`` (a cuBLASLt algorithm) says of itself, where it says it."""
     out = {}
@@ -608,50 +678,84 @@ def algorithm_fields(alg) -> dict:
     return out
 
 
-def ffn_up_candidates(args, hidden, ffn, emit) -> None:
-    """Every algorithm cuBLASLt offers for the FFN-up GEMM with its GELU + bias epilogue and an e4m3
-    output (nvmath-python), at each ``--candidates`` limit, each planned alone and timed in a CUDA
-    graph: whether any algorithm past the 8 the backend's autotuning compares (nvmath's default
-    limit) hides the GELU behind the main loop. The same GEMM with a plain e4m3 output is the
-    bound a hidden epilogue approaches (``ffn_up``'s ``gemm_e4m3_out``)."""
+# The layer's four GEMMs as the packed FP8 rows run them: (N, K) from (hidden, ffn), the epilogue,
+# and whether the output is e4m3 (read by the next FP8 kernel) or fp16 (read by the LayerNorm).
+GEMM_EPILOGUES = {
+    "qkv": (lambda h, f: (3 * h, h), "BIAS", True),
+    "attn_out": (lambda h, f: (h, h), "BIAS", False),
+    "ffn_up": (lambda h, f: (f, h), "GELU_BIAS", True),
+    "ffn_down": (lambda h, f: (h, f), "BIAS", False),
+}
+
+
+def gemm_candidates(args, hidden, ffn, emit, names=tuple(GEMM_EPILOGUES)) -> None:
+    """Every algorithm cuBLASLt offers for each of the layer's GEMMs with the epilogue and output
+    type the packed FP8 rows use (nvmath-python), at each ``--candidates`` limit, each planned alone
+    and timed in a CUDA graph, beside ``torch._scaled_mm`` on the same operands (cuBLASLt's heuristic
+    choice, the path QKV and FFN-down take today): whether any algorithm past the 8 the backend's
+    autotuning compares (nvmath's default limit) hides the epilogue or beats the heuristic."""
     from nvmath.linalg.advanced import Matmul, MatmulEpilog
 
     from bertqa_bench.kernels.cublaslt_epilogues import _e4m3_type, _preferences
+    import nvmath
 
     torch.manual_seed(0)
-    w8 = (torch.randn(ffn, hidden, device="cuda") * 16).clamp(-448, 448).to(torch.float8_e4m3fn)
-    x8 = (torch.randn(args.tokens, hidden, device="cuda") * 16).clamp(-448, 448).to(torch.float8_e4m3fn)
-    bias = (torch.randn(ffn, device="cuda") * 0.1).half()
     one = torch.ones((), device="cuda")
-    scales = {"a": one / 256, "b": one / 256, "d": one / 4}
+    x8 = (torch.randn(args.tokens, max(hidden, ffn), device="cuda") * 16).clamp(-448, 448).to(torch.float8_e4m3fn)
+    for name in names:
+        dims, epilog, e4m3_out = GEMM_EPILOGUES[name]
+        n, k = dims(hidden, ffn)
+        a8 = x8[:, :k].contiguous()
+        w8 = (torch.randn(n, k, device="cuda") * 16).clamp(-448, 448).to(torch.float8_e4m3fn)
+        bias = (torch.randn(n, device="cuda") * 0.1).half()
+        scales = {"a": one / 256, "b": one / 256, **({"d": one / 4} if e4m3_out else {})}
+        result = _e4m3_type() if e4m3_out else nvmath.CudaDataType.CUDA_R_16F
+        base = {"what": "gemm_candidates", "gemm": name, "M": args.tokens, "N": n, "K": k, "epilog": epilog,
+                "out": "e4m3" if e4m3_out else "fp16", "tflop": round(2 * args.tokens * n * k / 1e12, 4)}
 
-    def planned(limit=None, algorithms=None):
-        mm = Matmul(w8, x8.t(), quantization_scales=scales,
-                    options={"result_type": _e4m3_type(), "fast_accumulation": True})
-        found = mm.plan(preferences=_preferences(limit or 0), algorithms=algorithms, epilog=MatmulEpilog.GELU_BIAS, epilog_inputs={"bias": bias})
-        return mm, found
+        def planned(limit=0, algorithms=None, a8=a8, w8=w8, bias=bias, scales=scales, result=result, epilog=epilog):
+            mm = Matmul(w8, a8.t(), quantization_scales=scales,
+                        options={"result_type": result, "fast_accumulation": True})
+            found = mm.plan(preferences=_preferences(limit), algorithms=algorithms,
+                            epilog=getattr(MatmulEpilog, epilog), epilog_inputs={"bias": bias})
+            return mm, found
 
-    base = {"what": "ffn_up_candidates", "M": args.tokens, "N": ffn, "K": hidden}
-    for limit in args.candidates:
-        try:
-            _, found = planned(limit)
-        except Exception as e:  # noqa: BLE001
-            emit({**base, "limit": limit, "error": f"{type(e).__name__}: {e}"[:1000]})
-            continue
-        emit({**base, "limit": limit, "found": len(found)})
-        for rank, alg in enumerate(found):
-            rec = {**base, "limit": limit, "rank": rank, **algorithm_fields(alg)}
+        if epilog == "BIAS":  # torch's path on the same operands: the heuristic's first choice
+            # as Fp8Linear runs it: an e4m3 output's scale folded into scale_a, its bias in bf16
+            b16, out_dtype = (bias.bfloat16(), torch.float8_e4m3fn) if e4m3_out else (bias, torch.float16)
+            rec = {**base, "kernel": "torch._scaled_mm (heuristic)"}
             try:
-                mm, _ = planned(algorithms=[alg])
-
-                def call(mm=mm):
-                    d = mm.execute(release_workspace=False, stream=torch.cuda.current_stream())
-                    return d[0] if isinstance(d, tuple) else d
-                replay, _ = graphed(call)
+                replay, _ = graphed(lambda: torch._scaled_mm(a8, w8.t(), one / 64, one / 256, bias=b16,
+                                                              out_dtype=out_dtype, use_fast_accum=True))
                 rec.update(replay_record(replay, args))
             except Exception as e:  # noqa: BLE001
                 rec["error"] = f"{type(e).__name__}: {e}"[:500]
             emit(rec)
+        for limit in args.candidates:
+            try:
+                _, found = planned(limit)
+            except Exception as e:  # noqa: BLE001
+                emit({**base, "limit": limit, "error": f"{type(e).__name__}: {e}"[:1000]})
+                continue
+            emit({**base, "limit": limit, "found": len(found)})
+            for rank, alg in enumerate(found):
+                rec = {**base, "kernel": "nvmath", "limit": limit, "rank": rank, **algorithm_fields(alg)}
+                try:
+                    mm, _ = planned(algorithms=[alg])
+
+                    def call(mm=mm):
+                        d = mm.execute(release_workspace=False, stream=torch.cuda.current_stream())
+                        return d[0] if isinstance(d, tuple) else d
+                    replay, _ = graphed(call)
+                    rec.update(replay_record(replay, args))
+                except Exception as e:  # noqa: BLE001
+                    rec["error"] = f"{type(e).__name__}: {e}"[:500]
+                emit(rec)
+
+
+def ffn_up_candidates(args, hidden, ffn, emit) -> None:
+    """``gemm_candidates`` for the FFN-up GEMM alone (its GELU + bias epilogue, e4m3 out)."""
+    gemm_candidates(args, hidden, ffn, emit, ("ffn_up",))
 
 
 def gemms(args, hidden, ffn, emit) -> None:
@@ -857,11 +961,15 @@ def main(argv=None) -> int:
     p.add_argument("--seq-max", type=int, default=384)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--iters", type=int, default=50)
-    p.add_argument("--only", choices=("attention", "ffn_up", "gemms", "layernorm", "int8", "ffn_up_candidates"),
+    p.add_argument("--only", choices=("attention", "ffn_up", "gemms", "layernorm", "int8", "ffn_up_candidates", "gemm_candidates"),
                    default=None)
     p.add_argument("--candidates", default=[8, 64], metavar="N,N",
                    type=lambda v: [int(k) for k in v.split(",") if k],
-                   help="with --only ffn_up_candidates: the algorithm limits asked of cuBLASLt (default 8,64)")
+                   help="with --only ffn_up_candidates or gemm_candidates: the algorithm limits asked of cuBLASLt (default 8,64)")
+    p.add_argument("--quack-tiles", default=QUACK_TILES, metavar="T,T",
+                   type=lambda v: [k for k in v.split(",") if k],
+                   help="with ffn_up: the quack GEMM + GELU kernel's configurations to time (KIND-MxN-cAxB; "
+                        "empty: none)")
     p.add_argument("--autotune", type=int, default=5, help="also time the epilogue autotuned (iterations; 0: not)")
     p.add_argument("--out", default="-", help="JSON lines file (default stdout)")
     p.add_argument("--energy-s", type=float, default=0.0, metavar="S",
@@ -886,6 +994,13 @@ def main(argv=None) -> int:
         p.error(f"unknown --kernels {','.join(unknown)}; valid: {','.join(ATTENTION_KERNELS)}")
     if not args.candidates or min(args.candidates) < 1:
         p.error(f"--candidates are how many algorithms to ask cuBLASLt for, each >= 1, not {args.candidates}")
+    try:
+        from bertqa_bench.kernels.quack_gemm_gelu import parse_tile
+
+        for tile in args.quack_tiles:
+            parse_tile(tile)
+    except ValueError as e:
+        p.error(f"--quack-tiles: {e}")
     if args.energy_s < 0:
         p.error(f"--energy-s is seconds of replays a kernel (0: none), not {args.energy_s:g}")
     if args.tiles and args.only not in (None, "attention"):
@@ -939,6 +1054,8 @@ def main(argv=None) -> int:
         int8_gemms(args, hidden, ffn, emit)
     if args.only == "ffn_up_candidates":  # every algorithm timed alone: only when asked
         ffn_up_candidates(args, hidden, ffn, emit)
+    if args.only == "gemm_candidates":
+        gemm_candidates(args, hidden, ffn, emit)
     return 0
 
 

@@ -96,6 +96,20 @@ def test_bad_arguments_are_refused_before_any_gpu_work(kb, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         kb.main(["--only", "ffn_up_candidates", "--candidates", "8,0"])
     assert e.value.code == 2 and "each >= 1, not [8, 0]" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        kb.main(["--only", "ffn_up", "--quack-tiles", "pingpong-128x192-c2x1,pingpong-256x128-c2x1"])
+    assert e.value.code == 2 and "--quack-tiles: quack GEMM tile 'pingpong-256x128-c2x1'" in capsys.readouterr().err
+
+
+def test_every_default_quack_tile_parses_and_every_gemm_has_an_epilogue(kb):
+    from bertqa_bench.kernels.quack_gemm_gelu import parse_tile, tiles
+
+    assert {parse_tile(t).spelled() for t in kb.QUACK_TILES} == set(kb.QUACK_TILES) <= set(tiles())
+    # the four GEMMs' shapes at BERT-large: (N, K) and the output the next kernel reads
+    hidden, _, ffn = kb.SHAPES["bert-large"]
+    shapes = {name: (dims(hidden, ffn), epi, e4m3) for name, (dims, epi, e4m3) in kb.GEMM_EPILOGUES.items()}
+    assert shapes == {"qkv": ((3072, 1024), "BIAS", True), "attn_out": ((1024, 1024), "BIAS", False),
+                      "ffn_up": ((4096, 1024), "GELU_BIAS", True), "ffn_down": ((1024, 4096), "BIAS", False)}
 
 
 def _tile(config, batch, us, **kw):
