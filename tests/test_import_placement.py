@@ -32,6 +32,8 @@ OPTIONAL = {
     "datasets": "[hub]: SQuAD and NQ from the Hugging Face hub",
     "pynvml": "ships with CUDA builds of torch only",
     "playwright": "[ui]: the browser test's driver",
+    "quack": "[quack]: quack-kernels' CuTe-DSL GEMM epilogues",
+    "cutlass": "[quack]: CUTLASS's Python DSL, which quack builds on",
 }
 # Slow: a fresh process's import, in seconds, on the 2-vCPU CI machine (2026-11-29, after torch
 # where torch comes first), or a backend's native runtime, which only that backend's worker loads.
