@@ -16,8 +16,9 @@ would replace, with its numerics checked against a reference on the same inputs:
   ``_scaled_mm`` (cuBLASLt's heuristic choice, today's path) against the same cuBLASLt GEMM through
   nvmath-python, first at the heuristic's choice, then autotuned among its candidates; for the two
   GEMMs a residual follows, also with the residual added in the GEMM (cuBLASLt's C operand, beta 1)
-  and the Inductor LayerNorm + e4m3 quantize kernel that then reads one tensor instead of two;
-  reference: the same GEMM in fp32 on the decoded e4m3 values;
+  and the Inductor LayerNorm + e4m3 quantize kernel that then reads one tensor instead of two, and
+  writing e4m3 for the add + LayerNorm kernel (``fp8.dense_output: e4m3``, the BIAS epilogue with an
+  e4m3 result); reference: the same GEMM in fp32 on the decoded e4m3 values;
 * residual add + LayerNorm + e4m3 quantize (``--only layernorm``): Inductor's fused pass against the
   suite's one-pass Triton kernel (``fp8.layernorm: triton``) at each launch shape it may use, with
   fp16 or e4m3 GEMM outputs and an fp16 or bf16 residual; reference: the kernel's torch formula;
@@ -777,23 +778,32 @@ def gemms(args, hidden, ffn, emit) -> None:
         ref = (x8.float() @ lin.weight_fp8.float().t()) * (sx * lin.weight_scale) + b.float()
         r = torch.randn(m, n, device="cuda").half()
         base = {"what": "gemm", "gemm": name, "M": m, "N": n, "K": k, "tflop": round(2 * m * n * k / 1e12, 4)}
-        paths = {"torch._scaled_mm (fast accum)": (lambda: lin(x8), False)}
+        # (call, adds the residual, what decodes its output: 1, or an e4m3 output's scale)
+        paths = {"torch._scaled_mm (fast accum)": (lambda: lin(x8), False, 1.0)}
+        # the e4m3 output the LayerNorm kernel reads (fp8 dense_output: e4m3), at the scale of
+        # its calibrated amax as the surgery sets it
+        y_scale = static_act_scale(float(ref.abs().amax()))
+        y_inv = torch.tensor(1.0 / y_scale, device="cuda")
         # the backend's own ops (cublaslt_epilogues.py): cuBLASLt planned through nvmath-python, one plan
         # per shape and autotune setting, so the heuristic's and the autotuned plans stand side by side
         for tune in sorted({0, args.autotune}):
             how = f"autotuned x{tune}" if tune else "heuristic"
             paths[f"nvmath BIAS, {how}"] = (
-                lambda t=tune: cublaslt_epilogues.gemm_bias_fp8(x8, lin.weight_fp8, b, lin.weight_scale, sx, True, t), False)
+                lambda t=tune: cublaslt_epilogues.gemm_bias_fp8(x8, lin.weight_fp8, b, lin.weight_scale, sx, True, t),
+                False, 1.0)
             if residual:
                 paths[f"nvmath BIAS + residual (C, beta 1), {how}"] = (
                     lambda t=tune: cublaslt_epilogues.gemm_add_fp8(x8, lin.weight_fp8, b, lin.weight_scale, sx, r, True, t),
-                    True)
-        for label, (fn, adds_residual) in paths.items():
+                    True, 1.0)
+                paths[f"nvmath BIAS, e4m3 out (dense_output: e4m3), {how}"] = (
+                    lambda t=tune: cublaslt_epilogues.gemm_bias_e4m3_fp8(x8, lin.weight_fp8, b, lin.weight_scale, sx,
+                                                                          y_inv, True, t), False, y_scale)
+        for label, (fn, adds_residual, decode) in paths.items():
             rec = {**base, "kernel": label}
             try:
                 out = fn()
                 want = ref + r.float() if adds_residual else ref
-                rec["max_rel_err"] = float(((out.float() - want).abs() / (want.abs() + 1)).max())
+                rec["max_rel_err"] = float(((out.float() * decode - want).abs() / (want.abs() + 1)).max())
                 rec.update(timed_eager_and_graphed(fn, out, args))
                 rec["pflops_graph"] = round(rec["tflop"] / (rec["graph"]["us_median"] * 1e-6) / 1e3, 3)
             except Exception as e:  # noqa: BLE001

@@ -582,6 +582,24 @@ MUTANTS = [
       "            h = layer.intermediate(x if x8 is None else x8)", "            h = layer.intermediate(x)",
       ("tests/test_fp8.py", "-k", "fused_layernorm_feeds"),
       "the kernel's e4m3 copy never read: the GEMM quantizes x again (the row pays for both)"),
+    # --- the e4m3 output of the GEMMs before the LayerNorm kernel (fp8.dense_output: e4m3)
+    M("dense-output-e4m3-read-at-code-scale", "bertqa_bench/backends/transforms/packed_encoder.py",
+      "        return add_norm(output.dense.forward_e4m3(inp), residual, y_scale=y_scale)",
+      "        return add_norm(output.dense.forward_e4m3(inp), residual)",
+      ("tests/test_dense_output_e4m3.py", "-k", "hands_each_layernorm"),
+      "the LayerNorm kernel adds the GEMM's e4m3 codes to the residual without their scale"),
+    M("dense-output-e4m3-bias-dropped", "bertqa_bench/kernels/cublaslt_epilogues.py",
+      "    y = (x8.float() @ w8.float().t()) * (x_scale.float() * w_scale.float()) + bias.float()\n"
+      "    return (y * out_inv_scale.float()).clamp(-E4M3_MAX, E4M3_MAX)",
+      "    y = (x8.float() @ w8.float().t()) * (x_scale.float() * w_scale.float())\n"
+      "    return (y * out_inv_scale.float()).clamp(-E4M3_MAX, E4M3_MAX)",
+      ("tests/test_dense_output_e4m3.py", "-k", "rounds_the_exact_value or forward_e4m3"),
+      "the e4m3-output GEMM leaves out its bias (the 16-bit path adds it)"),
+    M("dense-output-e4m3-only-the-first-gemm", "bertqa_bench/backends/transforms/fp8_surgery.py",
+      "    done[\"dense_output_e4m3\"] = _dense_outputs_e4m3(model, done[\"fused_layernorms\"], dense_scales)",
+      "    done[\"dense_output_e4m3\"] = _dense_outputs_e4m3(model, done[\"fused_layernorms\"][:1], dense_scales)",
+      ("tests/test_dense_output_e4m3.py", "-k", "hands_each_layernorm"),
+      "only the first fused LayerNorm's GEMM writes e4m3; the rest stay 16-bit and the option reports them"),
     # --- a content-keyed cache entry finished by another process between our check and our rename
     M("atomic-dir-checks-then-renames", "bertqa_bench/io.py",
       "            if not replace and e.errno in (errno.ENOTEMPTY, errno.EEXIST) and path.is_dir():\n"

@@ -13,7 +13,7 @@ from ..errors import BackendUnavailableError
 from .base import INPUT_NAMES, BackendContext
 from .torch_options import Fp8Options, Int8Options, TorchaoOptions, TorchOptions, parse_layers, torchao_targets
 from .transforms.fp8_rules import parse_cublaslt_gemms, parse_gemms
-from .transforms.fp8_surgery import calibrate_amax, ffn_up_names, qkv_names, swap_to_fp8, target_linears
+from .transforms.fp8_surgery import calibrate_amax, dense_names, ffn_up_names, qkv_names, swap_to_fp8, target_linears
 from .transforms.int8_dynamic import swap_to_int8
 from .transforms.layer_sensitivity import choose_kept_layers, layer_sensitivity, n_encoder_layers
 
@@ -70,13 +70,7 @@ def build_model(o: TorchOptions, ctx: BackendContext, device: str, name: str):
     if o.int8 is not None:
         info = quantize_int8(module, o.int8, as_tensors(ctx.sample_batches[:o.int8.calibration_batches]))
     elif o.fp8 is not None:
-        if o.fp8.ffn_gelu == "epilogue" and device == "cuda":
-            from ..kernels.cublaslt_epilogues import epilogue_saturates
-
-            if not epilogue_saturates(device):  # asked before calibration, which a refusal would waste
-                raise BackendUnavailableError(
-                    f"{name}: cuBLASLt's GELU epilogue on this GPU writes NaN, not +-448, for e4m3 results past the "
-                    "range, and an e4m3 output cannot be clamped after the kernel wrote it (ffn_gelu: tanh)")
+        check_e4m3_epilogues(name, o.fp8, device)  # before calibration, which a refusal would waste
         info = calibrate_and_swap_fp8(module, o.fp8, as_tensors(ctx.sample_batches[:o.fp8.calibration_batches]))
     elif o.torchao is not None:
         info = quantize_torchao(module, o.torchao)
@@ -89,6 +83,22 @@ def build_model(o: TorchOptions, ctx: BackendContext, device: str, name: str):
 
         info.update(packed=True, attention_kernel=encoder_of(module.model).kernel_name, head_first=o.head_first)
     return module, info
+
+def check_e4m3_epilogues(name: str, f: Fp8Options, device: str) -> None:
+    """BackendUnavailableError where a cuBLASLt epilogue the recipe writes e4m3 through (the GELU
+    epilogue, the e4m3 output before the LayerNorms) writes NaN rather than +-448 past the range on
+    this GPU: an e4m3 output cannot be clamped after the kernel wrote it."""
+    if device != "cuda":
+        return
+    from ..kernels.cublaslt_epilogues import epilogue_saturates
+
+    for on, epilog, instead in ((f.ffn_gelu == "epilogue", "GELU_BIAS", "ffn_gelu: tanh"),
+                                (f.dense_output == "e4m3", "BIAS", "dense_output: fp16")):
+        if on and not epilogue_saturates(device, epilog):
+            raise BackendUnavailableError(
+                f"{name}: cuBLASLt's {epilog} epilogue on this GPU writes NaN, not +-448, for e4m3 results past the "
+                f"range, and an e4m3 output cannot be clamped after the kernel wrote it ({instead})")
+
 
 def sensitivity_sweep(module, batches, quantize_layer, keep: int) -> tuple[tuple[int, ...], dict]:
     if keep <= 0:
@@ -133,7 +143,8 @@ def calibrate_and_swap_fp8(module, f: Fp8Options, batches) -> dict:
     targets = target_linears(module, gemms)
     amax, t0 = None, time.perf_counter()
     if f.scaling != "rowwise":
-        outputs = (ffn_up_names(targets) if f.ffn_hidden_fp8 else []) + (qkv_names(targets) if f.attention == "fp8" else [])
+        outputs = ((ffn_up_names(targets) if f.ffn_hidden_fp8 else []) + (qkv_names(targets) if f.attention == "fp8" else [])
+                   + (dense_names(targets) if f.dense_output == "e4m3" else []))
         amax = calibrate_amax(module, batches, targets, outputs)
     calib_s = time.perf_counter() - t0
     n = n_encoder_layers(module)
@@ -144,7 +155,7 @@ def calibrate_and_swap_fp8(module, f: Fp8Options, batches) -> dict:
                            ffn_gelu=f.ffn_gelu, attention_fp8=f.attention == "fp8", residual=f.residual,
                            cublaslt_gemms=f.cublaslt_gemms, cublaslt_autotune=f.cublaslt_autotune,
                            attention_output=f.attention_output, layernorm=f.layernorm,
-                           cublaslt_candidates=f.cublaslt_candidates)
+                           cublaslt_candidates=f.cublaslt_candidates, dense_output=f.dense_output)
 
     kept, info = sensitivity_sweep(module, batches, lambda m, layer: swap(m, [i for i in range(n) if i != layer]),
                              f.sensitivity_keep)
@@ -160,6 +171,8 @@ def calibrate_and_swap_fp8(module, f: Fp8Options, batches) -> dict:
         "fp8_ffn_hidden": f"e4m3 in {len(done['ffn_hidden_fp8'])} layers" if f.ffn_hidden_fp8 else "16-bit",
         "fp8_ffn_gelu": gelu_info(f.ffn_gelu, module),
         "fp8_layernorm": layernorm_info(f.layernorm, module, len(done["fused_layernorms"])),
+        "fp8_dense_output": (f"e4m3 at a calibrated scale for the LayerNorm kernel, {len(done['dense_output_e4m3'])} "
+                             "GEMMs (cuBLASLt BIAS epilogue, nvmath-python)" if f.dense_output == "e4m3" else "16-bit"),
         "fp8_residual": (f"added in {len(done['residual_in_gemm'])} GEMMs (cuBLASLt C operand, nvmath-python)"
                          if f.residual == "gemm" else "added in the LayerNorm pass"),
         "fp8_cublaslt": (f"{len(done['cublaslt'])} GEMMs ({','.join(parse_cublaslt_gemms(f.cublaslt_gemms))}) through "

@@ -72,6 +72,10 @@ class Fp8Options:
     # kernel, add_layernorm_fp8.py, writing the fp16 residual and its e4m3 copy at that GEMM's scale;
     # fp8_rules.LAYERNORMS; needs scaling: tensor, residual: layernorm and the packed encoder)
     layernorm: str = "inductor"
+    # what the attention-output and FFN-down GEMMs write for that kernel: fp16, or e4m3 at a scale
+    # calibrated on their outputs (cuBLASLt's BIAS epilogue, nvmath-python), read by the kernel at
+    # that scale (fp8_rules.DENSE_OUTPUTS; needs layernorm: triton, weights: fp16, token_bucket)
+    dense_output: str = "fp16"
     # FP8 GEMMs with a 16-bit output (some of qkv, attn_out, ffn_in, ffn_out, or all, whose output is
     # 16-bit here; "" none) run through cuBLASLt planned by nvmath-python, with their bias in its
     # epilogue, instead of torch._scaled_mm: what lets cublaslt_autotune choose their algorithm

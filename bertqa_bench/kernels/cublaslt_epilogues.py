@@ -20,7 +20,8 @@ down-projection reads.
 
 The module also holds the other FP8 GEMMs planned through nvmath-python: the 16-bit-output GEMM
 with its bias (``fp8_gemm_bias``, which can replace ``torch._scaled_mm`` so that its algorithm can be
-autotuned) and the same with the residual as C (``fp8_gemm_add``); see the section below.
+autotuned), the same with the residual as C (``fp8_gemm_add``), and the bias epilogue writing e4m3
+for the add + LayerNorm kernel (``fp8_gemm_bias_e4m3``); see the sections below.
 
 CUDA graphs: planning a cuBLASLt matmul synchronizes the stream, which a CUDA graph capture
 forbids; one ``Matmul`` per kind of GEMM is planned per token count (M) outside capture, on the
@@ -186,8 +187,10 @@ def _preferences(candidates: int):
     return MatmulPlanPreferences(limit=int(candidates))
 
 
-def _matmul(x8, w8, bias, w_scale, x_scale, out_inv_scale, fast_accum: bool, autotune: int, candidates: int = 0):
-    """D^T = GELU(W @ X^T * scales + bias) * out_inv_scale in e4m3, column-major; returns D [M, N]."""
+def _matmul(x8, w8, bias, w_scale, x_scale, out_inv_scale, fast_accum: bool, autotune: int, candidates: int = 0,
+            epilog: str = "GELU_BIAS"):
+    """D^T = act(W @ X^T * scales + bias) * out_inv_scale in e4m3, column-major, act GELU's tanh form
+    (``epilog`` GELU_BIAS) or none (BIAS); returns D [M, N]."""
     from nvmath.linalg.advanced import Matmul, MatmulEpilog
 
     scales = {"a": w_scale, "b": x_scale, "d": out_inv_scale}
@@ -199,17 +202,22 @@ def _matmul(x8, w8, bias, w_scale, x_scale, out_inv_scale, fast_accum: bool, aut
         # paths would differ in more than the epilogue
         mm = Matmul(w8, b, quantization_scales=scales, stream=stream,
                     options={"result_type": _e4m3_type(), "fast_accumulation": bool(fast_accum)})
-        mm.plan(preferences=_preferences(candidates), algorithms=algorithms, epilog=MatmulEpilog.GELU_BIAS,
+        mm.plan(preferences=_preferences(candidates), algorithms=algorithms, epilog=getattr(MatmulEpilog, epilog),
                 epilog_inputs={"bias": bias}, stream=stream)
         return mm
 
-    return _planned(("gelu", x8.device.index, x8.shape[0], w8.shape[0], w8.shape[1], fast_accum, autotune, candidates),
-                    f"the GELU epilogue for {tuple(x8.shape)} x {tuple(w8.shape)}", make,
+    kind, what = _E4M3_EPILOGUES[epilog]
+    return _planned((kind, x8.device.index, x8.shape[0], w8.shape[0], w8.shape[1], fast_accum, autotune, candidates),
+                    f"{what} for {tuple(x8.shape)} x {tuple(w8.shape)}", make,
                     {"a": w8, "b": b, "quantization_scales": scales, "epilog_inputs": {"bias": bias}},
                     torch.cuda.current_stream(x8.device), autotune)
 
 
-# The three GEMM ops are custom_ops with fakes, not triton_ops: their bodies plan (and may autotune)
+# the e4m3-output epilogues: the plan cache's kind and what a refusal calls it
+_E4M3_EPILOGUES = {"GELU_BIAS": ("gelu", "the GELU epilogue"), "BIAS": ("bias8", "the e4m3-output FP8 GEMM")}
+
+
+# The GEMM ops are custom_ops with fakes, not triton_ops: their bodies plan (and may autotune)
 # a cuBLASLt matmul through nvmath-python on the host at call time, which torch.compile must leave
 # opaque; each fake gives the output's shape and dtype.
 @torch.library.custom_op("bertqa::fp8_gemm_gelu", mutates_args=())
@@ -247,20 +255,70 @@ def implementation(on_cuda: bool) -> str:
 _SATURATES: dict = {}
 
 
-def epilogue_saturates(device) -> bool:
-    """Whether the epilogue, writing e4m3, saturates values past +-448 to +-448 on ``device``
-    (asked once per device: a 16 x 16 x 16 GEMM whose every output is 16 * 448 * 448 after GELU)."""
+def epilogue_saturates(device, epilog: str = "GELU_BIAS") -> bool:
+    """Whether the e4m3-output epilogue ``epilog`` (GELU_BIAS: ``fp8_gemm_gelu``; BIAS:
+    ``fp8_gemm_bias_e4m3``) saturates values past +-448 to +-448 on ``device`` (asked once per
+    device and epilogue: a 16 x 16 x 16 GEMM whose every output is 16 * 448 * 448, GELU or not)."""
+    if epilog not in _E4M3_EPILOGUES:
+        raise ValueError(f"epilog must be one of {', '.join(_E4M3_EPILOGUES)}, not {epilog!r}")
     device = torch.device(device)
     if device.type != "cuda":
         return True  # the torch formula clamps explicitly
     idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SATURATES:
+    if (idx, epilog) not in _SATURATES:
         dev = torch.device("cuda", idx)
         x8 = torch.full((16, 16), E4M3_MAX, device=dev).to(torch.float8_e4m3fn)
         one = torch.ones((), dtype=torch.float32, device=dev)
-        y = fp8_gemm_gelu(x8, x8, torch.zeros(16, dtype=BIAS_DTYPE, device=dev), one, one, one)
-        _SATURATES[idx] = bool(torch.equal(y.float(), torch.full((16, 16), E4M3_MAX, device=dev)))
-    return _SATURATES[idx]
+        op = fp8_gemm_gelu if epilog == "GELU_BIAS" else fp8_gemm_bias_e4m3
+        y = op(x8, x8, torch.zeros(16, dtype=BIAS_DTYPE, device=dev), one, one, one)
+        _SATURATES[idx, epilog] = bool(torch.equal(y.float(), torch.full((16, 16), E4M3_MAX, device=dev)))
+    return _SATURATES[idx, epilog]
+
+
+# --- e4m3 output without an activation: D = e4m3((x8 @ w8^T * scales + bias) * out_inv_scale) -----
+# The attention-output and FFN-down GEMMs feed the add + LayerNorm kernel (add_layernorm_fp8.py),
+# which reads its y in e4m3 at y's scale as readily as in fp16 (fp8 option dense_output: e4m3).
+# Written in e4m3 by the GEMM, y crosses memory as one byte an element instead of two, out of the
+# GEMM and into the LayerNorm. cuBLASLt's BIAS epilogue with an e4m3 D does it in the GEMM: the bias
+# is added to the fp32 tile, the D scale (out_inv_scale) applied, and the result rounded once. The
+# cost is that rounding (relative <= 2^-4) of the sublayer's output before the residual add, where
+# the fp16 path rounded it to 2^-11: FasterTransformer's FP8 BERT rounds it to e4m3 too.
+
+
+def fp8_gemm_bias_e4m3_scaled(x8, w8, bias, w_scale, x_scale, out_inv_scale):
+    """The formula in fp32 before the final rounding: the GEMM of the decoded values, the bias,
+    the output scale, saturated at +-448."""
+    y = (x8.float() @ w8.float().t()) * (x_scale.float() * w_scale.float()) + bias.float()
+    return (y * out_inv_scale.float()).clamp(-E4M3_MAX, E4M3_MAX)
+
+
+def fp8_gemm_bias_e4m3_reference(x8, w8, bias, w_scale, x_scale, out_inv_scale):
+    """``fp8_gemm_bias_e4m3_scaled`` rounded to e4m3 (nearest even): e4m3 [M, N]."""
+    return fp8_gemm_bias_e4m3_scaled(x8, w8, bias, w_scale, x_scale, out_inv_scale).to(torch.float8_e4m3fn)
+
+
+@torch.library.custom_op("bertqa::fp8_gemm_bias_e4m3", mutates_args=())
+def fp8_gemm_bias_e4m3(x8: torch.Tensor, w8: torch.Tensor, bias: torch.Tensor, w_scale: torch.Tensor,
+                       x_scale: torch.Tensor, out_inv_scale: torch.Tensor, fast_accum: bool = False,
+                       autotune: int = 0, candidates: int = 0) -> torch.Tensor:
+    """e4m3 [M, K] x8, [N, K] w8 -> e4m3 [M, N], (x8 @ w8^T * scales + bias) * out_inv_scale: cuBLASLt's
+    BIAS epilogue with an e4m3 result on CUDA (the bias in fp16, ``bias_for_epilogue``), the formula
+    in torch elsewhere. Arguments as ``fp8_gemm_gelu``'s."""
+    if x8.is_cuda:
+        m, x8 = _padded_to_multiple(x8.contiguous())
+        return _matmul(x8, w8, bias, w_scale, x_scale, out_inv_scale, fast_accum, autotune, candidates, "BIAS")[:m]
+    return fp8_gemm_bias_e4m3_reference(x8, w8, bias, w_scale, x_scale, out_inv_scale)
+
+
+@fp8_gemm_bias_e4m3.register_fake
+def _(x8, w8, bias, w_scale, x_scale, out_inv_scale, fast_accum=False, autotune=0, candidates=0):
+    return x8.new_empty((x8.shape[0], w8.shape[0]), dtype=torch.float8_e4m3fn)
+
+
+def gemm_bias_e4m3_fp8(x8, w8, bias, w_scale, x_scale, out_inv_scale, fast_accum: bool = False, autotune: int = 0,
+                       candidates: int = 0):
+    """``fp8_gemm_bias_e4m3`` as a plain function (what a module holds)."""
+    return fp8_gemm_bias_e4m3(x8, w8, bias, w_scale, x_scale, out_inv_scale, fast_accum, autotune, candidates)
 
 
 def bias_for_epilogue(bias: Optional[torch.Tensor], n: int, device) -> torch.Tensor:

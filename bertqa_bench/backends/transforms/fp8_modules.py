@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...kernels.add_layernorm_fp8 import add_layernorm_fp8
-from ...kernels.cublaslt_epilogues import bias_for_epilogue, gemm_add_fp8, gemm_bias_fp8, gemm_gelu_fp8
+from ...kernels.cublaslt_epilogues import (bias_for_epilogue, gemm_add_fp8, gemm_bias_e4m3_fp8, gemm_bias_fp8,
+                                           gemm_gelu_fp8)
 from ...kernels.fp8_math import _EPS, E4M3_MAX, gemm_writes_saturated_e4m3, quantize_e4m3, saturate_to_e4m3, weight_scale
 from ...kernels.gelu_fp8 import gelu_tanh_fp8
 from .fp8_rules import _QKV, FFN_GELUS, GELU_CLASSES, SCALINGS
@@ -129,6 +130,33 @@ class Fp8Linear(nn.Module):
                 self.out_features, dtype=self.act_dtype, device=self.weight_fp8.device)
             self.register_buffer("cublaslt_bias", bias.to(self.act_dtype))
 
+    # the scale of the e4m3 output ``forward_e4m3`` writes (None: none; fp8 option dense_output: e4m3)
+    e4m3_out_scale = None
+
+    def write_e4m3_for_layernorm(self, out_scale: float) -> None:
+        """``forward_e4m3`` writes this GEMM's output, bias included, in e4m3 at ``out_scale`` (a
+        scale calibrated on it), for the add + LayerNorm kernel after it (Fp8AddLayerNorm reads it
+        at that scale), through cuBLASLt's BIAS epilogue planned by nvmath-python. ``forward``
+        stays the 16-bit GEMM: the padded model, which adds its residual itself, still calls it."""
+        self._check_16bit_gemm("an e4m3 output for the LayerNorm kernel")
+        # fp16 whatever the model computes in: cuBLASLt takes an e4m3 result's bias in C's type, fp16
+        self.register_buffer("e4m3_out_bias", bias_for_epilogue(self.bias, self.out_features, self.weight_fp8.device))
+        self._gemm_bias_e4m3 = gemm_bias_e4m3_fp8
+        self.e4m3_out_scale = float(out_scale)
+        self.register_buffer("e4m3_out_inv_scale", torch.tensor(1.0 / float(out_scale), dtype=torch.float32,
+                                                                device=self.weight_fp8.device))
+
+    def forward_e4m3(self, x):
+        """e4m3 [*, out_features], the codes of ``self(x)`` over ``e4m3_out_scale`` (rounded once, from fp32)."""
+        if self.e4m3_out_scale is None:
+            raise RuntimeError("forward_e4m3 needs write_e4m3_for_layernorm first (fp8 option dense_output: e4m3)")
+        lead = x.shape[:-1]
+        xq, sa = self.quantize_input(x.reshape(-1, self.in_features))
+        y8 = self._gemm_bias_e4m3(xq, self.weight_fp8, self.e4m3_out_bias, self.weight_scale, sa,
+                                  self.e4m3_out_inv_scale, self.fast_accum, self.cublaslt_autotune,
+                                  self.cublaslt_candidates)
+        return y8.reshape(*lead, self.out_features)
+
     def add_residual_in_gemm(self) -> None:
         """``plus`` adds the residual in the GEMM (cuBLASLt's C operand, cublaslt_epilogues.py)
         instead of leaving it to the next elementwise pass."""
@@ -155,6 +183,7 @@ class Fp8Linear(nn.Module):
                 + ("" if self.gemm_dtype == self.out_dtype else f" (GEMM {self.gemm_dtype}, clamped)")
                 + ("" if self.out_scale_value is None else f", out_scale={self.out_scale_value}")
                 + (", residual added in the GEMM" if self.residual_in_gemm else "")
+                + ("" if self.e4m3_out_scale is None else f", e4m3 out at {self.e4m3_out_scale:g} for the LayerNorm")
                 + (", cuBLASLt through nvmath" if self.planned_gemm else "")
                 + (f", algorithm autotuned x{self.cublaslt_autotune}"
                    + (f" among up to {self.cublaslt_candidates}" if self.cublaslt_candidates else "")
@@ -333,9 +362,12 @@ class Fp8AddLayerNorm(nn.Module):
     def forward(self, x):
         return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
 
-    def add_norm(self, y, residual):
-        """(LayerNorm(y + residual), its e4m3 copy at the consumer's scale), [*, hidden] each."""
+    def add_norm(self, y, residual, y_scale: float = 1.0):
+        """(LayerNorm(y * y_scale + residual), its e4m3 copy at the consumer's scale), [*, hidden]
+        each; ``y`` 16-bit, or e4m3 codes of the values over ``y_scale`` (a GEMM writing e4m3)."""
+        if y.dtype != torch.float8_e4m3fn and y_scale != 1.0:
+            raise ValueError(f"a y_scale ({y_scale}) decodes an e4m3 y, not a {y.dtype} one")
         lead, h = y.shape[:-1], y.shape[-1]
         x, x8 = add_layernorm_fp8(y.reshape(-1, h), residual.reshape(-1, h), self.weight, self.bias, self.eps,
-                                  x8_inv_scale=self._x8_inv_scale)
+                                  x8_inv_scale=self._x8_inv_scale, y_scale=y_scale)
         return x.reshape(*lead, h), x8.reshape(*lead, h)

@@ -29,6 +29,11 @@ RESIDUALS = ("layernorm", "gemm")
 # (kernels/add_layernorm_fp8.py: one pass writing the 16-bit residual and its e4m3 copy at the
 # consuming GEMM's static input scale, which that GEMM takes as it is)
 LAYERNORMS = ("inductor", "triton")
+# what the attention-output and FFN-down GEMMs write for the add + LayerNorm kernel after them
+# (layernorm: triton): fp16, or e4m3 at a scale calibrated on their outputs (cuBLASLt's BIAS epilogue
+# with an e4m3 result, cublaslt_epilogues.fp8_gemm_bias_e4m3), which the kernel reads at that scale:
+# one byte an element out of the GEMM and into the LayerNorm instead of two
+DENSE_OUTPUTS = ("fp16", "e4m3")
 # the 16-bit attention's output, which the FP8 attention-output GEMM reads: fp16 (the model's
 # 16-bit dtype; that GEMM quantizes it in a pass of its own) or e4m3 (the packed encoder's Triton
 # attention kernel writes it at the GEMM's static input scale: half the bytes, no separate pass)
@@ -128,6 +133,21 @@ def check_layernorm(scaling: str, gemms, layernorm: str, residual: str) -> None:
                          f"{','.join(parse_gemms(gemms))}")
 
 
+def check_dense_output(scaling: str, gemms, dense_output: str, layernorm: str) -> None:
+    """ValueError unless the e4m3 output of the GEMMs before a LayerNorm fits the rest."""
+    if dense_output not in DENSE_OUTPUTS:
+        raise ValueError(f"dense_output '{dense_output}' is not one of {', '.join(DENSE_OUTPUTS)}")
+    if dense_output != "e4m3":
+        return
+    if layernorm != "triton":
+        raise ValueError("dense_output: e4m3 is read by the add + LayerNorm kernel: it needs layernorm: triton, "
+                         f"not {layernorm}")
+    if scaling != "tensor" or not set(RESIDUAL_GEMMS) & set(parse_gemms(gemms)):
+        raise ValueError("dense_output: e4m3 writes at a static per-tensor output scale: it needs scaling 'tensor' "
+                         f"and attn_out or ffn_out in FP8, not scaling '{scaling}' with gemms "
+                         f"{','.join(parse_gemms(gemms))}")
+
+
 def check_cublaslt(scaling: str, gemms, cublaslt_gemms, autotune: int, *, ffn_hidden_fp8: bool = False,
                    ffn_gelu: str = "exact", attention_fp8: bool = False, residual: str = "layernorm") -> None:
     """ValueError unless the GEMMs planned through nvmath-python (``cublaslt_gemms``) and their
@@ -181,7 +201,7 @@ def _one_of(field: str, value, choices) -> None:
 def check_recipe(scaling: str, gemms, *, fuse_qkv: bool = True, ffn_hidden_fp8: bool = False,
                  ffn_gelu: str = "exact", attention_fp8: bool = False, attention_output: str = "fp16",
                  residual: str = "layernorm", cublaslt_gemms="", cublaslt_autotune: int = 0,
-                 layernorm: str = "inductor", cublaslt_candidates: int = 0) -> None:
+                 layernorm: str = "inductor", cublaslt_candidates: int = 0, dense_output: str = "fp16") -> None:
     """ValueError, its message led by the field's name, unless the FP8 recipe's fields fit each
     other (what both check_fp8 and swap_to_fp8 refuse)."""
     _one_of("scaling", scaling, SCALINGS)
@@ -194,6 +214,7 @@ def check_recipe(scaling: str, gemms, *, fuse_qkv: bool = True, ffn_hidden_fp8: 
     check_attention_output(scaling, gemms, fuse_qkv, attention_output, attention_fp8)
     check_residual(scaling, gemms, residual)
     check_layernorm(scaling, gemms, layernorm, residual)
+    check_dense_output(scaling, gemms, dense_output, layernorm)
     check_cublaslt(scaling, gemms, cublaslt_gemms, cublaslt_autotune, ffn_hidden_fp8=ffn_hidden_fp8,
                    ffn_gelu=ffn_gelu, attention_fp8=attention_fp8, residual=residual)
     check_candidates(cublaslt_autotune, cublaslt_candidates)
@@ -201,8 +222,9 @@ def check_recipe(scaling: str, gemms, *, fuse_qkv: bool = True, ffn_hidden_fp8: 
 
 def needs_nvmath(fp8) -> bool:
     """Whether the recipe plans GEMMs through nvmath-python (cuBLASLt): the GELU epilogue, the
-    residual GEMMs or ``cublaslt_gemms``."""
-    return fp8.ffn_gelu == "epilogue" or fp8.residual == "gemm" or bool(parse_cublaslt_gemms(fp8.cublaslt_gemms))
+    residual GEMMs, the e4m3-output GEMMs before the LayerNorms or ``cublaslt_gemms``."""
+    return (fp8.ffn_gelu == "epilogue" or fp8.residual == "gemm" or fp8.dense_output == "e4m3"
+            or bool(parse_cublaslt_gemms(fp8.cublaslt_gemms)))
 
 
 def check_fp8(fp8, torch_options=None) -> None:
@@ -218,7 +240,8 @@ def check_fp8(fp8, torch_options=None) -> None:
                      ffn_gelu=fp8.ffn_gelu, attention_fp8=fp8.attention == "fp8",
                      attention_output=fp8.attention_output, residual=fp8.residual,
                      cublaslt_gemms=fp8.cublaslt_gemms, cublaslt_autotune=fp8.cublaslt_autotune,
-                     layernorm=fp8.layernorm, cublaslt_candidates=fp8.cublaslt_candidates)
+                     layernorm=fp8.layernorm, cublaslt_candidates=fp8.cublaslt_candidates,
+                     dense_output=fp8.dense_output)
         if fp8.act_margin <= 0 or fp8.calibration_batches < 1:
             raise ValueError("act_margin must be > 0 and calibration_batches >= 1")
         try:
@@ -233,15 +256,19 @@ def check_fp8(fp8, torch_options=None) -> None:
 
 def _check_in_variant(fp8, t) -> None:
     """The recipe against the rest of the torch options ``t``: the first clash, as ConfigError."""
-    planned = bool(parse_cublaslt_gemms(fp8.cublaslt_gemms)) or fp8.residual == "gemm"
+    planned = bool(parse_cublaslt_gemms(fp8.cublaslt_gemms)) or fp8.residual == "gemm" or fp8.dense_output == "e4m3"
     clashes = (
         (t.weights == "fp32", "fp8 needs 16-bit weights for the parts that stay out of FP8 (weights: fp16 or bf16)"),
         (fp8.ffn_gelu == "epilogue" and t.packed and not t.token_bucket,
          "fp8.ffn_gelu: epilogue plans one cuBLASLt GEMM per token count; packed batches need token_bucket (a few "
          "bucket sizes), not a new token count every batch"),
         (planned and t.weights != "fp16",
-         "fp8.cublaslt_gemms and fp8.residual: gemm write fp16 through cuBLASLt (its FP8 kernels take the bias and C "
-         f"in the output's type): they need weights: fp16, not {t.weights}"),
+         "fp8.cublaslt_gemms, fp8.residual: gemm and fp8.dense_output: e4m3 plan GEMMs through cuBLASLt, whose FP8 "
+         f"kernels take the bias in fp16 (the output's type, or C's for an e4m3 one): they need weights: fp16, not "
+         f"{t.weights}"),
+        (fp8.dense_output == "e4m3" and not (t.packed and t.token_bucket),
+         "fp8.dense_output: e4m3 plans one cuBLASLt GEMM per token count for the padding-free encoder's add + "
+         "LayerNorm kernel: it needs packed: true and token_bucket"),
         (bool(parse_cublaslt_gemms(fp8.cublaslt_gemms)) and t.packed and not t.token_bucket,
          "fp8.cublaslt_gemms plans one cuBLASLt GEMM per token count; packed batches need token_bucket (a few bucket "
          "sizes), not a new token count every batch"),

@@ -160,6 +160,12 @@ def calibrate_amax(model, batches, inputs: list[str], outputs: Iterable[str] = (
     return amax
 
 
+def dense_names(names: Iterable[str]) -> list[str]:
+    """The GEMMs a residual add + LayerNorm follows (attention output, FFN down) among ``names``:
+    the Linears whose outputs ``swap_to_fp8(dense_output="e4m3")`` needs calibrated."""
+    return [n for n in names if gemm_kind(n) in RESIDUAL_GEMMS]
+
+
 def ffn_up_names(names: Iterable[str]) -> list[str]:
     """The FFN up-projections (``...intermediate.dense``) among ``names``: the Linears whose
     outputs ``swap_to_fp8(ffn_hidden_fp8=True)`` needs calibrated."""
@@ -172,7 +178,8 @@ def swap_to_fp8(model, act_amax: Optional[Mapping[str, float]] = None, *, scalin
                 ffn_hidden_fp8: bool = False, ffn_gelu: str = "exact",
                 attention_fp8: bool = False, residual: str = "layernorm",
                 cublaslt_gemms="", cublaslt_autotune: int = 0, attention_output: str = "fp16",
-                layernorm: str = "inductor", cublaslt_candidates: int = 0) -> dict[str, Any]:
+                layernorm: str = "inductor", cublaslt_candidates: int = 0,
+                dense_output: str = "fp16") -> dict[str, Any]:
     """Replace encoder Linears of ``model`` (those of the kinds in ``gemms``) in place by FP8 modules.
 
     ``act_amax`` (name -> calibrated input amax, ``calibrate_amax``) is needed for the static
@@ -193,12 +200,16 @@ def swap_to_fp8(model, act_amax: Optional[Mapping[str, float]] = None, *, scalin
     ``cublaslt_autotune`` > 0: every GEMM planned there (those, the GELU epilogue, the residual
     GEMMs) has its algorithm autotuned per shape, among up to ``cublaslt_candidates`` algorithms
     (0: nvmath's default, 8). ``layernorm`` (LAYERNORMS): "triton" makes each
-    LayerNorm an FP8 GEMM reads an ``Fp8AddLayerNorm`` (``_fuse_layernorms``). ``keep_layers``:
+    LayerNorm an FP8 GEMM reads an ``Fp8AddLayerNorm`` (``_fuse_layernorms``). ``dense_output``
+    (DENSE_OUTPUTS): "e4m3" has the FP8 GEMM before each of those LayerNorms (attention output, FFN
+    down) write its output in e4m3 for it, at a scale from its calibrated output amax (``name +
+    OUT``, ``dense_names``; ``Fp8Linear.write_e4m3_for_layernorm``). ``keep_layers``:
     encoder layer indices left in 16 bits. Returns what was done: ``swapped``
     (Linear names now in FP8), ``fused_qkv`` (attention modules with one fused-QKV FP8 GEMM),
     ``gemms`` (FP8 GEMMs per forward), ``kept`` (targeted Linears left alone, with why)."""
     _check_swap(model, act_amax, scaling, parse_gemms(gemms), fuse_qkv, ffn_hidden_fp8, ffn_gelu, attention_fp8,
-                residual, cublaslt_gemms, (cublaslt_autotune, cublaslt_candidates), attention_output, layernorm)
+                residual, cublaslt_gemms, (cublaslt_autotune, cublaslt_candidates), attention_output, layernorm,
+                dense_output)
     gemms = parse_gemms(gemms)
     Fp8Linear_, Fp8SelfAttention_ = fp8_classes()[:2]
     static = scaling != "rowwise"
@@ -229,53 +240,85 @@ def swap_to_fp8(model, act_amax: Optional[Mapping[str, float]] = None, *, scalin
             fused.append(attn_name)
             swapped += names
             done.update(names)
-    for name in targets:
-        if name in done:
-            continue
+
+    def make(name, lin):
+        out_scale = None
+        if ffn_hidden_fp8 and gemm_kind(name) == "ffn_in" and _fp8_able(model, _ffn_down(name), targets, done):
+            out_scale = static_act_scale(act_amax[name + OUT], act_margin)
+        return Fp8Linear_.from_linear(lin, scaling=scaling, act_scale=scale_for([name]), fast_accum=fast_accum,
+                                      out_scale=out_scale)
+
+    swapped += _swap_linears(model, [n for n in targets if n not in done], kept, make)
+    return _finish_swap(model, fused, swapped, kept, ffn_gelu, attention_output, residual, cublaslt_gemms,
+                        (cublaslt_autotune, cublaslt_candidates), layernorm,
+                        _output_scales(act_amax, dense_names(swapped), act_margin) if dense_output == "e4m3" else {})
+
+
+def _output_scales(act_amax: Mapping[str, float], names: list, act_margin: float) -> dict:
+    """name -> the static scale of that GEMM's e4m3 output, from its calibrated output amax."""
+    return {n: static_act_scale(float(act_amax[n + OUT]), act_margin) for n in names}
+
+
+def _swap_linears(model, names: list, kept: dict, make) -> list:
+    """Each Linear of ``names`` replaced by ``make(name, linear)``, but those whose shape an FP8 GEMM
+    cannot take (recorded in ``kept`` with why); returns the names swapped."""
+    swapped = []
+    for name in names:
         lin = model.get_submodule(name)
         n, k = lin.weight.shape
         if n % 16 or k % 16:
             kept[name] = f"{k}->{n} not a multiple of 16"
             continue
-        out_scale = None
-        if ffn_hidden_fp8 and gemm_kind(name) == "ffn_in" and _fp8_able(model, _ffn_down(name), targets, done):
-            out_scale = static_act_scale(act_amax[name + OUT], act_margin)
-        _set_submodule(model, name, Fp8Linear_.from_linear(lin, scaling=scaling, act_scale=scale_for([name]),
-                                                           fast_accum=fast_accum, out_scale=out_scale))
+        _set_submodule(model, name, make(name, lin))
         swapped.append(name)
-    return _finish_swap(model, fused, swapped, kept, ffn_gelu, attention_output, residual, cublaslt_gemms,
-                        (cublaslt_autotune, cublaslt_candidates), layernorm)
+    return swapped
 
 
 def _finish_swap(model, fused: list, swapped: list, kept: dict, ffn_gelu: str, attention_output: str, residual: str,
-                 cublaslt_gemms, cublaslt_tuning: tuple[int, int], layernorm: str) -> dict[str, Any]:
+                 cublaslt_gemms, cublaslt_tuning: tuple[int, int], layernorm: str,
+                 dense_scales: Mapping[str, float]) -> dict[str, Any]:
     """What follows the GEMM swaps (the e4m3 paths between them, the cuBLASLt plans, the fused
-    LayerNorms), and swap_to_fp8's account of what was done."""
+    LayerNorms and the e4m3 outputs before them), and swap_to_fp8's account of what was done."""
     attention_fp8_layers, e4m3_output_layers = _attention_outputs(model, fused, swapped, attention_output)
-    return {"swapped": swapped, "fused_qkv": fused, "gemms": len(fused) + len(swapped) - 3 * len(fused),
+    done = {"swapped": swapped, "fused_qkv": fused, "gemms": len(fused) + len(swapped) - 3 * len(fused),
             "kept": kept, "ffn_hidden_fp8": _hidden_fp8(model, swapped, ffn_gelu, fp8_classes()[2]),
             "attention_fp8": attention_fp8_layers, "attention_output_e4m3": e4m3_output_layers,
             "residual_in_gemm": _residual_in_gemm(model, swapped) if residual == "gemm" else [],
             "cublaslt": _plan_cublaslt(model, swapped, fused, cublaslt_gemms, *cublaslt_tuning),
             "fused_layernorms": _fuse_layernorms(model) if layernorm == "triton" else []}
+    done["dense_output_e4m3"] = _dense_outputs_e4m3(model, done["fused_layernorms"], dense_scales)
+    return done
+
+
+def _dense_outputs_e4m3(model, fused_norms: list, scales: Mapping[str, float]) -> list:
+    """The FP8 GEMM before each fused LayerNorm (``...output.LayerNorm`` -> ``...output.dense``)
+    that has a calibrated output scale writes e4m3 at it for that LayerNorm's kernel. A producer
+    left in 16 bits (a kept layer before an FP8 one) stays as it is."""
+    done = []
+    for norm_name in fused_norms:
+        producer = norm_name[: -len("LayerNorm")] + "dense"
+        if producer in scales and isinstance(model.get_submodule(producer), fp8_classes()[0]):
+            model.get_submodule(producer).write_e4m3_for_layernorm(scales[producer])
+            done.append(producer)
+    return done
 
 
 def _check_swap(model, act_amax, scaling: str, gemms, fuse_qkv, ffn_hidden_fp8, ffn_gelu, attention_fp8, residual,
-                cublaslt_gemms, cublaslt_tuning, attention_output, layernorm) -> None:
+                cublaslt_gemms, cublaslt_tuning, attention_output, layernorm, dense_output) -> None:
     """Every combination swap_to_fp8 refuses, named before the model is touched."""
     # the recipe's own rules, as check_fp8 applies them to a suite's options (fp8_rules.py)
     check_recipe(scaling, gemms, fuse_qkv=fuse_qkv, ffn_hidden_fp8=ffn_hidden_fp8, ffn_gelu=ffn_gelu,
                  attention_fp8=attention_fp8, attention_output=attention_output, residual=residual,
                  cublaslt_gemms=cublaslt_gemms, cublaslt_autotune=cublaslt_tuning[0],
-                 cublaslt_candidates=cublaslt_tuning[1], layernorm=layernorm)
+                 cublaslt_candidates=cublaslt_tuning[1], layernorm=layernorm, dense_output=dense_output)
     if scaling != "rowwise" and not act_amax:
         raise ValueError(f"scaling '{scaling}' needs calibrated activation amax values (act_amax)")
-    for on, names, calibrate in ((attention_fp8, qkv_names, "qkv_names"), (ffn_hidden_fp8, ffn_up_names, "ffn_up_names")):
+    for what, on, names in (("attention_fp8", attention_fp8, qkv_names), ("ffn_hidden_fp8", ffn_hidden_fp8, ffn_up_names),
+                            ("dense_output: e4m3", dense_output == "e4m3", dense_names)):
         missing = [n for n in names(target_linears(model, gemms)) if n + OUT not in act_amax] if on else []
         if missing:
-            what = "attention_fp8" if names is qkv_names else "ffn_hidden_fp8"
             raise ValueError(f"{what} needs the calibrated output amax of {missing[0]} "
-                             f"(calibrate_amax(..., outputs={calibrate}(...)))")
+                             f"(calibrate_amax(..., outputs={names.__name__}(...)))")
 
 
 def _attention_outputs(model, fused: list, swapped: list, attention_output: str) -> tuple[list, list]:

@@ -116,9 +116,12 @@ def _add_norm(output, inp, residual):
     """(LayerNorm(dense(inp) + residual), its e4m3 copy or None): one kernel writes both where the
     LayerNorm feeds an FP8 GEMM (fp8_modules.Fp8AddLayerNorm, fp8 option ``layernorm: triton``)."""
     add_norm = getattr(output.LayerNorm, "add_norm", None)
-    if add_norm is not None:
-        return add_norm(output.dense(inp), residual)
-    return output.LayerNorm(_dense_plus(output.dense, inp, residual)), None
+    if add_norm is None:
+        return output.LayerNorm(_dense_plus(output.dense, inp, residual)), None
+    y_scale = getattr(output.dense, "e4m3_out_scale", None)
+    if y_scale is not None:  # the GEMM writes e4m3 for the kernel (fp8 option dense_output: e4m3)
+        return add_norm(output.dense.forward_e4m3(inp), residual, y_scale=y_scale)
+    return add_norm(output.dense(inp), residual)
 
 
 class PackedEncoder(nn.Module):
