@@ -27,7 +27,7 @@ import torch
 def make_adamw(model: torch.nn.Module, lr: float, weight_decay: float, *, fused: bool = False,
                capturable: bool = False) -> torch.optim.AdamW:
     """AdamW with no decay on biases and LayerNorm weights (BERT's original recipe). fused: one
-    kernel for the whole update on CUDA. capturable: state and learning rate on the device, for
+    kernel for the whole update (CUDA), one vectorized pass over each parameter (CPU). capturable: state and learning rate on the device, for
     CUDA-graph capture (the learning rate becomes a float32 device tensor per group)."""
     decay, no_decay = [], []
     for n, p in model.named_parameters():
