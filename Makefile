@@ -20,12 +20,14 @@ help:
 	@echo "make bench-ddp NNODES=1 NPROC=2 SUITE=gpu-bert-base ARGS='--backends eager-fp16' [RDZV_ENDPOINT=host:port when NNODES>1]"
 	@echo "make loadgen SUITE=ci SCENARIO=SingleStream|Server|Offline [ARGS='--find-peak-qps']"
 
-# pip compiles every installed file to bytecode one at a time (74 of 115 s of a fresh install on
-# 2 cores); installed with --no-compile, the same bytecode is compiled by compileall on every core
-# (43 s). Without bytecode each process would compile what it imports again where
-# PYTHONDONTWRITEBYTECODE is set (8 s more a process). A file that does not compile is skipped, as
-# pip skips it.
-SITE = $(shell $(BIN)/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
+# Bytecode is written as modules are first imported, not at install: pip compiles every installed
+# file, one at a time (74 of a fresh install's 115 s on 2 cores, 2026-12-03), where a run imports a
+# fraction of them (transformers' 400 architectures, torch's tests and compilers). Where the
+# environment sets PYTHONDONTWRITEBYTECODE (this project's CI machines do), nothing would ever be
+# cached and every process would compile what it imports again, 8 s more a process: the targets
+# below run without it, so the first import of a module writes its bytecode (.venv's and the
+# repository's __pycache__, which git ignores).
+unexport PYTHONDONTWRITEBYTECODE
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -34,7 +36,6 @@ $(BIN)/python:
 $(VENV)/.installed: $(BIN)/python pyproject.toml constraints.txt
 	$(BIN)/pip install -q --no-compile "$(TORCH_SPEC)"
 	$(BIN)/pip install -q --no-compile -c constraints.txt -e ".[dev]"
-	$(BIN)/python -m compileall -q -j 0 $(SITE) > /dev/null || true
 	touch $@
 
 install: $(VENV)/.installed
