@@ -48,6 +48,11 @@ class ConfigError(BenchError):
     pass
 
 
+class TrainingCollapsedError(BenchError):
+    """A fine-tune whose loss fell and climbed back (training/loss_check.py): refused before the
+    model is saved, with the seed and learning rate to change."""
+
+
 def format_error(e: BaseException) -> str:
     if isinstance(e, BenchError):
         return str(e)

@@ -9,11 +9,11 @@ import pytest
 import torch
 from torch import nn
 
-from bertqa_bench.backends import torch_options
+from bertqa_bench.backends import torch_builder, torch_options
 from bertqa_bench.backends.transforms import fp8_rules
 from bertqa_bench.backends.transforms import fp8_surgery as fp8
 from bertqa_bench.backends.transforms.packed_encoder import pack_model
-from bertqa_bench.errors import ConfigError
+from bertqa_bench.errors import BackendUnavailableError, ConfigError
 from bertqa_bench.kernels import cublaslt_epilogues as ge
 from bertqa_bench.kernels.fp8_math import E4M3_MAX, e4m3_codes_apart, static_act_scale
 from test_fp8 import _epilogue_operands, inputs, needs_cpu_scaled_mm, qa, tiny_bert
@@ -150,8 +150,19 @@ def test_dense_output_options_are_checked_before_any_work():
     with pytest.raises(ConfigError, match="dense_output: e4m3 is read by the add \\+ LayerNorm kernel: it needs "
                                           "layernorm: triton, not inductor"):
         torch_options.Fp8Options(dense_output="e4m3")
-    with pytest.raises(ConfigError, match="needs scaling 'tensor' and attn_out or ffn_out in FP8"):
-        torch_options.Fp8Options(dense_output="e4m3", layernorm="triton", gemms="qkv,ffn_in")
+    # a LayerNorm is fused only where an FP8 GEMM reads it: without an FP8 pair nothing would switch
+    for gemms, fuse in (("qkv,ffn_in", True), ("qkv,attn_out", True), ("qkv,ffn_out", False)):
+        with pytest.raises(ConfigError, match="attn_out with the ffn_in that reads its LayerNorm or ffn_out with "
+                                              "the fused qkv"):
+            torch_options.Fp8Options(dense_output="e4m3", layernorm="triton", gemms=gemms, fuse_qkv=fuse)
+    for gemms in ("attn_out,ffn_in", "qkv,ffn_out"):
+        torch_options.Fp8Options(dense_output="e4m3", layernorm="triton", gemms=gemms)
+    # its GEMMs are planned through nvmath: autotuning them alone is asked for something
+    torch_options.Fp8Options(dense_output="e4m3", layernorm="triton", gemms="all", cublaslt_autotune=5)
+    with pytest.raises(ConfigError, match="cublaslt_gemms: attn_out already runs through cuBLASLt as the "
+                                          "e4m3-output GEMM before the LayerNorm"):
+        torch_options.Fp8Options(dense_output="e4m3", layernorm="triton", gemms="all", cublaslt_gemms="attn_out")
+    torch_options.Fp8Options(dense_output="e4m3", layernorm="triton", gemms="all", cublaslt_gemms="qkv")
     f = torch_options.Fp8Options(dense_output="e4m3", layernorm="triton", gemms="all")
     with pytest.raises(ConfigError, match="fp8.dense_output: e4m3 plans one cuBLASLt GEMM per token count"):
         torch_options.TorchOptions(weights="fp16", packed=True, fp8=f)
@@ -167,6 +178,37 @@ def test_dense_output_options_are_checked_before_any_work():
         fp8.swap_to_fp8(model, amax, gemms="all", layernorm="triton", dense_output="e4m3")
     # refused before the model is touched
     assert all(type(model.get_submodule(n)) is nn.Linear for n in targets)
+    amax = _calibrated(model, inputs())
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="dense_output: e4m3 runs in fp16 .*attention.output.dense is bfloat16"):
+        fp8.swap_to_fp8(bf16, amax, gemms="all", layernorm="triton", dense_output="e4m3")
+    assert all(type(bf16.get_submodule(n)) is nn.Linear for n in targets)
+
+
+@needs_cpu_scaled_mm
+def test_dense_output_e4m3_that_switches_no_gemm_is_refused():
+    """The options check asks for an FP8 GEMM pair, but keep_layers can still leave none: with every
+    layer kept in 16 bits no FP8 GEMM feeds a fused LayerNorm, and a row asking for e4m3 outputs
+    would time the base row under another name."""
+    model = qa(tiny_bert(hidden=64))
+    amax = _calibrated(model, inputs())
+    with pytest.raises(ValueError, match="dense_output: e4m3 switched no GEMM"):
+        fp8.swap_to_fp8(model, amax, gemms="all", layernorm="triton", dense_output="e4m3", keep_layers=[0, 1])
+
+
+def test_a_gpu_whose_bias_epilogue_writes_nan_refuses_dense_output_e4m3(monkeypatch):
+    """check_e4m3_epilogues asks the probe about each e4m3 epilogue the recipe uses: a BIAS
+    epilogue that writes NaN past the range refuses dense_output: e4m3 (and names the way out),
+    while the GELU epilogue's answer is asked only for ffn_gelu: epilogue."""
+    asked = []
+    monkeypatch.setattr(ge, "epilogue_saturates", lambda device, epilog: asked.append(epilog) or epilog != "BIAS")
+    f = torch_options.Fp8Options(dense_output="e4m3", layernorm="triton", gemms="all")
+    with pytest.raises(BackendUnavailableError, match="BIAS epilogue on this GPU writes NaN.*dense_output: fp16"):
+        torch_builder.check_e4m3_epilogues("row", f, "cuda")
+    assert asked == ["BIAS"]
+    torch_builder.check_e4m3_epilogues("row", torch_options.Fp8Options(layernorm="triton", gemms="all"), "cuda")
+    torch_builder.check_e4m3_epilogues("row", f, "cpu")  # no cuBLASLt on the CPU: nothing to ask
+    assert asked == ["BIAS"]
 
 
 @pytest.mark.gpu

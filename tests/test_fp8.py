@@ -2038,7 +2038,8 @@ def test_host_bucket_lengths_equal_the_devices():
                                                   "torch-compile-fp8-graph-packed+fp8-attention",
                                                   "torch-compile-fp8-graph-packed+fp8-attention-pv16",
                                                   "torch-compile-fp8-graph-packed+fused-layernorm",
-                                                  "torch-compile-fp8-graph-packed+fp8-attention-pv16-fused-layernorm"))
+                                                  "torch-compile-fp8-graph-packed+fp8-attention-pv16-fused-layernorm",
+                                                  "torch-compile-fp8-graph-packed+fp8-attention-pv16-fused-layernorm-e4m3-dense"))
 def test_fp8_attention_and_packing_variants_track_fp32_on_gpu(tmp_path, name):
     reason = TABLE.get(name).unavailable_reason()
     if reason:
@@ -2077,6 +2078,9 @@ def test_fp8_attention_and_packing_variants_track_fp32_on_gpu(tmp_path, name):
     if opts.fp8 is not None and opts.fp8.layernorm == "triton":  # both LayerNorms of each layer, the Triton op
         assert re.match(r"one pass writing the residual and its e4m3 copy before [1-9]\d* FP8 GEMMs: Triton kernel",
                         info["fp8_layernorm"]), info["fp8_layernorm"]
+    if opts.fp8 is not None and opts.fp8.dense_output == "e4m3":  # every layer's but the last FFN-down's
+        assert re.match(r"e4m3 at a calibrated scale for the LayerNorm kernel, [1-9]\d* GEMMs",
+                        info["fp8_dense_output"]), info["fp8_dense_output"]
     if opts.fp8 is not None and opts.fp8.attention == "fp8":
         assert info["fp8_attention"].startswith("e4m3 Q, K, V")
         if opts.packed_attention == "triton":  # the Triton kernel on the QKV GEMM's e4m3 output

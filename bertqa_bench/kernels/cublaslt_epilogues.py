@@ -305,6 +305,9 @@ def fp8_gemm_bias_e4m3(x8: torch.Tensor, w8: torch.Tensor, bias: torch.Tensor, w
     BIAS epilogue with an e4m3 result on CUDA (the bias in fp16, ``bias_for_epilogue``), the formula
     in torch elsewhere. Arguments as ``fp8_gemm_gelu``'s."""
     if x8.is_cuda:
+        if bias.dtype != BIAS_DTYPE:
+            raise ValueError(f"the e4m3-output GEMM through nvmath takes its bias in C's type, fp16, not {bias.dtype} "
+                             "(bias_for_epilogue converts it)")
         m, x8 = _padded_to_multiple(x8.contiguous())
         return _matmul(x8, w8, bias, w_scale, x_scale, out_inv_scale, fast_accum, autotune, candidates, "BIAS")[:m]
     return fp8_gemm_bias_e4m3_reference(x8, w8, bias, w_scale, x_scale, out_inv_scale)

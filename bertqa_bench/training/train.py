@@ -27,6 +27,7 @@ from ..backends.variants import VariantTable
 from ..config import METRICS_FILE, SuiteConfig
 from ..data.evalset import load_evalset
 from ..envinfo import device_name
+from ..errors import TrainingCollapsedError
 from ..io import atomic_dir, atomic_write_json
 from ..measuring.launcher import SAFE_ENV
 from ..measuring.measure import UtilizationSampler
@@ -36,6 +37,7 @@ from ..model.modeling import build_model, load_tokenizer
 from ..record.schedule import make_plan, mask_padding
 from ..tasks import Task, get_task
 from .instrument import GcWatch, Prefetcher, StepProfiler, compiled_graphs, profile_window
+from .loss_check import collapse
 from .loss_readback import DeferredLoss
 from .optimizer_step import make_adamw, optimizer_step
 from .prepared_mask import PreparedMask, has_padding
@@ -106,10 +108,24 @@ def _train(cfg: SuiteConfig, *, log: Callable[[str], None], mlrun, evaluate: boo
     pre = _before_the_clock(tc, model, loss_fn, plan, amp_dtype, device, compiled_blocks, n_buckets, rank, log)
     step = _step_machinery(tc, model, pre, amp_dtype, device, world, local_rank, n_buckets, plan.total_steps)
     loop = _timed_loop(cfg, step, plan, pre, loss_fn, amp_dtype, device, world, rank, mlrun, log)
+    _refuse_collapse(tc, loop["losses"], loop["log_every"])
     metrics = _metrics(cfg, trainset, featurize_s, plan, pre, step, loop, device, world, compiled_blocks, init_info,
                        command)
     _save(cfg, task, model, metrics, device, world, rank, evaluate, mlrun, t_all, log)
     return metrics
+
+
+def _refuse_collapse(tc, losses: list, every: int) -> None:
+    """TrainingCollapsedError, before anything is saved, where the loss fell and climbed back
+    (loss_check.py): a bench on that model would judge every row against answers that mean nothing."""
+    c = collapse(losses)
+    if c is None:
+        return
+    raise TrainingCollapsedError(
+        f"train: the fine-tune collapsed: its loss fell from {c.first:.2f} to {c.best:.2f} (around step "
+        f"{(c.best_point + 1) * every}) and climbed back to {c.final:.2f} by the end; a model like this answers "
+        f"almost nothing, so nothing was saved. Train again with another seed (--set train.seed=N; this run: "
+        f"{tc.seed}) or a lower learning rate (--set train.learning_rate=X; this run: {tc.learning_rate:g})")
 
 
 def _init_process(tc) -> tuple[int, int, int, torch.device]:
@@ -372,7 +388,8 @@ def _timed_loop(cfg, step: dict, plan: BatchPlan, pre: dict, loss_fn, amp_dtype,
     graph_info = {**graphed.info(), "graphed_micro_steps": graphed.replays} if graphed else {}
     if graphed is not None:
         graphed.uninstall()  # the graphs' memory goes before evaluation; the weights stay
-    return {"train_s": train_s, "seen": seen, "tokens": tokens, "losses": losses, "epoch_ends": epoch_ends,
+    return {"train_s": train_s, "seen": seen, "tokens": tokens, "losses": losses, "log_every": log_every,
+            "epoch_ends": epoch_ends,
             "compiled_in_loop": compiled_graphs() - graphs_before, "graph_info": graph_info, "gc_stats": gc_stats,
             "util": sampler.stop() if sampler is not None else {}, "profiled": _write_profile(cfg, prof, log)}
 

@@ -139,7 +139,8 @@ class Fp8Linear(nn.Module):
         at that scale), through cuBLASLt's BIAS epilogue planned by nvmath-python. ``forward``
         stays the 16-bit GEMM: the padded model, which adds its residual itself, still calls it."""
         self._check_16bit_gemm("an e4m3 output for the LayerNorm kernel")
-        # fp16 whatever the model computes in: cuBLASLt takes an e4m3 result's bias in C's type, fp16
+        # fp16: cuBLASLt takes an e4m3 result's bias in C's type, which nvmath declares fp16 (a bf16
+        # model is refused just above, and by swap_to_fp8 before it swaps anything)
         self.register_buffer("e4m3_out_bias", bias_for_epilogue(self.bias, self.out_features, self.weight_fp8.device))
         self._gemm_bias_e4m3 = gemm_bias_e4m3_fp8
         self.e4m3_out_scale = float(out_scale)

@@ -133,8 +133,10 @@ def check_layernorm(scaling: str, gemms, layernorm: str, residual: str) -> None:
                          f"{','.join(parse_gemms(gemms))}")
 
 
-def check_dense_output(scaling: str, gemms, dense_output: str, layernorm: str) -> None:
-    """ValueError unless the e4m3 output of the GEMMs before a LayerNorm fits the rest."""
+def check_dense_output(scaling: str, gemms, dense_output: str, layernorm: str, fuse_qkv: bool = True) -> None:
+    """ValueError unless the e4m3 output of the GEMMs before a LayerNorm fits the rest, and
+    switches something: a LayerNorm is fused only where an FP8 GEMM reads it (the attention's
+    feeds the FFN-up, the FFN's the next layer's fused QKV), so some GEMM pair must be FP8."""
     if dense_output not in DENSE_OUTPUTS:
         raise ValueError(f"dense_output '{dense_output}' is not one of {', '.join(DENSE_OUTPUTS)}")
     if dense_output != "e4m3":
@@ -142,14 +144,18 @@ def check_dense_output(scaling: str, gemms, dense_output: str, layernorm: str) -
     if layernorm != "triton":
         raise ValueError("dense_output: e4m3 is read by the add + LayerNorm kernel: it needs layernorm: triton, "
                          f"not {layernorm}")
-    if scaling != "tensor" or not set(RESIDUAL_GEMMS) & set(parse_gemms(gemms)):
-        raise ValueError("dense_output: e4m3 writes at a static per-tensor output scale: it needs scaling 'tensor' "
-                         f"and attn_out or ffn_out in FP8, not scaling '{scaling}' with gemms "
-                         f"{','.join(parse_gemms(gemms))}")
+    kinds = set(parse_gemms(gemms))
+    pairs = {"attn_out", "ffn_in"} <= kinds or (fuse_qkv and {"ffn_out", "qkv"} <= kinds)
+    if scaling != "tensor" or not pairs:
+        raise ValueError("dense_output: e4m3 writes at a static per-tensor output scale for a fused LayerNorm: it "
+                         "needs scaling 'tensor' and, in FP8, attn_out with the ffn_in that reads its LayerNorm or "
+                         f"ffn_out with the fused qkv that reads its; not scaling '{scaling}' with gemms "
+                         f"{','.join(sorted(kinds))}" + ("" if fuse_qkv else " and fuse_qkv false"))
 
 
 def check_cublaslt(scaling: str, gemms, cublaslt_gemms, autotune: int, *, ffn_hidden_fp8: bool = False,
-                   ffn_gelu: str = "exact", attention_fp8: bool = False, residual: str = "layernorm") -> None:
+                   ffn_gelu: str = "exact", attention_fp8: bool = False, residual: str = "layernorm",
+                   dense_output: str = "fp16") -> None:
     """ValueError unless the GEMMs planned through nvmath-python (``cublaslt_gemms``) and their
     autotuning fit the rest: FP8 GEMMs with per-tensor scales and a 16-bit output, and something
     planned there when ``autotune`` > 0."""
@@ -170,16 +176,17 @@ def check_cublaslt(scaling: str, gemms, cublaslt_gemms, autotune: int, *, ffn_hi
     if clash:
         raise ValueError(f"cublaslt_gemms: {','.join(clash)} writes e4m3 here (ffn_hidden_fp8 / attention: fp8); "
                          "only GEMMs with a 16-bit output run as a planned cuBLASLt GEMM")
-    if residual == "gemm":
-        taken = [k for k in kinds if k in RESIDUAL_GEMMS]
+    for on, what in ((residual == "gemm", "the residual GEMM (residual: gemm)"),
+                     (dense_output == "e4m3", "the e4m3-output GEMM before the LayerNorm (dense_output: e4m3)")):
+        taken = [k for k in kinds if k in RESIDUAL_GEMMS] if on else []
         if taken:
-            raise ValueError(f"cublaslt_gemms: {','.join(taken)} already runs through cuBLASLt as the residual GEMM "
-                             "(residual: gemm); name only the others (qkv)")
+            raise ValueError(f"cublaslt_gemms: {','.join(taken)} already runs through cuBLASLt as {what}; name only "
+                             "the others (qkv)")
     if isinstance(autotune, bool) or not isinstance(autotune, int) or autotune < 0:
         raise ValueError(f"cublaslt_autotune must be an integer >= 0 (0: the heuristic's choice), not {autotune!r}")
-    if autotune > 0 and not (kinds or ffn_gelu == "epilogue" or residual == "gemm"):
+    if autotune > 0 and not (kinds or ffn_gelu == "epilogue" or residual == "gemm" or dense_output == "e4m3"):
         raise ValueError("cublaslt_autotune tunes the GEMMs planned through nvmath-python, and none is: name some in "
-                         "cublaslt_gemms, or use ffn_gelu: epilogue or residual: gemm")
+                         "cublaslt_gemms, or use ffn_gelu: epilogue, residual: gemm or dense_output: e4m3")
 
 
 
@@ -214,9 +221,9 @@ def check_recipe(scaling: str, gemms, *, fuse_qkv: bool = True, ffn_hidden_fp8: 
     check_attention_output(scaling, gemms, fuse_qkv, attention_output, attention_fp8)
     check_residual(scaling, gemms, residual)
     check_layernorm(scaling, gemms, layernorm, residual)
-    check_dense_output(scaling, gemms, dense_output, layernorm)
+    check_dense_output(scaling, gemms, dense_output, layernorm, fuse_qkv)
     check_cublaslt(scaling, gemms, cublaslt_gemms, cublaslt_autotune, ffn_hidden_fp8=ffn_hidden_fp8,
-                   ffn_gelu=ffn_gelu, attention_fp8=attention_fp8, residual=residual)
+                   ffn_gelu=ffn_gelu, attention_fp8=attention_fp8, residual=residual, dense_output=dense_output)
     check_candidates(cublaslt_autotune, cublaslt_candidates)
 
 

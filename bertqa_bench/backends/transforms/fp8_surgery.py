@@ -251,7 +251,7 @@ def swap_to_fp8(model, act_amax: Optional[Mapping[str, float]] = None, *, scalin
     swapped += _swap_linears(model, [n for n in targets if n not in done], kept, make)
     return _finish_swap(model, fused, swapped, kept, ffn_gelu, attention_output, residual, cublaslt_gemms,
                         (cublaslt_autotune, cublaslt_candidates), layernorm,
-                        _output_scales(act_amax, dense_names(swapped), act_margin) if dense_output == "e4m3" else {})
+                        _output_scales(act_amax, dense_names(swapped), act_margin) if dense_output == "e4m3" else None)
 
 
 def _output_scales(act_amax: Mapping[str, float], names: list, act_margin: float) -> dict:
@@ -276,9 +276,10 @@ def _swap_linears(model, names: list, kept: dict, make) -> list:
 
 def _finish_swap(model, fused: list, swapped: list, kept: dict, ffn_gelu: str, attention_output: str, residual: str,
                  cublaslt_gemms, cublaslt_tuning: tuple[int, int], layernorm: str,
-                 dense_scales: Mapping[str, float]) -> dict[str, Any]:
+                 dense_scales: Optional[Mapping[str, float]]) -> dict[str, Any]:
     """What follows the GEMM swaps (the e4m3 paths between them, the cuBLASLt plans, the fused
-    LayerNorms and the e4m3 outputs before them), and swap_to_fp8's account of what was done."""
+    LayerNorms and the e4m3 outputs before them), and swap_to_fp8's account of what was done.
+    ``dense_scales`` None: dense_output fp16; a dict: e4m3, which must switch some GEMM."""
     attention_fp8_layers, e4m3_output_layers = _attention_outputs(model, fused, swapped, attention_output)
     done = {"swapped": swapped, "fused_qkv": fused, "gemms": len(fused) + len(swapped) - 3 * len(fused),
             "kept": kept, "ffn_hidden_fp8": _hidden_fp8(model, swapped, ffn_gelu, fp8_classes()[2]),
@@ -286,7 +287,12 @@ def _finish_swap(model, fused: list, swapped: list, kept: dict, ffn_gelu: str, a
             "residual_in_gemm": _residual_in_gemm(model, swapped) if residual == "gemm" else [],
             "cublaslt": _plan_cublaslt(model, swapped, fused, cublaslt_gemms, *cublaslt_tuning),
             "fused_layernorms": _fuse_layernorms(model) if layernorm == "triton" else []}
-    done["dense_output_e4m3"] = _dense_outputs_e4m3(model, done["fused_layernorms"], dense_scales)
+    done["dense_output_e4m3"] = _dense_outputs_e4m3(model, done["fused_layernorms"], dense_scales or {})
+    if dense_scales is not None and not done["dense_output_e4m3"]:
+        # the recipe's check asks for an FP8 GEMM pair; here every such pair was kept in 16 bits
+        # (keep_layers, shapes): a row named e4m3-dense that switched nothing would time the base row
+        raise ValueError("dense_output: e4m3 switched no GEMM: no FP8 attention-output or FFN-down GEMM feeds a "
+                         f"fused LayerNorm here (kept: {', '.join(sorted(kept)) or 'none'})")
     return done
 
 
@@ -313,12 +319,28 @@ def _check_swap(model, act_amax, scaling: str, gemms, fuse_qkv, ffn_hidden_fp8, 
                  cublaslt_candidates=cublaslt_tuning[1], layernorm=layernorm, dense_output=dense_output)
     if scaling != "rowwise" and not act_amax:
         raise ValueError(f"scaling '{scaling}' needs calibrated activation amax values (act_amax)")
+    if dense_output == "e4m3":
+        _check_fp16_dense(model, gemms)
     for what, on, names in (("attention_fp8", attention_fp8, qkv_names), ("ffn_hidden_fp8", ffn_hidden_fp8, ffn_up_names),
                             ("dense_output: e4m3", dense_output == "e4m3", dense_names)):
         missing = [n for n in names(target_linears(model, gemms)) if n + OUT not in act_amax] if on else []
         if missing:
             raise ValueError(f"{what} needs the calibrated output amax of {missing[0]} "
                              f"(calibrate_amax(..., outputs={names.__name__}(...)))")
+
+
+def _check_fp16_dense(model, gemms) -> None:
+    """dense_output: e4m3 runs cuBLASLt's e4m3-output kernels, which take the bias in C's type,
+    fp16, where a bf16 model's residual stream would meet it: refuse a bf16 model before it is
+    touched (Fp8Linear.write_e4m3_for_layernorm refuses it too, but only after the swap). An fp32
+    model is the CPU's formula path, as the other FP8 GEMMs' are."""
+    import torch  # the caller swaps modules of a torch model: torch is loaded
+
+    bf16 = [n for n in dense_names(target_linears(model, gemms))
+            if model.get_submodule(n).weight.dtype == torch.bfloat16]
+    if bf16:
+        raise ValueError("dense_output: e4m3 runs in fp16 (cuBLASLt's e4m3-output kernels take the bias in fp16): "
+                         f"{bf16[0]} is bfloat16; convert the model with .half() first")
 
 
 def _attention_outputs(model, fused: list, swapped: list, attention_output: str) -> tuple[list, list]:
