@@ -272,6 +272,10 @@ class TrainConfig:
     # a top-kernels table, the step time and the GPU idle fraction under
     # results/profiles/<time>-train-<model> (`bertqa-bench train --profile-steps N`). 0: off.
     profile_steps: int = 0
+    # Refuse a fine-tune whose loss fell and climbed back (training/loss_check.py) before it is
+    # saved. false: save it anyway, with the collapse recorded (train_collapsed), for a session
+    # that wants the rows' timing on it; its accuracy columns then judge nothing.
+    refuse_collapse: bool = True
 
     def __post_init__(self):
         if self.mixed_precision is False:  # YAML reads a bare `no` as false

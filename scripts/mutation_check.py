@@ -612,7 +612,8 @@ MUTANTS = [
       "keep_layers leaves no FP8 GEMM pair, and the e4m3-dense row times the base row under its name"),
     # --- a fine-tune whose loss fell and climbed back (training/loss_check.py)
     M("training-collapse-saved", "bertqa_bench/training/train.py",
-      '    _refuse_collapse(tc, loop["losses"], loop["log_every"])\n', "",
+      '    collapsed = _refuse_collapse(tc, loop["losses"], every, world, device, log)\n',
+      "    collapsed = None\n",
       ("tests/test_loss_check.py", "-k", "refused_before"),
       "a collapsed fine-tune (dev F1 4) is saved, and the bench judges every row against it"),
     # --- a content-keyed cache entry finished by another process between our check and our rename

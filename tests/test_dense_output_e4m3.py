@@ -162,6 +162,8 @@ def test_dense_output_options_are_checked_before_any_work():
     with pytest.raises(ConfigError, match="cublaslt_gemms: attn_out already runs through cuBLASLt as the "
                                           "e4m3-output GEMM before the LayerNorm"):
         torch_options.Fp8Options(dense_output="e4m3", layernorm="triton", gemms="all", cublaslt_gemms="attn_out")
+    with pytest.raises(ConfigError, match="name only the others \\(qkv, ffn_in\\)"):
+        torch_options.Fp8Options(dense_output="e4m3", layernorm="triton", gemms="all", cublaslt_gemms="ffn_out,qkv")
     torch_options.Fp8Options(dense_output="e4m3", layernorm="triton", gemms="all", cublaslt_gemms="qkv")
     f = torch_options.Fp8Options(dense_output="e4m3", layernorm="triton", gemms="all")
     with pytest.raises(ConfigError, match="fp8.dense_output: e4m3 plans one cuBLASLt GEMM per token count"):
@@ -187,13 +189,20 @@ def test_dense_output_options_are_checked_before_any_work():
 
 @needs_cpu_scaled_mm
 def test_dense_output_e4m3_that_switches_no_gemm_is_refused():
-    """The options check asks for an FP8 GEMM pair, but keep_layers can still leave none: with every
-    layer kept in 16 bits no FP8 GEMM feeds a fused LayerNorm, and a row asking for e4m3 outputs
-    would time the base row under another name."""
+    """The options check asks for an FP8 GEMM pair, but a model can still leave none: every layer
+    kept in 16 bits is refused before the model is touched; shapes no FP8 GEMM takes (a width of 40,
+    not a multiple of 16) are found after the swap. Either way a row named e4m3-dense would time the
+    base row under another name."""
     model = qa(tiny_bert(hidden=64))
     amax = _calibrated(model, inputs())
-    with pytest.raises(ValueError, match="dense_output: e4m3 switched no GEMM"):
-        fp8.swap_to_fp8(model, amax, gemms="all", layernorm="triton", dense_output="e4m3", keep_layers=[0, 1])
+    targets = fp8.target_linears(model, fp8_rules.GEMM_KINDS)
+    with pytest.raises(ValueError, match="dense_output: e4m3 would switch no GEMM: keep_layers keeps every layer"):
+        fp8.swap_to_fp8(model, amax, gemms="all", layernorm="triton", dense_output="e4m3", keep_layers=iter([0, 1]))
+    assert all(type(model.get_submodule(n)) is nn.Linear for n in targets)
+    odd = qa(tiny_bert(hidden=40))
+    amax = _calibrated(odd, inputs())
+    with pytest.raises(ValueError, match="dense_output: e4m3 switched no GEMM: .*not a multiple of 16"):
+        fp8.swap_to_fp8(odd, amax, gemms="all", layernorm="triton", dense_output="e4m3")
 
 
 def test_a_gpu_whose_bias_epilogue_writes_nan_refuses_dense_output_e4m3(monkeypatch):

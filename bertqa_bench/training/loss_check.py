@@ -7,8 +7,9 @@ was back at 5.95 by step 504 (a uniform guess over 384 positions scores ln 384 =
 5.3; dev F1 4.2. The bench then judged every row against a model that answers nothing, and reported
 every FP8 row as failing parity. A collapsed model is refused where it is made, before it is saved.
 
-The test is on the run's own losses, with no task's chance level in it: the best smoothed loss, the
-loss at the end (the mean of the last points, as ``final_loss``) and the first logged one.
+The test is on the run's own losses, with no task's chance level in it: the best rolling mean, the
+loss at the end (the mean of the last points, as ``final_loss``) and the loss at the start (the mean
+of the first points). A run that never learned (flat from the start) is not a collapse here.
 """
 from __future__ import annotations
 
@@ -16,19 +17,19 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 # Points per rolling mean: the logged losses are single batches', noisy, so the best is taken
-# over means of 5 and the end is the mean of the last 5
+# over means of 5, and the start and the end are the means of the first and last 5
 SMOOTH = 5
 # A healthy fine-tune ends near its best smoothed loss (a linear decay to 0 leaves it no room to
 # climb far); the collapsed one ended 10x above it (0.45 -> 5.3). 4x sits between them.
 CLIMB = 4.0
-# ... and back above half its first loss: a run whose losses are all small (0.01 -> 0.05 late in
-# training) moves by a large ratio and a tiny amount, and is not a collapse
+# ... and back above half its starting loss: a run whose losses are all small (0.01 -> 0.05 late
+# in training) moves by a large ratio and a tiny amount, and is not a collapse
 BACK = 0.5
 
 
 @dataclass(frozen=True)
 class Collapse:
-    first: float
+    first: float  # the mean of the first SMOOTH points
     best: float
     best_point: int  # index of the last point of the best rolling mean
     final: float
@@ -42,7 +43,7 @@ def collapse(losses: Sequence[float]) -> Optional[Collapse]:
         return None
     means = [sum(values[i - SMOOTH:i]) / SMOOTH for i in range(SMOOTH, len(values) + 1)]
     best_i = min(range(len(means)), key=means.__getitem__)
-    first, best, final = values[0], means[best_i], means[-1]
+    first, best, final = means[0], means[best_i], means[-1]
     if final >= CLIMB * best and final >= BACK * first:
         return Collapse(first=first, best=best, best_point=best_i + SMOOTH - 1, final=final)
     return None

@@ -30,7 +30,8 @@ _EVAL_ONLY = {"dev_file", "max_eval_examples", "target_eval_features", "n_dev_co
 # only watches.
 _HOW_FAST = {"num_threads", "compile", "compile_scope", "graph_layers", "compile_warmup", "grad_accum", "seq_bucket",
              "ddp_bucket_cap_mb", "ddp_static_graph", "ddp_gradient_as_bucket_view", "ddp_comm_hook",
-             "graph_optimizer_step", "manual_gc", "no_host_sync", "profile_steps"}
+             "graph_optimizer_step", "manual_gc", "no_host_sync", "profile_steps",
+             "refuse_collapse"}  # the last: what is done with weights made, not how they are made
 
 
 def recipe_fields(cfg: SuiteConfig) -> dict:

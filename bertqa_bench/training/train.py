@@ -16,7 +16,7 @@ import os
 import random
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -108,24 +108,47 @@ def _train(cfg: SuiteConfig, *, log: Callable[[str], None], mlrun, evaluate: boo
     pre = _before_the_clock(tc, model, loss_fn, plan, amp_dtype, device, compiled_blocks, n_buckets, rank, log)
     step = _step_machinery(tc, model, pre, amp_dtype, device, world, local_rank, n_buckets, plan.total_steps)
     loop = _timed_loop(cfg, step, plan, pre, loss_fn, amp_dtype, device, world, rank, mlrun, log)
-    _refuse_collapse(tc, loop["losses"], loop["log_every"])
+    every = loss_log_every(plan.total_steps)
+    collapsed = _refuse_collapse(tc, loop["losses"], every, world, device, log)
     metrics = _metrics(cfg, trainset, featurize_s, plan, pre, step, loop, device, world, compiled_blocks, init_info,
                        command)
+    # the logged losses as the collapse check saw them, so its rule can be checked on real curves
+    metrics |= {"train_losses": [round(v, 4) for v in loop["losses"]], "train_loss_every": every,
+                "train_collapsed": collapsed}
     _save(cfg, task, model, metrics, device, world, rank, evaluate, mlrun, t_all, log)
     return metrics
 
 
-def _refuse_collapse(tc, losses: list, every: int) -> None:
+def loss_log_every(total_steps: int) -> int:
+    """Steps between two logged losses: ~200 points a run, whatever its length."""
+    return max(1, total_steps // 200)
+
+
+def _refuse_collapse(tc, losses: list, every: int, world: int, device, log) -> Optional[str]:
     """TrainingCollapsedError, before anything is saved, where the loss fell and climbed back
-    (loss_check.py): a bench on that model would judge every row against answers that mean nothing."""
+    (loss_check.py): a bench on that model would judge every row against answers that mean nothing.
+    Every process decides alike (a collapse seen by one is one for all: none waits at the save's
+    barrier for one that raised). With train.refuse_collapse false: the collapse as a note, saved."""
     c = collapse(losses)
-    if c is None:
-        return
+    seen = c is not None
+    if world > 1:
+        flag = torch.tensor([int(seen)], device=device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        seen = bool(flag.item())
+    if not seen:
+        return None
+    what = ("the loss collapsed in another process" if c is None else
+            f"its loss fell from {c.first:.2f} to {c.best:.2f} (around step {(c.best_point + 1) * every}) and "
+            f"climbed back to {c.final:.2f} by the end")
+    if not tc.refuse_collapse:
+        log(f"train: WARNING: the fine-tune collapsed ({what}); saved anyway (train.refuse_collapse: false): "
+            "accuracy on this model judges nothing")
+        return what
     raise TrainingCollapsedError(
-        f"train: the fine-tune collapsed: its loss fell from {c.first:.2f} to {c.best:.2f} (around step "
-        f"{(c.best_point + 1) * every}) and climbed back to {c.final:.2f} by the end; a model like this answers "
-        f"almost nothing, so nothing was saved. Train again with another seed (--set train.seed=N; this run: "
-        f"{tc.seed}) or a lower learning rate (--set train.learning_rate=X; this run: {tc.learning_rate:g})")
+        f"train: the fine-tune collapsed: {what}; a model like this answers almost nothing, so nothing was "
+        f"saved. Train again with another seed (--set train.seed=N; this run: {tc.seed}) or a lower learning "
+        f"rate (--set train.learning_rate=X; this run: {tc.learning_rate:g}); --set train.refuse_collapse=false "
+        "saves it for timing only")
 
 
 def _init_process(tc) -> tuple[int, int, int, torch.device]:
@@ -315,7 +338,7 @@ def _timed_loop(cfg, step: dict, plan: BatchPlan, pre: dict, loss_fn, amp_dtype,
                 log) -> dict:
     """The timed loop over every global batch; returns what it measured."""
     tc, total_steps = cfg.train, plan.total_steps
-    log_every = max(1, total_steps // 200)
+    log_every = loss_log_every(total_steps)
     n_step, seen, tokens, losses, epoch_ends = 0, 0, 0, [], []
     if mlrun is not None:
         mlrun.plan(total_steps, {"world_size": world, "device": str(device), "global_batch": tc.batch_size})
@@ -388,8 +411,7 @@ def _timed_loop(cfg, step: dict, plan: BatchPlan, pre: dict, loss_fn, amp_dtype,
     graph_info = {**graphed.info(), "graphed_micro_steps": graphed.replays} if graphed else {}
     if graphed is not None:
         graphed.uninstall()  # the graphs' memory goes before evaluation; the weights stay
-    return {"train_s": train_s, "seen": seen, "tokens": tokens, "losses": losses, "log_every": log_every,
-            "epoch_ends": epoch_ends,
+    return {"train_s": train_s, "seen": seen, "tokens": tokens, "losses": losses, "epoch_ends": epoch_ends,
             "compiled_in_loop": compiled_graphs() - graphs_before, "graph_info": graph_info, "gc_stats": gc_stats,
             "util": sampler.stop() if sampler is not None else {}, "profiled": _write_profile(cfg, prof, log)}
 

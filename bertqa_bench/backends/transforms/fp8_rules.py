@@ -176,12 +176,15 @@ def check_cublaslt(scaling: str, gemms, cublaslt_gemms, autotune: int, *, ffn_hi
     if clash:
         raise ValueError(f"cublaslt_gemms: {','.join(clash)} writes e4m3 here (ffn_hidden_fp8 / attention: fp8); "
                          "only GEMMs with a 16-bit output run as a planned cuBLASLt GEMM")
-    for on, what in ((residual == "gemm", "the residual GEMM (residual: gemm)"),
-                     (dense_output == "e4m3", "the e4m3-output GEMM before the LayerNorm (dense_output: e4m3)")):
+    # the whole kind is refused, also where one of its GEMMs keeps a 16-bit output (the last
+    # layer's FFN-down, whose LayerNorm the QA head reads): one kind, one path
+    for on, what, others in ((residual == "gemm", "the residual GEMM (residual: gemm)", "qkv"),
+                             (dense_output == "e4m3", "the e4m3-output GEMM before the LayerNorm (dense_output: "
+                              "e4m3)", "qkv, ffn_in")):
         taken = [k for k in kinds if k in RESIDUAL_GEMMS] if on else []
         if taken:
             raise ValueError(f"cublaslt_gemms: {','.join(taken)} already runs through cuBLASLt as {what}; name only "
-                             "the others (qkv)")
+                             f"the others ({others})")
     if isinstance(autotune, bool) or not isinstance(autotune, int) or autotune < 0:
         raise ValueError(f"cublaslt_autotune must be an integer >= 0 (0: the heuristic's choice), not {autotune!r}")
     if autotune > 0 and not (kinds or ffn_gelu == "epilogue" or residual == "gemm" or dense_output == "e4m3"):

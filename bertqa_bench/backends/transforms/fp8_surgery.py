@@ -207,9 +207,10 @@ def swap_to_fp8(model, act_amax: Optional[Mapping[str, float]] = None, *, scalin
     encoder layer indices left in 16 bits. Returns what was done: ``swapped``
     (Linear names now in FP8), ``fused_qkv`` (attention modules with one fused-QKV FP8 GEMM),
     ``gemms`` (FP8 GEMMs per forward), ``kept`` (targeted Linears left alone, with why)."""
+    keep, targets = {int(i) for i in keep_layers}, target_linears(model, parse_gemms(gemms))
     _check_swap(model, act_amax, scaling, parse_gemms(gemms), fuse_qkv, ffn_hidden_fp8, ffn_gelu, attention_fp8,
                 residual, cublaslt_gemms, (cublaslt_autotune, cublaslt_candidates), attention_output, layernorm,
-                dense_output)
+                dense_output, keep)
     gemms = parse_gemms(gemms)
     Fp8Linear_, Fp8SelfAttention_ = fp8_classes()[:2]
     static = scaling != "rowwise"
@@ -219,7 +220,6 @@ def swap_to_fp8(model, act_amax: Optional[Mapping[str, float]] = None, *, scalin
             return None
         return static_act_scale(max(float(act_amax[n]) for n in names), act_margin)
 
-    keep, targets = {int(i) for i in keep_layers}, target_linears(model, gemms)
     kept = {name: f"layer {layer_index(name)} kept in 16 bits (keep_layers)" for name in targets
             if layer_index(name) in keep}
     done: set[str] = set(kept)
@@ -291,8 +291,9 @@ def _finish_swap(model, fused: list, swapped: list, kept: dict, ffn_gelu: str, a
     if dense_scales is not None and not done["dense_output_e4m3"]:
         # the recipe's check asks for an FP8 GEMM pair; here every such pair was kept in 16 bits
         # (keep_layers, shapes): a row named e4m3-dense that switched nothing would time the base row
+        shown = [f"{n} ({kept[n]})" for n in sorted(kept)[:2]] + ([f"{len(kept) - 2} more"] if len(kept) > 2 else [])
         raise ValueError("dense_output: e4m3 switched no GEMM: no FP8 attention-output or FFN-down GEMM feeds a "
-                         f"fused LayerNorm here (kept: {', '.join(sorted(kept)) or 'none'})")
+                         f"fused LayerNorm here (kept: {', '.join(shown) or 'none'})")
     return done
 
 
@@ -310,7 +311,7 @@ def _dense_outputs_e4m3(model, fused_norms: list, scales: Mapping[str, float]) -
 
 
 def _check_swap(model, act_amax, scaling: str, gemms, fuse_qkv, ffn_hidden_fp8, ffn_gelu, attention_fp8, residual,
-                cublaslt_gemms, cublaslt_tuning, attention_output, layernorm, dense_output) -> None:
+                cublaslt_gemms, cublaslt_tuning, attention_output, layernorm, dense_output, keep_layers=()) -> None:
     """Every combination swap_to_fp8 refuses, named before the model is touched."""
     # the recipe's own rules, as check_fp8 applies them to a suite's options (fp8_rules.py)
     check_recipe(scaling, gemms, fuse_qkv=fuse_qkv, ffn_hidden_fp8=ffn_hidden_fp8, ffn_gelu=ffn_gelu,
@@ -321,6 +322,9 @@ def _check_swap(model, act_amax, scaling: str, gemms, fuse_qkv, ffn_hidden_fp8, 
         raise ValueError(f"scaling '{scaling}' needs calibrated activation amax values (act_amax)")
     if dense_output == "e4m3":
         _check_fp16_dense(model, gemms)
+        layers = {layer_index(n) for n in target_linears(model, gemms)}
+        if layers and layers <= set(keep_layers):
+            raise ValueError("dense_output: e4m3 would switch no GEMM: keep_layers keeps every layer in 16 bits")
     for what, on, names in (("attention_fp8", attention_fp8, qkv_names), ("ffn_hidden_fp8", ffn_hidden_fp8, ffn_up_names),
                             ("dense_output: e4m3", dense_output == "e4m3", dense_names)):
         missing = [n for n in names(target_linears(model, gemms)) if n + OUT not in act_amax] if on else []
