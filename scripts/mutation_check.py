@@ -610,6 +610,11 @@ MUTANTS = [
       '    if False:',
       ("tests/test_dense_output_e4m3.py", "-k", "switches_no_gemm"),
       "keep_layers leaves no FP8 GEMM pair, and the e4m3-dense row times the base row under its name"),
+    # --- a model the bench trains is evaluated once, by the reference row (commands/bench.py)
+    M("bench-evaluates-its-model-twice", "bertqa_bench/commands/bench.py",
+      "    evaluate = cfg.bench.reference != DEV_EVALUATOR\n", "    evaluate = True\n",
+      ("tests/test_e2e.py", "-k", "end_to_end_cpu"),
+      "a freshly trained model evaluated on dev, then again as the bench's reference row (46 s of a cold run)"),
     # --- a fine-tune whose loss fell and climbed back (training/loss_check.py)
     M("training-collapse-saved", "bertqa_bench/training/train.py",
       '    collapsed = _refuse_collapse(tc, loop["losses"], every, world, device, log)\n',

@@ -30,7 +30,13 @@ def _children(tracker, suite="tiny"):
     return parents[0], [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id]
 
 
-def test_end_to_end_cpu(tiny_suite, tmp_path):
+def test_end_to_end_cpu(tiny_suite, tmp_path, monkeypatch):
+    import bertqa_bench.training.train as train_mod
+
+    def evaluated_twice(*a, **kw):
+        raise AssertionError("the bench's reference row repeats this evaluation: it must not run")
+
+    monkeypatch.setattr(train_mod, "evaluate_model", evaluated_twice)
     suite = tiny_suite(backends=["eager-fp32", "ort-fp32", "exploding", "eager-fp16", "sorted-eager"],
                        variants={"exploding": {"implementation": f"{PLUGINS}:Exploding", "device": "cpu"},
                                  "sorted-eager": {"base": "eager-fp32", "batching": "sorted"}})
@@ -76,6 +82,14 @@ def test_end_to_end_cpu(tiny_suite, tmp_path):
     assert srt.batching == "sorted" and ref.batching == "padded" and srt.n_shapes > 1
     assert srt.parity == "pass" and srt.answer_agreement == 1.0 and srt.max_abs_logit_diff < 1e-4
     assert out.verdict.status == "FAIL" and "exploding" in str(out.verdict)
+    # the model trained for this run was not evaluated on its own: the reference row's scores are
+    # its dev scores, in every row, the run's note and its train_metrics.json (for later runs)
+    saved = json.loads((cfg.model_dir / "train_metrics.json").read_text())
+    f1 = pytest.approx(ref.scores["f1"], abs=1e-6)  # results.csv keeps 9 decimals
+    assert saved["dev_f1"] == f1 and saved["dev_exact_match"] == pytest.approx(ref.scores["exact_match"], abs=1e-6)
+    assert saved["dev_source"] == f"the reference row (eager-fp32) of bench run {bundle.meta.run_id}"
+    assert all(r.model_dev_f1 == f1 for r in rows.values()) and bundle.meta.model_dev_metric == f1
+    assert bundle.meta.model_note.startswith("fine-tuned by bertqa-bench train; dev exact_match=")
     # bundle
     assert (out.run_dir / "summary.md").read_text().count("| ort-fp32 |") == 1
     assert (out.run_dir / "comparison.png").stat().st_size > 1000
@@ -96,6 +110,7 @@ def test_end_to_end_cpu(tiny_suite, tmp_path):
     again = run_bench(cfg, backends=["eager-fp32"], progress=False, log=logs.append)
     assert any("reusing" in m for m in logs) and again.evalset.cache_hit
     assert again.verdict.status == "PASS"
+    assert RunBundle.load(again.run_dir).meta.model_note == bundle.meta.model_note  # read back, not re-derived
 
 
 def _plugin_dist(site):

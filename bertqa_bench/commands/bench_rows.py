@@ -303,6 +303,7 @@ class RowRunner:
                 atomic_write_json(self.bundle.path("predictions", f"{v.name}.{suffix}.json"), obj, indent=None)
             if v.name == self.reference:
                 self.ref = Reference(outputs, predictions, r.scores, rec["pass_s"], per_question)
+                self._dev_scores_from(v, r)
                 if self.check_determinism:
                     self.problems += self._determinism(v)
             if self.ref is not None:
@@ -313,8 +314,19 @@ class RowRunner:
         except Exception as e:  # noqa: BLE001 - scoring one backend must not lose the others
             r.status, r.error = "failed", f"while scoring: {format_error(e)}"
 
+    def _dev_scores_from(self, v: Variant, r: BackendResult) -> None:
+        """A model trained for this run without its dev evaluation takes the reference row's scores."""
+        if not self.model.dev_from_reference:
+            return
+        meta = self.bundle.meta
+        self.model.scored_by_reference(r.scores, self.task.metric_names, self.task.primary_metric,
+                                       f"the reference row ({v.name}) of bench run {meta.run_id}")
+        meta.model_note, meta.model_dev_metric = self.model.note, self.model.dev_primary
+        self.log(f"model: dev scores from the reference row: {self.model.note.split('; ')[-1]}")
+
     def record(self, r: BackendResult, v: Variant) -> None:
         """The row into the bundle (results.csv, run.json), MLflow and the console."""
+        r.model_dev_f1 = self.model.dev_primary  # rows made before the reference gave the model its scores
         meta = self.bundle.meta
         meta.problems = list(self.problems)
         _log_row(self.log, self.task, r)

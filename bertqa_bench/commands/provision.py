@@ -32,6 +32,26 @@ class ModelInfo:
     checkpoint: str = ""
     digest: str = ""
     family: str = "bert"
+    # trained here without its dev evaluation: the bench's reference row (eager FP32 on the same
+    # evaluation set, what that evaluation runs) gives its dev scores (scored_by_reference)
+    dev_from_reference: bool = False
+
+    def scored_by_reference(self, scores: dict, metric_names, primary: str, source: str) -> None:
+        """The reference row's ``scores`` become this model's dev scores: here, in its note, and in
+        its train_metrics.json (with ``dev_source``, so a later run reusing it shows them too)."""
+        dev = {f"dev_{k}": float(v) for k, v in scores.items()}
+        self.metrics = {**self.metrics, **dev, "dev_source": source}
+        self.dev_primary, self.dev_from_reference = dev.get(f"dev_{primary}"), False
+        self.note = trained_note(self.metrics, metric_names)
+        atomic_write_json(self.dir / METRICS_FILE, self.metrics)
+
+
+def trained_note(metrics: dict, metric_names) -> str:
+    """A trained model's note: its dev scores, or where they will come from."""
+    shown = [f"{m}={metrics[f'dev_{m}']:.2f}" for m in metric_names if f"dev_{m}" in metrics]
+    if not shown:
+        return "fine-tuned by bertqa-bench train; dev scores: this run's reference row's"
+    return "fine-tuned by bertqa-bench train; dev " + ", ".join(shown)
 
 
 def checkpoint_model(cfg: SuiteConfig, log: Callable[[str], None] = print) -> ModelInfo:
@@ -48,9 +68,12 @@ def checkpoint_model(cfg: SuiteConfig, log: Callable[[str], None] = print) -> Mo
                      digest=ck.digest, family=ck.model_type)
 
 
-def ensure_model(cfg: SuiteConfig, log: Callable[[str], None] = print, tracker=None) -> ModelInfo:
+def ensure_model(cfg: SuiteConfig, log: Callable[[str], None] = print, tracker=None,
+                 evaluate: bool = True) -> ModelInfo:
     """The suite's model, trained first if models/ lacks it; random-weight timing models are just built.
-    A ``model.checkpoint`` is used as it is."""
+    A ``model.checkpoint`` is used as it is. ``evaluate`` False: a model trained here (or saved
+    earlier without them) gets no dev evaluation, and says that its dev scores are to come
+    (``dev_from_reference``: the bench's reference row repeats that evaluation exactly)."""
     if cfg.model.checkpoint:
         return checkpoint_model(cfg, log)
     task = get_task(cfg.task.name)
@@ -77,16 +100,13 @@ def ensure_model(cfg: SuiteConfig, log: Callable[[str], None] = print, tracker=N
             why = f"was trained by another recipe ({saved} != {recipe}" + (
                 f": {recipe_diff(fields, wanted)})" if fields else ")")
         log(f"model: {model_dir} {why}; fine-tuning {cfg.model.base} (suite {cfg.name})")
-        train(cfg, log=log, tracker=tracker)
+        train(cfg, log=log, tracker=tracker, evaluate=evaluate)
 
     check_model_folder(model_dir, hint=f"delete {model_dir} and the suite trains (or builds) it again")
     metrics = json.loads((model_dir / METRICS_FILE).read_text())
     primary = metrics.get(f"dev_{task.primary_metric}")
-    if cfg.model.timing_only:
-        note = "random weights: timing only, accuracy columns not meaningful"
-    else:
-        note = "fine-tuned by bertqa-bench train; dev " + ", ".join(
-            f"{m}={metrics[f'dev_{m}']:.2f}" for m in task.metric_names if f"dev_{m}" in metrics)
-
+    note = ("random weights: timing only, accuracy columns not meaningful" if cfg.model.timing_only
+            else trained_note(metrics, task.metric_names))
     return ModelInfo(model_dir, count_parameters(model_dir), metrics, primary, cfg.model.timing_only, note,
-                     digest=model_digest(model_dir), family=model_family(model_dir))
+                     digest=model_digest(model_dir), family=model_family(model_dir),
+                     dev_from_reference=primary is None and not cfg.model.timing_only)

@@ -119,6 +119,11 @@ def _train(cfg: SuiteConfig, *, log: Callable[[str], None], mlrun, evaluate: boo
     return metrics
 
 
+# the backend evaluate_model scores a freshly trained model with (a bench whose reference row is
+# this one takes that row's scores instead of evaluating twice: commands/bench.py)
+DEV_EVALUATOR = "eager-fp32"
+
+
 def loss_log_every(total_steps: int) -> int:
     """Steps between two logged losses: ~200 points a run, whatever its length."""
     return max(1, total_steps // 200)
@@ -489,7 +494,7 @@ def evaluate_model(cfg: SuiteConfig, task: Task, model_dir: Path, device: torch.
     evalset = load_evalset(cfg.evalset_spec(), task, str(model_dir), log=log)
     plan = make_plan(evalset.lengths(), batching="padded", batch_size=cfg.bench.batch_size,
                      max_seq_len=evalset.features.seq_len)
-    variant = VariantTable.for_suite(cfg.variants, cfg.bench.device).get("eager-fp32", device=device.type)
+    variant = VariantTable.for_suite(cfg.variants, cfg.bench.device).get(DEV_EVALUATOR, device=device.type)
     job = Job(variant=variant.to_dict(), model_dir=str(model_dir), task=task.name,
               artifacts_dir=str(cfg.artifacts_root), evalset=str(evalset.path), plan="", outputs="", result="",
               output_names=list(task.output_names), token_outputs=list(task.token_outputs),
