@@ -50,7 +50,7 @@ def trained_note(metrics: dict, metric_names) -> str:
     """A trained model's note: its dev scores, or where they will come from."""
     shown = [f"{m}={metrics[f'dev_{m}']:.2f}" for m in metric_names if f"dev_{m}" in metrics]
     if not shown:
-        return "fine-tuned by bertqa-bench train; dev scores: this run's reference row's"
+        return "fine-tuned by bertqa-bench train; dev scores: not yet measured (a bench's reference row gives them)"
     return "fine-tuned by bertqa-bench train; dev " + ", ".join(shown)
 
 

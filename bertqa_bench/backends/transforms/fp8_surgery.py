@@ -207,11 +207,11 @@ def swap_to_fp8(model, act_amax: Optional[Mapping[str, float]] = None, *, scalin
     encoder layer indices left in 16 bits. Returns what was done: ``swapped``
     (Linear names now in FP8), ``fused_qkv`` (attention modules with one fused-QKV FP8 GEMM),
     ``gemms`` (FP8 GEMMs per forward), ``kept`` (targeted Linears left alone, with why)."""
-    keep, targets = {int(i) for i in keep_layers}, target_linears(model, parse_gemms(gemms))
-    _check_swap(model, act_amax, scaling, parse_gemms(gemms), fuse_qkv, ffn_hidden_fp8, ffn_gelu, attention_fp8,
-                residual, cublaslt_gemms, (cublaslt_autotune, cublaslt_candidates), attention_output, layernorm,
-                dense_output, keep)
     gemms = parse_gemms(gemms)
+    keep, targets = {int(i) for i in keep_layers}, target_linears(model, gemms)
+    _check_swap(model, act_amax, scaling, gemms, fuse_qkv, ffn_hidden_fp8, ffn_gelu, attention_fp8,
+                residual, cublaslt_gemms, (cublaslt_autotune, cublaslt_candidates), attention_output, layernorm,
+                dense_output, keep, targets)
     Fp8Linear_, Fp8SelfAttention_ = fp8_classes()[:2]
     static = scaling != "rowwise"
 
@@ -311,8 +311,10 @@ def _dense_outputs_e4m3(model, fused_norms: list, scales: Mapping[str, float]) -
 
 
 def _check_swap(model, act_amax, scaling: str, gemms, fuse_qkv, ffn_hidden_fp8, ffn_gelu, attention_fp8, residual,
-                cublaslt_gemms, cublaslt_tuning, attention_output, layernorm, dense_output, keep_layers=()) -> None:
-    """Every combination swap_to_fp8 refuses, named before the model is touched."""
+                cublaslt_gemms, cublaslt_tuning, attention_output, layernorm, dense_output, keep_layers,
+                targets: list) -> None:
+    """Every combination swap_to_fp8 refuses, named before the model is touched (``targets``: the
+    Linears of ``gemms``' kinds, target_linears)."""
     # the recipe's own rules, as check_fp8 applies them to a suite's options (fp8_rules.py)
     check_recipe(scaling, gemms, fuse_qkv=fuse_qkv, ffn_hidden_fp8=ffn_hidden_fp8, ffn_gelu=ffn_gelu,
                  attention_fp8=attention_fp8, attention_output=attention_output, residual=residual,
@@ -321,26 +323,26 @@ def _check_swap(model, act_amax, scaling: str, gemms, fuse_qkv, ffn_hidden_fp8, 
     if scaling != "rowwise" and not act_amax:
         raise ValueError(f"scaling '{scaling}' needs calibrated activation amax values (act_amax)")
     if dense_output == "e4m3":
-        _check_fp16_dense(model, gemms)
-        layers = {layer_index(n) for n in target_linears(model, gemms)}
+        _check_fp16_dense(model, targets)
+        layers = {layer_index(n) for n in targets}
         if layers and layers <= set(keep_layers):
             raise ValueError("dense_output: e4m3 would switch no GEMM: keep_layers keeps every layer in 16 bits")
     for what, on, names in (("attention_fp8", attention_fp8, qkv_names), ("ffn_hidden_fp8", ffn_hidden_fp8, ffn_up_names),
                             ("dense_output: e4m3", dense_output == "e4m3", dense_names)):
-        missing = [n for n in names(target_linears(model, gemms)) if n + OUT not in act_amax] if on else []
+        missing = [n for n in names(targets) if n + OUT not in act_amax] if on else []
         if missing:
             raise ValueError(f"{what} needs the calibrated output amax of {missing[0]} "
                              f"(calibrate_amax(..., outputs={names.__name__}(...)))")
 
 
-def _check_fp16_dense(model, gemms) -> None:
+def _check_fp16_dense(model, targets: list) -> None:
     """dense_output: e4m3 runs cuBLASLt's e4m3-output kernels, which take the bias in C's type,
     fp16, where a bf16 model's residual stream would meet it: refuse a bf16 model before it is
     touched (Fp8Linear.write_e4m3_for_layernorm refuses it too, but only after the swap). An fp32
     model is the CPU's formula path, as the other FP8 GEMMs' are."""
     import torch  # the caller swaps modules of a torch model: torch is loaded
 
-    bf16 = [n for n in dense_names(target_linears(model, gemms))
+    bf16 = [n for n in dense_names(targets)
             if model.get_submodule(n).weight.dtype == torch.bfloat16]
     if bf16:
         raise ValueError("dense_output: e4m3 runs in fp16 (cuBLASLt's e4m3-output kernels take the bias in fp16): "
