@@ -414,3 +414,22 @@ def test_spread_takes_the_first_and_the_last_batch_and_spaces_the_rest():
     assert spread(5, 0) == spread(5, 9) == [0, 1, 2, 3, 4]
     assert spread(10, 1) == [0]
     assert spread(1, 8) == [0]
+
+
+def test_a_variant_of_a_larger_batch_size_scales_the_token_budget_and_the_row_cap_alike():
+    # packed batches of short features: at the suite's batch size the token budget binds, at
+    # four times it neither the budget nor the row cap may stay at the suite's values
+    from bertqa_bench.config import BenchConfig
+    from bertqa_bench.measuring.jobs import batch_budget
+
+    b = BenchConfig(batch_size=32, batching="packed", tokens_per_batch=1000, max_batch_rows=8)
+    assert batch_budget(b, 32) == (1000, 8)
+    assert batch_budget(b, 128) == (4000, 32)
+    assert batch_budget(BenchConfig(batch_size=32), 64) == (None, None)
+    lengths = np.full(384, 100)
+    small, large = (make_plan(lengths, batching="packed", batch_size=bs, max_seq_len=384,
+                              tokens_per_batch=batch_budget(b, bs)[0], max_batch_rows=batch_budget(b, bs)[1])
+                    for bs in (32, 128))
+    assert max(x.shape[0] for x in small.batches) == 8  # the row cap binds: 800 of 1,000 tokens
+    assert max(x.shape[0] for x in large.batches) == 32  # 4x the rows, 3,200 of 4,000 tokens
+    assert len(large.batches) * 4 == len(small.batches)

@@ -34,7 +34,7 @@ from ..config import SCENARIOS, SuiteConfig
 from ..data.evalset import load_evalset
 from ..envinfo import device_name, environment
 from ..errors import ConfigError
-from ..measuring.jobs import make_job, plan_for, plan_key, plan_path
+from ..measuring.jobs import batch_budget, make_job, plan_for, plan_key, plan_path
 from ..measuring.launcher import launch, time_limit
 from ..measuring.loadgen_log import NS_PER_MS, decode_accuracy_log
 from ..measuring.worker import format_error, load_outputs
@@ -51,11 +51,11 @@ from ..tasks import get_task
 def _job(cfg: SuiteConfig, task, variant, model, evalset, bundle, scenario: str, find_peak_qps: bool):
     b = cfg.bench
     batching, batch_size = plan_key(b, variant)
-    tokens = b.tokens_per_batch * batch_size // b.batch_size if b.tokens_per_batch else None
+    tokens, rows = batch_budget(b, batch_size)
     job = make_job(b, cfg.artifacts_root, task, variant, model, evalset, bundle)
     spec = {"scenario": scenario, "settings": dataclasses.asdict(cfg.loadgen), "find_peak": bool(find_peak_qps),
             "out_dir": str(bundle.path("loadgen", variant.name)), "batch_size": batch_size,
-            "seq_multiple": b.seq_multiple, "tokens_per_batch": tokens, "max_batch_rows": b.max_batch_rows}
+            "seq_multiple": b.seq_multiple, "tokens_per_batch": tokens, "max_batch_rows": rows}
     return dataclasses.replace(job, kind="loadgen", loadgen=spec)
 
 

@@ -20,16 +20,26 @@ def plan_key(b: BenchConfig, variant: Optional[Variant] = None) -> tuple[str, in
             (variant.batch_size if variant and variant.batch_size else b.batch_size))
 
 
+def batch_budget(b: BenchConfig, batch_size: int) -> tuple[Optional[int], Optional[int]]:
+    """(tokens_per_batch, max_batch_rows) of a sorted or packed batch at ``batch_size``: the bench
+    section's, scaled by batch_size / bench.batch_size, so that a variant of twice the suite's batch
+    size holds twice the tokens and up to twice the rows (a row cap left at the suite's would cut a
+    64k-token packed batch of short features at the 32k batch's row count); None: the plan's default."""
+    def scaled(v: Optional[int]) -> Optional[int]:
+        return max(1, v * batch_size // b.batch_size) if v else None
+
+    return scaled(b.tokens_per_batch), scaled(b.max_batch_rows)
+
+
 def plan_for(b: BenchConfig, evalset: EvalSet, key: Optional[tuple[str, int]],
              target_rows: Optional[int]) -> Plan:
     """The batches of one (batching, batch size) over the evaluation set; ``target_rows``: the
     rows a pass covers when the set is tiled to a size (data.target_eval_features), else None."""
     batching, batch_size = key or plan_key(b)
-    tokens = b.tokens_per_batch * batch_size // b.batch_size if b.tokens_per_batch else None
+    tokens, rows = batch_budget(b, batch_size)
     return make_plan(evalset.lengths(), batching=batching, batch_size=batch_size,
                      max_seq_len=evalset.features.seq_len, seq_multiple=b.seq_multiple,
-                     tokens_per_batch=tokens, max_batch_rows=b.max_batch_rows,
-                     target_rows=target_rows)
+                     tokens_per_batch=tokens, max_batch_rows=rows, target_rows=target_rows)
 
 
 def plan_path(bundle: RunBundle, key: tuple[str, int]) -> Path:
