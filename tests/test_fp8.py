@@ -1250,6 +1250,7 @@ class _FakeMatmul:
         self.operands, self.log = dict(operands), log
         self.given = algorithms  # what plan() was handed (None: the heuristic's)
         self.algorithms = tuple(algorithms) if algorithms is not None else (object(), object())
+        self.heuristic_order = self.algorithms
 
     def reset_operands(self, stream=None, **kw):
         self.operands.update(kw)
@@ -1262,6 +1263,9 @@ class _FakeMatmul:
     def execute(self, release_workspace=False, stream=None):
         self.log.append(("execute", self.operands["b"].clone()))
         return torch.zeros(self.operands["b"].shape[1], self.operands["a"].shape[0]).t()
+
+    def free(self):
+        self.log.append(("free",))
 
 
 def test_planned_gemm_autotunes_once_per_shape_on_random_operands_then_runs_on_the_calls_own(monkeypatch):
@@ -1276,21 +1280,30 @@ def test_planned_gemm_autotunes_once_per_shape_on_random_operands_then_runs_on_t
     w8, c = torch.ones(48, 16).to(torch.float8_e4m3fn), torch.zeros(32, 48, dtype=torch.float16)
     ops = {"a": w8, "b": x8.t(), "c": c.t()}
     for tune in (3, 0):
-        log = []
+        log, made = [], []
+
+        def make(stream, algorithms):
+            made.append(_FakeMatmul(ops, log, algorithms))
+            return made[-1]
+
         key = ("test", tune)
         ge._PLANS.pop((*key, 0), None)
         try:
             for _ in range(2):
-                out = ge._planned(key, "test GEMM", lambda stream, algorithms: _FakeMatmul(ops, log, algorithms), ops,
-                                  None, tune)
+                out = ge._planned(key, "test GEMM", make, ops, None, tune)
                 assert out.shape == (32, 48) and out.is_contiguous()
         finally:
             ge._PLANS.pop((*key, 0), None)
+        # the candidates' plan is freed and the shape's plan holds the chosen algorithm alone (its
+        # workspace only): the heuristic's first, or autotuning's fastest (the fake reverses them)
+        candidates, kept = made
+        assert candidates.given is None and kept.given == candidates.algorithms[:1]
+        assert kept.given == (candidates.heuristic_order[-1 if tune else 0],)
         tuned = [e for e in log if e[0] == "autotune"]
         if not tune:
-            assert not tuned and [e[0] for e in log] == ["execute", "reset", "execute"]
+            assert not tuned and [e[0] for e in log] == ["free", "execute", "reset", "execute"]
             continue
-        assert [e[0] for e in log] == ["reset", "autotune", "reset", "execute", "reset", "execute"]
+        assert [e[0] for e in log] == ["reset", "autotune", "free", "execute", "reset", "execute"]
         assert len(tuned) == 1 and tuned[0][1] == 3
         for k, t in tuned[0][2].items():  # random, not the call's zeros, in the call's layout
             assert t.float().abs().max() > 0 and t.shape == ops[k].shape and t.stride() == ops[k].stride(), k
@@ -1324,10 +1337,12 @@ def test_each_graph_copy_plans_its_own_gemms_with_the_first_copys_algorithms(mon
     finally:
         for copy in range(3):
             ge._PLANS.pop((*key, copy), None)
-    assert len(made) == 3 and len({id(m) for m in made}) == 3
-    assert [len([e for e in m.log if e[0] == "execute"]) for m in made] == [3, 2, 1]
-    first, *later = made
-    assert first.given is None and [e[0] for e in first.log].count("autotune") == (1 if autotune else 0)
+    # copy 0: the candidates' plan (freed) and the chosen algorithm's; copies 1 and 2: that algorithm
+    assert len(made) == 4 and len({id(m) for m in made}) == 4
+    candidates, first, *later = made
+    assert [len([e for e in m.log if e[0] == "execute"]) for m in made] == [0, 3, 2, 1]
+    assert candidates.given is None and [e[0] for e in candidates.log].count("autotune") == (1 if autotune else 0)
+    assert [e[0] for e in candidates.log][-1] == "free" and len(first.given) == 1
     for m in later:
         assert m.given == first.algorithms and m.algorithms == first.algorithms
         assert not any(e[0] == "autotune" for e in m.log)

@@ -129,11 +129,7 @@ def _planned(key, what: str, make, operands: dict, stream, autotune: int = 0):
                                "stream): run the shape once first")
         with _LOCK:
             first = _PLANS.get((*key[:-1], 0)) if key[-1] else None
-            mm = make(stream, None if first is None else first.algorithms)
-            if autotune > 0 and first is None:
-                mm.reset_operands(**{k: _random_like(operands[k]) for k in ("b", "c") if k in operands}, stream=stream)
-                mm.autotune(iterations=int(autotune), stream=stream)
-                mm.reset_operands(**operands, stream=stream)
+            mm = make(stream, first.algorithms) if first is not None else _choose(make, operands, stream, autotune)
             _PLANS[key] = mm
     else:
         mm.reset_operands(**operands, stream=stream)
@@ -145,6 +141,25 @@ def _planned(key, what: str, make, operands: dict, stream, autotune: int = 0):
         raise RuntimeError(f"{what} wrote a {tuple(d.shape)} result with strides {d.stride()}, not the "
                            "column-major layout the next kernel reads")
     return out
+
+
+def _choose(make, operands: dict, stream, autotune: int):
+    """The shape's Matmul, planned with the one algorithm it runs: the heuristic's first choice, or
+    with ``autotune`` the fastest of the heuristic's candidates, timed on random activations (and
+    residual) of the call's shapes and layouts. nvmath sizes a plan's workspace to the largest that
+    any of its candidate algorithms needs and keeps it for the plan's life (execute with
+    release_workspace=False, which graph capture needs), and its default memory limit (80 % of the
+    device) lets split-K candidates ask for workspaces that grow with M x N: one plan per GEMM
+    kind, token bucket and graph copy held up to 26 GB of one BERT-large process at 64k-token
+    batches (h200-mlperf-bert-large-tokens-per-batch.md). Planned again with the chosen algorithm
+    alone, a plan holds that algorithm's workspace only; the same algorithm runs, so the same bits."""
+    mm = make(stream, None)
+    if autotune > 0:
+        mm.reset_operands(**{k: _random_like(operands[k]) for k in ("b", "c") if k in operands}, stream=stream)
+        mm.autotune(iterations=int(autotune), stream=stream)
+    chosen = make(stream, mm.algorithms[:1])  # copies the algorithm's description into its own plan
+    mm.free()  # the candidates' plan and workspace (nvmath frees a Matmul's resources only when asked)
+    return chosen
 
 
 # cuBLASLt's FP8 kernels need every dimension a multiple of 16 (torch._scaled_mm only K and N): a
