@@ -2,9 +2,13 @@
 # Run GPU suites on a machine that has torch/transformers/onnx but no pip access (the lent GPU
 # machine): uses the repo in place (no install), writes each result bundle as a tarball under
 # $OUT (or ./device-out), without MLflow; import them later with `bertqa-bench track DIR`.
-#   scripts/device_bench.sh [parity/|profile/]SUITE[:ARGS...] ...
+#   scripts/device_bench.sh [parity/|profile/|loadgen/]SUITE[:ARGS...] ...
 # e.g. scripts/device_bench.sh parity/gpu-parity "gpu-timing:--backends eager-fp32-cuda,eager-fp16"
-# (parity/ runs `bertqa-bench parity`: the accuracy gate, with the determinism check and exit status)
+# (parity/ runs `bertqa-bench parity`: the accuracy gate, with the determinism check and exit status;
+# loadgen/ runs `bertqa-bench loadgen`, ARGS naming --scenario: after a bench in the same call it
+# takes the model that bench trained, so one background job can train, bench and run LoadGen)
+# Each bundle is written twice: whole (<run>.tgz, with every row's logits) and without the logits
+# (<run>-tables.tgz), small enough for a device call to bring back.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-device-out}
@@ -19,6 +23,7 @@ for spec in "$@"; do
   suite=${spec%%:*}; extra=""; [[ "$spec" == *:* ]] && extra=${spec#*:}
   cmd=bench
   if [[ "$suite" == parity/* ]]; then cmd=parity; suite=${suite#parity/}; fi
+  if [[ "$suite" == loadgen/* ]]; then cmd=loadgen; suite=${suite#loadgen/}; fi
   if [[ "$suite" == profile/* ]]; then
     suite=${suite#profile/}
     # shellcheck disable=SC2086
@@ -32,9 +37,12 @@ for spec in "$@"; do
   idarg=(--run-id "$run_id"); [[ $cmd == parity ]] && idarg=()
   # shellcheck disable=SC2086
   python3 -m bertqa_bench.cli $cmd --suite "$suite" --no-mlflow --no-progress "${idarg[@]}" $extra \
-    2>&1 | tee "$out/$cmd-$suite.log"; [[ ${PIPESTATUS[0]} == 0 ]] || status=1
+    2>&1 | tee -a "$out/$cmd-$suite.log"; [[ ${PIPESTATUS[0]} == 0 ]] || status=1
   for d in $(comm -13 <(echo "$before" | sort) <(ls results | sort)); do
-    [[ -f results/$d/results.csv ]] && tar czf "$out/$d.tgz" -C results "$d"
+    if [[ -f results/$d/results.csv ]]; then
+      tar czf "$out/$d.tgz" -C results "$d"
+      tar czf "$out/$d-tables.tgz" --exclude="$d/outputs" -C results "$d"
+    fi
   done
 done
 tar czf "$out/train-metrics.tgz" models/*/train_metrics.json 2>/dev/null || true

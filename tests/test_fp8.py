@@ -2256,3 +2256,19 @@ def test_pipelined_variants_give_the_synchronous_outputs_on_gpu(tmp_path, name):
             backend.submit(batches[0])
 
     _in_flight_gives_one_at_a_time_outputs(backend, batches, name, after_passes=third_is_refused)
+
+
+def test_plans_held_counts_the_plans_and_the_workspace_they_keep(monkeypatch):
+    """The prepare record's account of the nvmath plans: how many, and the device workspace their
+    plans keep allocated (nvmath's Workspace.allocated_size), 0 for one not yet run."""
+    from types import SimpleNamespace
+
+    from bertqa_bench.kernels import cublaslt_epilogues as ge
+
+    plans = {("a",): SimpleNamespace(workspace=SimpleNamespace(allocated_size=3 * 2**20)),
+             ("b",): SimpleNamespace(workspace=SimpleNamespace(allocated_size=2**19)),
+             ("c",): SimpleNamespace(workspace=SimpleNamespace(allocated_size=0))}
+    monkeypatch.setattr(ge, "_PLANS", plans)
+    assert ge.plans_held() == {"cublaslt_plans": 3, "cublaslt_workspace_mib": 3.5}
+    monkeypatch.setattr(ge, "_PLANS", {})
+    assert ge.plans_held() == {"cublaslt_plans": 0, "cublaslt_workspace_mib": 0.0}

@@ -286,6 +286,10 @@ class TorchBackend(Backend):
                 self._packer = HostPacker(enc, torch.device("cuda"), slots=self.in_flight())
         info.update(token_bucket=o.token_bucket, token_buckets=len(buckets.sizes), token_bucket_graphs=captured,
                     packing="host" if self._packer is not None else "device")
+        if captured and o.fp8 is not None:
+            from ..kernels.cublaslt_epilogues import plans_held
+
+            info.update(plans_held())  # what the nvmath GEMMs' plans keep on the device across the buckets
         if o.packed_attention == "triton" and captured:
             from ..kernels.varlen_attention import autotune_timings, best_config, tuning_source
 

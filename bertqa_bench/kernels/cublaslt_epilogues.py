@@ -143,6 +143,14 @@ def _planned(key, what: str, make, operands: dict, stream, autotune: int = 0):
     return out
 
 
+def plans_held() -> dict:
+    """The cuBLASLt plans this process holds and the device workspace they keep, for a prepare's
+    record: one plan per GEMM kind, token count and graph copy, each workspace kept for the plan's
+    life (a plan not yet run has none: nvmath allocates it on the first execute)."""
+    sizes = [int(getattr(getattr(mm, "workspace", None), "allocated_size", 0) or 0) for mm in list(_PLANS.values())]
+    return {"cublaslt_plans": len(sizes), "cublaslt_workspace_mib": round(sum(sizes) / 2**20, 1)}
+
+
 def _choose(make, operands: dict, stream, autotune: int):
     """The shape's Matmul, planned with the one algorithm it runs: the heuristic's first choice, or
     with ``autotune`` the fastest of the heuristic's candidates, timed on random activations (and
