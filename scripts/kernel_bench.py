@@ -9,8 +9,6 @@ would replace, with its numerics checked against a reference on the same inputs:
   random sequence lengths; reference: per-sequence SDPA in fp32; and for the FP8 output GEMM's
   input, the Triton kernel writing e4m3 itself (``triton-e4m3``, ``fp8.attention_output: e4m3``)
   against its fp16 output quantized by a compiled pass of its own (``triton+quantize``, today's);
-  on e4m3 Q, K, V (``triton-fp8``, ``triton-fp8-pv16``) and the same with V as a view of V^T
-  (``-vt``: the FP8 P V operand without a register transpose);
 * the FFN's first half: the FP8 up-projection writing e4m3 then the Triton tanh-GELU kernel
   (``ffn_gelu: tanh``) against cuBLASLt's GELU_BIAS epilogue through nvmath-python
   (``ffn_gelu: epilogue``); reference: the epilogue's formula in fp32 (cublaslt_epilogues.py);
@@ -202,10 +200,10 @@ def epilogue_support(emit) -> None:
 
 
 ATTENTION_KERNELS = ("flash", "cudnn", "cudnn-fp8", "triton", "triton-e4m3", "triton+quantize", "triton-fp8",
-                     "triton-fp8-pv16", "triton-fp8-vt", "triton-fp8-pv16-vt", "flex")
+                     "triton-fp8-pv16", "flex")
 # the kernels that read e4m3 Q, K, V (the QKV GEMM's e4m3 output): their error is also measured
 # against attention of the decoded e4m3 inputs, which leaves the inputs' own rounding out
-E4M3_INPUT_KERNELS = ("cudnn-fp8", "triton-fp8", "triton-fp8-pv16", "triton-fp8-vt", "triton-fp8-pv16-vt")
+E4M3_INPUT_KERNELS = ("cudnn-fp8", "triton-fp8", "triton-fp8-pv16")
 
 
 def lengths_for(tokens: int, lo: int, hi: int, gen) -> list[int]:
@@ -414,13 +412,6 @@ def attention(args, hidden, heads, emit, lens=None, tag=None, tuning_call: bool 
                                                                       qkv_scale=one1, pv_e4m3=True)
     kernels["triton-fp8-pv16"] = lambda: triton_attention.varlen_attention(q8, k8, v8, cu, max_len, scale, o_inv1,
                                                                            qkv_scale=one1)
-    # the same two with V as a view of V^T (tokens contiguous: the FP8 MMA's B operand as it lies in
-    # memory, what a QKV GEMM split to write V transposed would hand the kernel); the same bytes out
-    v8t = v8.permute(1, 2, 0).contiguous().permute(2, 0, 1)
-    kernels["triton-fp8-vt"] = lambda: triton_attention.varlen_attention(q8, k8, v8t, cu, max_len, scale, o_inv1,
-                                                                         qkv_scale=one1, pv_e4m3=True)
-    kernels["triton-fp8-pv16-vt"] = lambda: triton_attention.varlen_attention(q8, k8, v8t, cu, max_len, scale,
-                                                                              o_inv1, qkv_scale=one1)
     # torch's own FlexAttention (compiled Triton templates) with a document mask over the packed
     # tokens: the maintained library for exactly this masking, beside the hand-written kernel
     # (compiled for each batch's shape: leave it out of --kernels on many batches)

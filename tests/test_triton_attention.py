@@ -254,7 +254,7 @@ def test_the_autotuner_prunes_with_the_launch_arguments():
     in nargs, HEAD_DIM as a keyword) as a launch at max_seqlen 384 and 60 would."""
     pytest.importorskip("triton", reason="triton is not installed (CUDA builds of torch bring it)")
     tuner = ta._tuned()
-    assert len(tuner.configs) == 24 and tuner.keys == ["HEAD_DIM", "seq_bucket", "P_SCALE", "V_T"]
+    assert len(tuner.configs) == 24 and tuner.keys == ["HEAD_DIM", "seq_bucket", "P_SCALE"]
 
     def pruned(max_seqlen, d):
         tuner.nargs = {"seq_bucket": ta.seq_bucket(max_seqlen)}
@@ -315,7 +315,7 @@ def test_packed_encoder_refuses_a_head_size_the_kernel_does_not_take_before_any_
 
 
 def _compile_sm90(tmp_path, monkeypatch, head_dim, block_m, block_n, num_warps, num_stages, e4m3_out=False,
-                  e4m3_in=False, pv_e4m3=False, v_tokens_contiguous=False):
+                  e4m3_in=False, pv_e4m3=False):
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -326,23 +326,16 @@ def _compile_sm90(tmp_path, monkeypatch, head_dim, block_m, block_n, num_warps, 
     sig = {"Q": qkv, "K": qkv, "V": qkv, "O": "*fp8e4nv" if e4m3_out else "*fp16", "cu_seqlens": "*i32",
            "o_inv_scale": "*fp32" if e4m3_out else "constexpr", "qkv_scale": "*fp32" if e4m3_in else "constexpr"}
     sig.update({f"stride_{x}{y}": "i32" for x in "qkvo" for y in "th"})
-    sig = {**{k: v for k, v in sig.items() if not k.startswith("stride_o")}, "stride_vd": "i32",
-           "stride_ot": "i32", "stride_oh": "i32"}
     sig.update(qk_scale="fp32", seq_bucket="i32", HEAD_DIM="constexpr", E4M3_OUT="constexpr", E4M3_IN="constexpr",
-               PV_DTYPE="constexpr", P_SCALE="constexpr", V_T="constexpr", BLOCK_M="constexpr", BLOCK_N="constexpr")
+               PV_DTYPE="constexpr", P_SCALE="constexpr", BLOCK_M="constexpr", BLOCK_N="constexpr")
     assert list(sig) == kernel.arg_names
-    # V's unit stride, specialized as a launch specializes an integer argument equal to 1: head_dim
-    # (the fused QKV tensor's views) or the tokens (a view of V^T)
-    unit_stride = "stride_vt" if v_tokens_contiguous else "stride_vd"
-    sig[unit_stride] = "constexpr"
     # as a [T, 3, H, D] fp16 tensor's views pass them: 16-byte aligned pointers, strides multiples
     # of 16 (Triton specializes integer arguments divisible by 16 at launch the same way)
     attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values())
              if t in ("*fp16", "*fp8e4nv", "*i32", "i32")}
     pv_dtype, p_scale = ta._pv_operands(torch.float8_e4m3fn if e4m3_in else torch.float16, pv_e4m3)
     constexprs = {"HEAD_DIM": head_dim, "E4M3_OUT": e4m3_out, "E4M3_IN": e4m3_in, "PV_DTYPE": pv_dtype,
-                  "P_SCALE": p_scale, "V_T": v_tokens_contiguous, "BLOCK_M": block_m, "BLOCK_N": block_n,
-                  unit_stride: 1}
+                  "P_SCALE": p_scale, "BLOCK_M": block_m, "BLOCK_N": block_n}
     assert isinstance(pv_dtype, tl.dtype)
     if not e4m3_out:
         constexprs["o_inv_scale"] = None  # what a launch without the scale passes

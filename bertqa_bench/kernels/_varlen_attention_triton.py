@@ -18,29 +18,18 @@ ROUND_IN_ARITHMETIC = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not i
 
 
 @triton.jit
-def _attend_block(q, k_base, v_base, start_n, seqlen, stride_kt, stride_vt, stride_vd, m_i, l_i, acc, qk_scale,
-                  offs_n, offs_d, MASKED: tl.constexpr, PV_DTYPE: tl.constexpr, P_SCALE: tl.constexpr,
-                  V_T: tl.constexpr):
+def _attend_block(q, k_base, v_base, start_n, seqlen, stride_kt, stride_vt, m_i, l_i, acc, qk_scale,
+                  offs_n, offs_d, MASKED: tl.constexpr, PV_DTYPE: tl.constexpr, P_SCALE: tl.constexpr):
     # One K/V block of the online softmax. MASKED only for the sequence's last, partial block:
     # the full blocks before it load without predicates and skip the -inf select.
-    # V_T: V is token-contiguous (a view of V^T, stride_vt 1), the layout Hopper's FP8 MMA takes
-    # its P V B operand in: the tile is loaded as [head_dim, keys] and transposed as a shared-memory
-    # view, as K is for Q K^T, instead of through registers. Else head_dim-contiguous (stride_vd 1),
-    # as the fused QKV GEMM writes it.
     rows = start_n + offs_n
     if MASKED:
         n_valid = rows < seqlen
         k = tl.load(k_base + rows[:, None] * stride_kt + offs_d[None, :], mask=n_valid[:, None], other=0.0)
-        if V_T:
-            v = tl.trans(tl.load(v_base + offs_d[:, None] * stride_vd + rows[None, :], mask=n_valid[None, :], other=0.0))
-        else:
-            v = tl.load(v_base + rows[:, None] * stride_vt + offs_d[None, :], mask=n_valid[:, None], other=0.0)
+        v = tl.load(v_base + rows[:, None] * stride_vt + offs_d[None, :], mask=n_valid[:, None], other=0.0)
     else:
         k = tl.load(k_base + rows[:, None] * stride_kt + offs_d[None, :])
-        if V_T:
-            v = tl.trans(tl.load(v_base + offs_d[:, None] * stride_vd + rows[None, :]))
-        else:
-            v = tl.load(v_base + rows[:, None] * stride_vt + offs_d[None, :])
+        v = tl.load(v_base + rows[:, None] * stride_vt + offs_d[None, :])
     # exact products, 16-bit x 16-bit or e4m3 x e4m3, accumulated in fp32 (on Hopper's FP8 MMA with
     # fewer bits: varlen_attention's docstring)
     s = tl.dot(q, tl.trans(k))
@@ -86,9 +75,9 @@ def round_to_e4m3(x):
 
 @triton.jit
 def varlen_attention_fwd(Q, K, V, O, cu_seqlens, o_inv_scale, qkv_scale, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                         stride_vd, stride_ot, stride_oh, qk_scale, seq_bucket, HEAD_DIM: tl.constexpr,
+                         stride_ot, stride_oh, qk_scale, seq_bucket, HEAD_DIM: tl.constexpr,
                          E4M3_OUT: tl.constexpr, E4M3_IN: tl.constexpr, PV_DTYPE: tl.constexpr,
-                         P_SCALE: tl.constexpr, V_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                         P_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # Grid (q tiles, heads, sequences), the q tile fastest: the programs of one (sequence,
     # head) are launched next to each other and read the same K/V, which then comes from L2.
     # seq_bucket only keys the autotuner. E4M3_OUT: O is e4m3, written as the output times
@@ -124,11 +113,11 @@ def varlen_attention_fwd(Q, K, V, O, cu_seqlens, o_inv_scale, qkv_scale, stride_
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     n_full = (seqlen // BLOCK_N) * BLOCK_N
     for start_n in range(0, n_full, BLOCK_N):
-        m_i, l_i, acc = _attend_block(q, k_base, v_base, start_n, seqlen, stride_kt, stride_vt, stride_vd, m_i, l_i, acc,
-                                      qk_scale, offs_n, offs_d, MASKED=False, PV_DTYPE=PV_DTYPE, P_SCALE=P_SCALE, V_T=V_T)
+        m_i, l_i, acc = _attend_block(q, k_base, v_base, start_n, seqlen, stride_kt, stride_vt, m_i, l_i, acc,
+                                      qk_scale, offs_n, offs_d, MASKED=False, PV_DTYPE=PV_DTYPE, P_SCALE=P_SCALE)
     if n_full < seqlen:
-        m_i, l_i, acc = _attend_block(q, k_base, v_base, n_full, seqlen, stride_kt, stride_vt, stride_vd, m_i, l_i, acc,
-                                      qk_scale, offs_n, offs_d, MASKED=True, PV_DTYPE=PV_DTYPE, P_SCALE=P_SCALE, V_T=V_T)
+        m_i, l_i, acc = _attend_block(q, k_base, v_base, n_full, seqlen, stride_kt, stride_vt, m_i, l_i, acc,
+                                      qk_scale, offs_n, offs_d, MASKED=True, PV_DTYPE=PV_DTYPE, P_SCALE=P_SCALE)
     # every stored row has >= 1 valid key, so l_i >= 1 (its maximum term is exp2(0))
     out = acc / l_i[:, None]
     if E4M3_IN or P_SCALE != 1.0:

@@ -44,12 +44,7 @@ P times ``P_SCALE_E4M3`` rounded to e4m3 (relative <= 2^-4 per probability, abso
 below e4m3's normals: cuDNN's FP8 attention's bound). On the H200 the e4m3 P V is the slower one:
 the FP8 MMA takes its B operand only K-major, and V is stored head-dim-contiguous, so Triton
 transposes every V tile through registers (results/reference/h200-mlperf-bert-large-fp8-attention.md).
-The head size must be at least 32 (the FP8 MMA's K step). V may instead be a [T, heads, head_dim]
-view of V^T (tokens contiguous, ``v_tokens_contiguous``): the FP8 MMA's K-major B operand as it
-lies in memory, so the kernel loads the tile as [head_dim, keys] and transposes it as a
-shared-memory view (as it does K for Q K^T) rather than through byte permutes in registers; the
-same values, so the same bytes out. No GEMM of the suite writes V^T yet: the kernel bench times it
-(``triton-e4m3-vt``) before a QKV GEMM is split to write it.
+The head size must be at least 32 (the FP8 MMA's K step).
 
 Contract (as FlashAttention's varlen API): ``max_seqlen`` must be at least every sequence's
 length (it sizes the grid; it is not checked against the device values, which would need a host
@@ -161,13 +156,12 @@ def autotune_configs():
 @functools.lru_cache(maxsize=None)
 def _tuned():
     """The kernel wrapped in triton.autotune, keyed on head_dim, the sequence-length bucket and
-    P_SCALE and V's layout (e4m3 inputs with P V in e4m3 or in fp16, V head_dim- or token-contiguous,
-    are different kernels on the same shapes;
+    P_SCALE (e4m3 inputs with P V in e4m3 or in fp16 are different kernels on the same tensors;
     the autotuner adds the tensors' dtypes to the key itself). Built on first use, after the
     interpreter setting is final (TRITON_INTERPRET is read when the kernel is decorated)."""
     import triton
 
-    return triton.autotune(configs=autotune_configs(), key=["HEAD_DIM", "seq_bucket", "P_SCALE", "V_T"],
+    return triton.autotune(configs=autotune_configs(), key=["HEAD_DIM", "seq_bucket", "P_SCALE"],
                            prune_configs_by={"early_config_prune": _prune}, cache_results=True)(_kernel())
 
 
@@ -213,9 +207,8 @@ def _check(q, k, v, cu_seqlens, max_seqlen, scale, out_inv_scale=None, qkv_scale
         if not e4m3_in and x.dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"varlen_attention: {name} must be float16 or bfloat16 (float8_e4m3fn with qkv_scale), "
                              f"got {x.dtype}")
-        if x.stride(-1) != 1 and not (name == "v" and x.stride(0) == 1):
-            raise ValueError(f"varlen_attention: {name}'s head_dim must be contiguous (stride 1)"
-                             f"{' (or, for v, its tokens: a [T, heads, head_dim] view of V^T)' if name == 'v' else ''}, "
+        if x.stride(-1) != 1:
+            raise ValueError(f"varlen_attention: {name}'s head_dim must be contiguous (stride 1), "
                              f"got strides {x.stride()}")
         if x.shape != q.shape or x.dtype != q.dtype or x.device != q.device:
             raise ValueError(f"varlen_attention: {name} is {tuple(x.shape)} {x.dtype} on {x.device}, "
@@ -239,12 +232,6 @@ def _check(q, k, v, cu_seqlens, max_seqlen, scale, out_inv_scale=None, qkv_scale
         if x is not None and (x.numel() != 1 or x.dtype != torch.float32 or x.device != q.device):
             raise ValueError(f"varlen_attention: {name} must be a 1-element float32 tensor on {q.device}, got "
                              f"{x.dtype} {tuple(x.shape)} on {x.device}")
-
-
-def v_tokens_contiguous(v) -> bool:
-    """Whether ``v`` is a [T, heads, head_dim] view of V^T (tokens contiguous, head_dim not): the
-    kernel's other V layout (``V_T``), which the FP8 P V product reads without a transpose."""
-    return v.stride(0) == 1 and v.stride(2) != 1
 
 
 def output_dtype(q_dtype, out_inv_scale=None):
@@ -296,9 +283,9 @@ def launch(q, k, v, cu_seqlens, max_seqlen: int, scale: float, out=None, out_inv
 
     kernel, tile = (_tuned(), {}) if config is None else (_kernel(), config.all_kwargs())
     kernel[grid](q, k, v, out, cu_seqlens, out_inv_scale, qkv_scale, q.stride(0), q.stride(1), k.stride(0),
-                 k.stride(1), v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), float(scale) * LOG2E,
+                 k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1), float(scale) * LOG2E,
                  seq_bucket(max_seqlen), HEAD_DIM=d, E4M3_OUT=out_inv_scale is not None,
-                 E4M3_IN=qkv_scale is not None, PV_DTYPE=pv_dtype, P_SCALE=p_scale, V_T=v_tokens_contiguous(v), **tile)
+                 E4M3_IN=qkv_scale is not None, PV_DTYPE=pv_dtype, P_SCALE=p_scale, **tile)
     return out
 
 
