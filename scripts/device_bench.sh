@@ -6,9 +6,12 @@
 # e.g. scripts/device_bench.sh parity/gpu-parity "gpu-timing:--backends eager-fp32-cuda,eager-fp16"
 # (parity/ runs `bertqa-bench parity`: the accuracy gate, with the determinism check and exit status;
 # loadgen/ runs `bertqa-bench loadgen`, ARGS naming --scenario: after a bench in the same call it
-# takes the model that bench trained, so one background job can train, bench and run LoadGen)
-# Each bundle is written twice: whole (<run>.tgz, with every row's logits) and without the logits
-# (<run>-tables.tgz), small enough for a device call to bring back.
+# takes the model that bench trained, so one background job can train, bench and run LoadGen, as
+# long as its ARGS repeat the bench's model and training overrides (e.g. --set train.seed=53):
+# other ones are another recipe, which trains again into the same model folder)
+# Each bundle is written twice: whole (<run>.tgz, with every row's logits) and without them
+# (<run>-tables.tgz: no outputs/, no LoadGen accuracy log of every sample's logits), small enough
+# for a device call to bring back.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-device-out}
@@ -41,7 +44,7 @@ for spec in "$@"; do
   for d in $(comm -13 <(echo "$before" | sort) <(ls results | sort)); do
     if [[ -f results/$d/results.csv ]]; then
       tar czf "$out/$d.tgz" -C results "$d"
-      tar czf "$out/$d-tables.tgz" --exclude="$d/outputs" -C results "$d"
+      tar czf "$out/$d-tables.tgz" --exclude="$d/outputs" --exclude=mlperf_log_accuracy.json -C results "$d"
     fi
   done
 done

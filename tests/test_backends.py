@@ -342,6 +342,23 @@ def test_onnxruntime_int8_is_close(make_ctx, reference):
         assert max_diff(out, r) < 0.1 * scale, (max_diff(out, r), scale)
     assert "QInt8" in backend.prepare_info["quantization"]
     assert_attention_fused(backend.prepare_info)
+    # 7-bit weights exactly where the CPU's u8 x s8 GEMM can saturate its 16-bit pair sums (no VNNI)
+    from bertqa_bench.backends.exported.ort_static import cpu_features, reduce_range_on
+
+    assert backend.prepare_info["reduce_range"] == reduce_range_on("auto", cpu_features())
+
+
+def test_dynamic_int8_reduce_range_follows_the_cpu_unless_set():
+    from bertqa_bench.backends.exported.ort_static import reduce_range_on
+    from bertqa_bench.backends.variants import make_variant
+    from bertqa_bench.errors import ConfigError
+
+    avx2, vnni, arm = {"vnni": False, "machine": "x86_64"}, {"vnni": True, "machine": "x86_64"}, {"machine": "aarch64"}
+    assert reduce_range_on("auto", avx2) and not reduce_range_on("auto", vnni) and not reduce_range_on("auto", arm)
+    assert reduce_range_on("true", vnni) and not reduce_range_on("false", avx2)
+    assert make_variant("x", "onnxruntime", "cpu", {"graph": "int8", "reduce_range": "TRUE"}).options.reduce_range == "true"
+    with pytest.raises(ConfigError, match="reduce_range 'seven' is not one of auto, true, false"):
+        make_variant("x", "onnxruntime", "cpu", {"graph": "int8", "reduce_range": "seven"})
 
 
 def test_torch_compile_cpu_compiles_every_run_shape_in_prepare_and_never_while_predicting(make_ctx, reference):
@@ -494,6 +511,57 @@ def test_token_buckets_fill_the_length_vector_with_dummy_sequences_of_1_to_max_l
         tb.size_for(60, 2)
     with pytest.raises(ValueError, match="5 rows is more than the prepared 4"):
         tb.size_for(20, 5)
+
+
+def test_token_buckets_with_empty_dummies_keep_a_batch_in_the_bucket_of_its_real_tokens():
+    """``empty_dummies`` (an attention kernel that takes empty sequences): a batch takes the bucket
+    that holds its real tokens, the dummies split the rest (0 to max_len tokens each, the vector
+    ending at the bucket's size), and the largest bucket is the largest batch's, not that plus a
+    token for each dummy."""
+    from bertqa_bench.backends.transforms.packed_encoder import TokenBuckets
+
+    tb = TokenBuckets(None, bucket=16, max_len=6, max_rows=4, max_tokens=40, empty_dummies=True)
+    assert tb.cu_len == 4 + 4 + 1 and tb.sizes == [16, 32, 48]
+    assert tb.size_for(32, 3) == 32 and tb.size_for(33, 3) == 48  # one-token dummies: 48 and 48
+    assert TokenBuckets(None, bucket=16, max_len=6, max_rows=4, max_tokens=40).size_for(32, 3) == 48
+    for rows in range(1, 5):
+        for t in range(rows, 41):
+            size = tb.size_for(t, rows)
+            assert size == -(-t // 16) * 16, (t, rows, size)
+            cu = torch.tensor([0] + [t * (i + 1) // rows for i in range(rows)], dtype=torch.int32)
+            full = tb.bucket_cu(cu, t, size).numpy()
+            dummies = np.diff(full[rows:])
+            assert full[-1] == size and len(full) == tb.cu_len, (t, rows)
+            assert dummies.min() >= 0 and dummies.max() <= 6, (t, rows, dummies)
+
+
+def test_empty_dummy_sequences_leave_the_real_tokens_logits_as_the_padded_model_gives():
+    """The packed encoder with the Triton kernel's contract (``takes_empty_sequences``; off CUDA its
+    per-sequence SDPA loop skips an empty sequence) on buckets whose dummies may be empty: the
+    padded model's logits on every real token, batches that fill whole buckets included."""
+    import copy
+
+    from transformers import BertConfig, BertForQuestionAnswering
+
+    from bertqa_bench.backends.transforms.packed_encoder import TokenBuckets, encoder_of, pack_model
+
+    torch.manual_seed(0)
+    m = BertForQuestionAnswering(BertConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2,
+                                            num_attention_heads=4, intermediate_size=128,
+                                            max_position_embeddings=128)).eval()
+    packed = pack_model(copy.deepcopy(m), attention="triton")
+    enc = encoder_of(packed)
+    assert enc.takes_empty_sequences and not encoder_of(pack_model(copy.deepcopy(m))).takes_empty_sequences
+    tb = TokenBuckets(enc.encode, bucket=16, max_len=40, max_rows=4, max_tokens=160, empty_dummies=True).attach(enc)
+    for rows, seq, pad_rows in ((4, 40, 0), (4, 40, 3), (2, 16, 0)):  # 160 and 32 real tokens: whole buckets
+        x = {k: torch.from_numpy(v) for k, v in make_batch(rows, seq, pad_rows=pad_rows).items()}
+        real = x["attention_mask"].bool()
+        t = int(real.sum())
+        assert tb.size_for(t, rows) == -(-t // 16) * 16
+        with torch.no_grad():
+            padded, got = m(**x), packed(**x)
+        for n in OUTPUTS:
+            assert (got[n] - padded[n])[real].abs().max() < 1e-5, (n, rows, seq, pad_rows)
 
 
 @pytest.mark.parametrize("compile_mode", ["none", "default"])

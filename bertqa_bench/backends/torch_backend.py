@@ -267,7 +267,8 @@ class TorchBackend(Backend):
             encode = torch.compile(enc.encode, mode=o.inductor_mode(), dynamic=True, fullgraph=o.fullgraph,
                                    backend="inductor")
         buckets = TokenBuckets(encode, bucket=o.token_bucket, max_len=ctx.max_seq_len,
-                               max_rows=max(b for b, _ in shapes), max_tokens=max(b * s for b, s in shapes)).attach(enc)
+                               max_rows=max(b for b, _ in shapes), max_tokens=max(b * s for b, s in shapes),
+                               empty_dummies=o.token_bucket_dummies == "auto" and enc.takes_empty_sequences).attach(enc)
         captured = 0
         self._buckets = buckets
         info = {}
@@ -285,6 +286,7 @@ class TorchBackend(Backend):
 
                 self._packer = HostPacker(enc, torch.device("cuda"), slots=self.in_flight())
         info.update(token_bucket=o.token_bucket, token_buckets=len(buckets.sizes), token_bucket_graphs=captured,
+                    token_bucket_dummies="may be empty" if buckets.empty_dummies else ">= 1 token each",
                     packing="host" if self._packer is not None else "device")
         if captured and o.fp8 is not None:
             from ..kernels.cublaslt_epilogues import plans_held

@@ -25,6 +25,9 @@ PACKED_ATTENTION = ("flash", "cudnn", "triton")
 MAX_STREAMS = 8
 
 
+TOKEN_BUCKET_DUMMIES = ("auto", "tokens")
+
+
 def parse_layers(text: str) -> tuple[int, ...]:
     """'0, 11' -> (0, 11): encoder layers named in an option."""
     return tuple(int(x) for x in str(text).split(",") if x.strip())
@@ -167,6 +170,12 @@ class TorchOptions:
     # packed only: round each batch's token count up to a multiple of this and capture one CUDA
     # graph per bucket (packed_encoder.TokenBuckets); 0 = the exact token count, no graphs
     token_bucket: int = 0
+    # token_bucket: how the dummy sequences that fill a batch's fixed-length cumulative-length vector
+    # get tokens (TOKEN_BUCKET_DUMMIES): auto (empty where the attention kernel takes empty
+    # sequences, packed_attention: triton, so a batch takes the bucket of its real tokens) or
+    # tokens (at least 1 each, so a batch of t tokens and k dummies takes the bucket of t + k: the
+    # behaviour before 2026-12-04, ~3 % of a full 32k-token batch's tokens computed for dummies)
+    token_bucket_dummies: str = "auto"
     # token_bucket on CUDA only: pack each batch on the host into the bucket graph's inputs
     # (packed_encoder.HostPacker) instead of on the device (two host syncs and ~15 kernels a batch)
     host_pack: bool = False
@@ -208,6 +217,9 @@ class TorchOptions:
         if self.packed and self.cuda_graph != "none":
             raise ConfigError("packed (padding-free) runs eager or compiled; its token count changes every batch, "
                               "so no whole-model CUDA graphs (cuda_graph: none); token_bucket captures its graphs")
+        if self.token_bucket_dummies not in TOKEN_BUCKET_DUMMIES:
+            raise ConfigError(f"torch option token_bucket_dummies '{self.token_bucket_dummies}' is not one of "
+                              f"{', '.join(TOKEN_BUCKET_DUMMIES)}")
         if self.token_bucket < 0 or (self.token_bucket and not self.packed):
             raise ConfigError(f"token_bucket {self.token_bucket}: a bucket size in tokens (>= 1) for packed: true, "
                               "or 0 for none")

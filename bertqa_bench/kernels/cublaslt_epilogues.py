@@ -157,17 +157,20 @@ def _choose(make, operands: dict, stream, autotune: int):
     residual) of the call's shapes and layouts. nvmath sizes a plan's workspace to the largest that
     any of its candidate algorithms needs and keeps it for the plan's life (execute with
     release_workspace=False, which graph capture needs), and its default memory limit (80 % of the
-    device) lets split-K candidates ask for workspaces that grow with M x N: one plan per GEMM
-    kind, token bucket and graph copy held up to 26 GB of one BERT-large process at 64k-token
-    batches (h200-mlperf-bert-large-tokens-per-batch.md). Planned again with the chosen algorithm
-    alone, a plan holds that algorithm's workspace only; the same algorithm runs, so the same bits."""
+    device) lets split-K candidates ask for workspaces that grow with M x N. With one plan per GEMM
+    kind, token bucket and graph copy, that is the suspected cause of a BERT-large process's peak
+    allocation growing 3.3x from 32k- to 64k-token batches (25,784 MiB at 64k,
+    h200-mlperf-bert-large-tokens-per-batch.md; ``plans_held`` records the workspaces from now on).
+    Planned again with the chosen algorithm alone, a plan holds that algorithm's workspace only; the
+    same algorithm runs, so the same bits (an autotuned split-K winner still keeps its own)."""
     mm = make(stream, None)
-    if autotune > 0:
-        mm.reset_operands(**{k: _random_like(operands[k]) for k in ("b", "c") if k in operands}, stream=stream)
-        mm.autotune(iterations=int(autotune), stream=stream)
-    chosen = make(stream, mm.algorithms[:1])  # copies the algorithm's description into its own plan
-    mm.free()  # the candidates' plan and workspace (nvmath frees a Matmul's resources only when asked)
-    return chosen
+    try:
+        if autotune > 0:
+            mm.reset_operands(**{k: _random_like(operands[k]) for k in ("b", "c") if k in operands}, stream=stream)
+            mm.autotune(iterations=int(autotune), stream=stream)
+        return make(stream, mm.algorithms[:1])  # copies the algorithm's description into its own plan
+    finally:
+        mm.free()  # the candidates' plan and workspace (nvmath frees a Matmul's resources only when asked)
 
 
 # cuBLASLt's FP8 kernels need every dimension a multiple of 16 (torch._scaled_mm only K and N): a

@@ -52,7 +52,7 @@ from ...model.checkpoint import FAMILIES, model_dims, model_family
 from ..base import Backend, BackendContext, batch_at_shape
 from ..device_io import HostOutputs, batch_shape, cuda_unavailable_reason, gpu_info, pinned_empty
 from .onnx_export import EXPORTERS, FP32_ATOL, OnnxExport, cache_key, check_against_reference, export_onnx
-from .ort_static import Int8StaticOptions, batches_digest, cpu_features, quantize_static_qdq
+from .ort_static import REDUCE_RANGE, Int8StaticOptions, batches_digest, cpu_features, quantize_static_qdq, reduce_range_on
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +111,10 @@ class OrtOptions:
     opset: int = 17
     per_channel: bool = False  # int8: per-output-channel weight scales
     quantize_ops: list = field(default_factory=list)  # int8: op types to quantize (empty: all)
+    # int8: 7-bit weights (true | false | auto: on exactly for an x86 CPU without VNNI, where the
+    # u8 x s8 GEMM's 16-bit pair sums saturate; measured on a 2-core AVX2 AMD EPYC: the CI model's
+    # logits moved 1.55 against a range of 14.6 without it, ort_static.reduce_range_on)
+    reduce_range: str = "auto"
     intra_op_num_threads: Optional[int] = None  # CPU: default torch's thread count
     inter_op_num_threads: int = 1
     validate_atol: Optional[float] = None  # default: 1e-3 fp32, 0.25 fp16, measure only for int8
@@ -126,6 +130,9 @@ class OrtOptions:
         if self.session_opt_level not in SESSION_OPT_LEVELS:
             raise ConfigError(f"onnxruntime option session_opt_level '{self.session_opt_level}' is not one of "
                               f"{', '.join(SESSION_OPT_LEVELS)}")
+        self.reduce_range = str(self.reduce_range).lower()
+        if self.reduce_range not in REDUCE_RANGE:
+            raise ConfigError(f"onnxruntime option reduce_range '{self.reduce_range}' is not one of {', '.join(REDUCE_RANGE)}")
         if self.graph == "int8-static" and self.int8_static is None:
             self.int8_static = Int8StaticOptions()
         elif self.graph != "int8-static" and self.int8_static is not None:
@@ -193,6 +200,8 @@ class OnnxRuntimeBackend(Backend):
         key_parts: list[Any] = [export.key, "optimized", o.graph, o.opt_level, use_gpu, ort.__version__, num_heads,
                                  hidden, o.per_channel, tuple(o.quantize_ops), model_type]
         calib: list = []
+        if self.int8:  # the quantized weights depend on what the CPU has (reduce_range: auto)
+            key_parts.append(reduce_range_on(o.reduce_range, cpu_features()))
         if self.int8_static:
             # The calibrated scales depend on every static option, on the calibration data and on
             # what the CPU has (reduce_range: auto): all of them are in the key.
@@ -235,12 +244,14 @@ class OnnxRuntimeBackend(Backend):
                     # Shape inference knows no types for contrib-op outputs (Attention, SkipLayerNorm...):
                     # DefaultTensorType tells the quantizer they are float. quantize_ops (e.g. [MatMul])
                     # limits INT8 to those op types.
+                    reduce_range = reduce_range_on(o.reduce_range, cpu_features())
                     quantize_dynamic(str(fp32_tmp), str(tmp), weight_type=QuantType.QInt8,
-                                     per_channel=bool(o.per_channel),
+                                     per_channel=bool(o.per_channel), reduce_range=reduce_range,
                                      op_types_to_quantize=list(o.quantize_ops) or None,
                                      extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
                 meta["quantization"] = "dynamic QInt8 weights, per_channel=%s, ops=%s" % (
                     bool(o.per_channel), ",".join(o.quantize_ops) or "all")
+                meta["reduce_range"] = reduce_range
             elif self.int8_static:
                 with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
                     fp32_tmp = Path(scratch) / "optimized-fp32.onnx"
@@ -351,8 +362,9 @@ class OnnxRuntimeBackend(Backend):
             **{f"fused_{k}": v for k, v in fusions.items()},
             "graph_precision": o.graph,
         }
-        if "quantization" in meta:
-            self.prepare_info["quantization"] = meta["quantization"]
+        for k in ("quantization", "reduce_range"):  # dynamic int8's (the static graph's follow)
+            if k in meta:
+                self.prepare_info[k] = meta[k]
         if self.int8_static:
             for k in ("calibration_batches", "calibration_rows", "calibration_tokens", "calibrate_method",
                       "reduce_range", "quantized_nodes", "kept_fp32", "quantizer", "quantize_s"):

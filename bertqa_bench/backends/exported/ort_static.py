@@ -102,9 +102,16 @@ class Int8StaticOptions:
         return tuple(int(x) for x in str(self.keep_layers).split(",") if x.strip())
 
     def reduce_range_for(self, cpu: Mapping[str, Any]) -> bool:
-        if self.reduce_range == "auto":
-            return not cpu.get("vnni", False) and cpu.get("machine", "") in ("x86_64", "AMD64", "i686")
-        return self.reduce_range == "true"
+        return reduce_range_on(self.reduce_range, cpu)
+
+
+def reduce_range_on(setting: str, cpu: Mapping[str, Any]) -> bool:
+    """Whether 7-bit weights are used: ``setting`` true | false | auto (on exactly for an x86 CPU
+    without VNNI, whose u8 x s8 GEMM adds pairs of products in 16 bits and can saturate there);
+    shared by the static and the dynamic INT8 graphs."""
+    if setting == "auto":
+        return not cpu.get("vnni", False) and cpu.get("machine", "") in ("x86_64", "AMD64", "i686")
+    return setting == "true"
 
 
 def layer_of(node_name: str) -> Optional[int]:
