@@ -282,8 +282,9 @@ class TrainConfig:
             self.mixed_precision = "no"
         for k in ("epochs", "learning_rate", "warmup_ratio", "weight_decay"):
             setattr(self, k, _number(getattr(self, k), f"train.{k}"))
-        if self.epochs <= 0 or self.learning_rate <= 0 or self.batch_size < 1:
-            raise ConfigError("train: epochs, learning_rate and batch_size must be positive")
+        # `not 0 < x < inf`: YAML's .nan passes every `<= 0` check, and a NaN epoch count plans no steps
+        if not 0 < self.epochs < float("inf") or not 0 < self.learning_rate < float("inf") or self.batch_size < 1:
+            raise ConfigError("train: epochs, learning_rate and batch_size must be positive (and finite)")
         if self.grad_accum < 1:
             raise ConfigError(f"train.grad_accum must be >= 1 (micro-steps per optimizer step), not {self.grad_accum}")
         if not 0 <= self.warmup_ratio <= 1:

@@ -90,6 +90,8 @@ def test_track_reads_every_bundle_before_logging_any(tmp_path, capsys):
     ("train.warmup_ratio=5", "train.warmup_ratio must be in [0, 1]"),
     ("bench.num_threads=-3", "bench.num_threads must be >= 1"),
     ("bench.tokens_per_batch=-5", "bench.tokens_per_batch must be >= 1"),
+    ("train.epochs=.nan", "epochs, learning_rate and batch_size must be positive"),  # found by test_fuzz
+    ("train.learning_rate=.inf", "epochs, learning_rate and batch_size must be positive"),
     ("bench.max_batch_rows=0", "bench.max_batch_rows must be >= 1"),
     ("data.max_eval_examples=-1", "data.max_eval_examples must be >= 1 (or null: all of them)"),
     ("data.max_eval_examples=0", "data.max_eval_examples must be >= 1"),
