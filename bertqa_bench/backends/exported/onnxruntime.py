@@ -200,8 +200,10 @@ class OnnxRuntimeBackend(Backend):
         key_parts: list[Any] = [export.key, "optimized", o.graph, o.opt_level, use_gpu, ort.__version__, num_heads,
                                  hidden, o.per_channel, tuple(o.quantize_ops), model_type]
         calib: list = []
-        if self.int8:  # the quantized weights depend on what the CPU has (reduce_range: auto)
-            key_parts.append(reduce_range_on(o.reduce_range, cpu_features()))
+        # dynamic int8: the quantized weights depend on what the CPU has (reduce_range: auto)
+        reduce_range = reduce_range_on(o.reduce_range, cpu_features()) if self.int8 else None
+        if self.int8:
+            key_parts.append(reduce_range)
         if self.int8_static:
             # The calibrated scales depend on every static option, on the calibration data and on
             # what the CPU has (reduce_range: auto): all of them are in the key.
@@ -244,7 +246,6 @@ class OnnxRuntimeBackend(Backend):
                     # Shape inference knows no types for contrib-op outputs (Attention, SkipLayerNorm...):
                     # DefaultTensorType tells the quantizer they are float. quantize_ops (e.g. [MatMul])
                     # limits INT8 to those op types.
-                    reduce_range = reduce_range_on(o.reduce_range, cpu_features())
                     quantize_dynamic(str(fp32_tmp), str(tmp), weight_type=QuantType.QInt8,
                                      per_channel=bool(o.per_channel), reduce_range=reduce_range,
                                      op_types_to_quantize=list(o.quantize_ops) or None,
