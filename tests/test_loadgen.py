@@ -157,6 +157,27 @@ def test_server_far_above_capacity_is_reported_invalid_by_loadgen(suite):
     assert "**INVALID**" in (out.run_dir / "summary.md").read_text()
 
 
+def test_a_reference_without_its_performance_run_still_judges_every_row(suite):
+    # loadgen.reference_performance: false (the GPU suites' setting): the reference runs LoadGen's
+    # accuracy run alone, as one Offline query even in a Server run, and the other row is judged
+    # against those answers as before; the reference has no QPS and is no problem of the run.
+    cfg = load_suite(suite, [*SERVER, "loadgen.reference_performance=false"])
+    out = run_loadgen(cfg, "Server", backends=["sorted-eager"], progress=False)
+    rows = _rows(out)
+    ref, other = rows["eager-fp32"], rows["sorted-eager"]
+    assert ref.ok and ref.loadgen_result == "accuracy only" and "reference_performance" in ref.loadgen_invalid_reason
+    assert ref.achieved_qps is None and ref.bench_features_per_s is None and ref.scenario == "Server"
+    assert ref.accuracy_run == f"ok: {ref.n_features} samples" and ref.parity == "pass"
+    assert "bench plan over LoadGen's query" in ref.sut_batcher  # its one Offline query
+    root = out.run_dir / "loadgen" / "eager-fp32"
+    assert (root / "accuracy" / "mlperf_log_accuracy.json").exists() and not (root / "performance").exists()
+    assert '"key": "effective_scenario", "value": "Offline"' in (root / "accuracy" / "mlperf_log_detail.txt").read_text()
+    assert other.loadgen_result == "VALID" and other.achieved_qps > 0 and other.speedup is None
+    assert other.parity == "pass" and other.max_abs_logit_diff < 1e-4  # judged against the reference's answers
+    assert out.verdict.status == "PASS", out.verdict
+    assert "sorted-eager" in (out.run_dir / "summary.md").read_text().split("Recommendation", 1)[1]
+
+
 def test_a_sut_that_crashes_or_hangs_under_load_fails_only_its_row(suite):
     names = ["eager-fp32", "raises-under-load", "segfaults-under-load", "hangs-under-load"]
     cfg = load_suite(suite)

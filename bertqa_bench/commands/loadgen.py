@@ -53,7 +53,8 @@ def _job(cfg: SuiteConfig, task, variant, model, evalset, bundle, scenario: str,
     batching, batch_size = plan_key(b, variant)
     tokens, rows = batch_budget(b, batch_size)
     job = make_job(b, cfg.artifacts_root, task, variant, model, evalset, bundle)
-    spec = {"scenario": scenario, "settings": dataclasses.asdict(cfg.loadgen), "find_peak": bool(find_peak_qps),
+    accuracy_only = variant.name == b.reference and not cfg.loadgen.reference_performance
+    spec = {"scenario": "Offline" if accuracy_only else scenario, "accuracy_only": accuracy_only, "settings": dataclasses.asdict(cfg.loadgen), "find_peak": bool(find_peak_qps),
             "out_dir": str(bundle.path("loadgen", variant.name)), "batch_size": batch_size,
             "seq_multiple": b.seq_multiple, "tokens_per_batch": tokens, "max_batch_rows": rows}
     return dataclasses.replace(job, kind="loadgen", loadgen=spec)
@@ -81,11 +82,16 @@ def _keep_logs(bundle, name: str, rec: dict) -> list[Path]:
     return [p for p in (perf / "mlperf_log_summary.txt", perf / "mlperf_log_detail.txt") if p.exists()]
 
 
+ACCURACY_ONLY = "accuracy only"
+
+
 def _fill_scenario(r, rec: dict, scenario: str) -> None:
-    perf = rec["performance"]
+    perf = rec.get("performance") or {}
     r.scenario = scenario
-    r.loadgen_result = perf.get("validity") or "?"
-    r.loadgen_invalid_reason = perf.get("why", "")
+    r.loadgen_result = ACCURACY_ONLY if rec.get("accuracy_only") else perf.get("validity") or "?"
+    r.loadgen_invalid_reason = (perf.get("why", "") if r.loadgen_result != ACCURACY_ONLY else
+                                "loadgen.reference_performance is false: the reference's answers come from LoadGen's "
+                                "accuracy run as one Offline query; no performance run, so no QPS")
     r.target_qps = perf.get("target_qps")
     r.achieved_qps = perf.get("achieved_qps")
     r.sample_latency_p50_ms = perf.get("p50_ms")
@@ -101,6 +107,7 @@ def _fill_scenario(r, rec: dict, scenario: str) -> None:
     if runs:
         r.peak_search = ", ".join(f"{x['target_qps']:.4g}:{'V' if x['validity'] == 'VALID' else 'I'}" for x in runs)
     sut = rec.get("sut") or {}
+    scenario = "Offline" if rec.get("accuracy_only") else scenario  # the SUT's own: its facts' keys
     if sut:
         ladder = sut.get("ladder") or {}
         caps = "; ".join(f"{s} tokens: {sizes[-1]}" for s, sizes in sorted(ladder.items(), key=lambda x: int(x[0]))
@@ -223,7 +230,9 @@ def _rows_of(cfg, scenario, find_peak_qps, variants, task, model, evalset, plans
             bundle.add(r)
             tracker.log_backend(meta, r, env_tags | {"scenario": scenario})
             continue
-        log(f"[{variant.name}] prepare, warm-up, bench passes, then LoadGen {scenario} (accuracy, performance) ...")
+        log(f"[{variant.name}] prepare, warm-up, then LoadGen's accuracy run alone, one Offline query "
+            "(loadgen.reference_performance: false) ..." if variant.name == reference and not cfg.loadgen.reference_performance
+            else f"[{variant.name}] prepare, warm-up, bench passes, then LoadGen {scenario} (accuracy, performance) ...")
         job = _job(cfg, task, variant, model, evalset, bundle, scenario, find_peak_qps)
 
         rec = launch(job, timeout_s=time_limit(variant, cfg.bench.timeout_s),
@@ -262,7 +271,7 @@ def _rows_of(cfg, scenario, find_peak_qps, variants, task, model, evalset, plans
                           features.attention_mask, judged=not model.timing_only)
                     a, b = headline(r), headline(ref_row) if ref_row else None
                     r.speedup = a / b if a and b else None
-                if r.loadgen_result != "VALID":
+                if r.loadgen_result not in ("VALID", ACCURACY_ONLY):
                     problems.append(f"{variant.name}: LoadGen {scenario} {r.loadgen_result}: {r.loadgen_invalid_reason}")
                     meta.problems = list(problems)
                 if variant.name != reference:
@@ -287,7 +296,8 @@ def _log_row(log, task, r) -> None:
     scores = "  ".join(f"{k}={r.scores.get(k, float('nan')):.2f}" for k in task.metric_names)
     lat = "  ".join(f"{k}={getattr(r, f'sample_latency_{k}_ms'):.2f}ms" for k in ("p50", "p90", "p99")
                     if getattr(r, f"sample_latency_{k}_ms") is not None)
-    log(f"[{r.backend}] {r.scenario} {r.loadgen_result}  {lat}  {r.achieved_qps or 0:,.1f} samples/s"
+    log(f"[{r.backend}] {r.scenario} {r.loadgen_result}  {lat}"
+        + (f"  {r.achieved_qps:,.1f} samples/s" if r.achieved_qps is not None else "")
         + (f" (target {r.target_qps:,.1f})" if r.target_qps else "")
         + (f"  bench {r.bench_features_per_s:,.1f} features/s" if r.bench_features_per_s else "")
         + f"  {scores}  parity={r.parity or '—'}" + (f"  [{r.loadgen_invalid_reason}]" if r.loadgen_invalid_reason else ""))

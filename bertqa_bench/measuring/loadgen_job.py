@@ -160,7 +160,8 @@ def _execute(job) -> tuple[dict, Optional[dict]]:
         codec = Codec(job.output_names, job.token_outputs, backend.predict(st.batches[0]))
         record["layout"] = codec.layout
         bench_fps, outputs = None, None
-        if st.cfg.compare_bench:
+        record["accuracy_only"] = bool(st.spec.get("accuracy_only"))
+        if st.cfg.compare_bench and not record["accuracy_only"]:
             outputs, bench_fps = _bench_passes(backend, st, probe, record)
         _run_scenario(lg, backend, st, codec, bench_fps, record)
         # Energy stays the bench passes' (above): a Server run's joules include idle time
@@ -223,7 +224,9 @@ def _run_scenario(lg, backend, st: _Setup, codec, bench_fps: Optional[float], re
                                       out_root / "accuracy")
         record["accuracy_log"] = str(out_root / "accuracy" / "mlperf_log_accuracy.json")
         sut.reset_counts()  # from here on: the performance runs only
-        if scenario == "Server" and st.spec.get("find_peak"):
+        if st.spec.get("accuracy_only"):
+            pass  # the reference's answers only (loadgen.reference_performance: false)
+        elif scenario == "Server" and st.spec.get("find_peak"):
             _peak_search(lg, sut, qsl, cfg, target, hints, out_root, record)
         else:
             res = run_test(lg, sut, qsl, test_settings(lg, cfg, scenario, "performance", target, **hints),
