@@ -1681,6 +1681,10 @@ def test_fp8_backend_tracks_fp32_on_gpu(tmp_path, name, over):
         assert info["packed"] is True and info["cuda_graph"] == "none"
         if name.endswith("-graph"):  # one CUDA graph per token bucket instead
             assert info["token_bucket_graphs"] == info["token_buckets"] >= 1
+            # where the memory sits, from the allocator's own snapshot: the graphs' private pools hold
+            # what they allocated, the default pool the weights
+            assert info["cuda_graph_pools"] >= 1 and info["cuda_graph_pools_mib"] > 0
+            assert info["cuda_default_pool_mib"] > 0 and " x " in info["cuda_graph_largest_blocks_mib"]
     else:
         assert info["cuda_graph"] == ("trees" if over else "manual") and info["prepared_shapes"] == 2
     for out, ref, b in zip(outs, refs, batches):

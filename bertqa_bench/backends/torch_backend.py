@@ -35,7 +35,8 @@ import numpy as np
 
 from ..errors import BackendUnavailableError
 from .base import INPUT_NAMES, Backend, BackendContext, batch_at_shape
-from .device_io import CudaStaging, HostOutputs, batch_shape, capture_streams, cuda_unavailable_reason, gpu_info
+from .device_io import (CudaStaging, HostOutputs, batch_shape, capture_streams, cuda_unavailable_reason, gpu_info,
+                        memory_by_pool)
 from .torch_builder import build_model, torch_dtype
 from .torch_options import PACKED_FAMILIES, QUANT_FAMILIES, TorchOptions
 from .transforms.fp8_rules import needs_nvmath
@@ -292,6 +293,8 @@ class TorchBackend(Backend):
             from ..kernels.cublaslt_epilogues import plans_held
 
             info.update(plans_held())  # what the nvmath GEMMs' plans keep on the device across the buckets
+        if captured:
+            info.update(memory_by_pool(torch.cuda.memory_snapshot()))
         if o.packed_attention == "triton" and captured:
             from ..kernels.varlen_attention import autotune_timings, best_config, tuning_source
 
