@@ -321,10 +321,14 @@ def cmd_score_nq(a) -> int:
 def cmd_profile(a) -> int:
     if a.batches < 1 or a.top < 1:
         raise ConfigError(f"--batches and --top must be >= 1, not {a.batches} and {a.top}")
+    if a.clock_mhz is not None and not 0 < a.clock_mhz < float("inf"):
+        raise ConfigError(f"--clock-mhz must be a positive number of MHz, not {a.clock_mhz}")
     cfg = load_suite(_suite(a), a.overrides)
     _threads(cfg)
-    out = profile_backend(cfg, a.backend, n_batches=a.batches, top=a.top)
+    out = profile_backend(cfg, a.backend, n_batches=a.batches, top=a.top, clock_mhz=a.clock_mhz)
     print(out["table"])
+    if out["floors"]:
+        print((Path(out["dir"]) / "floors.md").read_text())
     print(f"trace: {out['trace']}\ntop kernels: {out['top_csv']}")
     return 0
 

@@ -175,6 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--backend", required=True)
     pr.add_argument("--batches", type=int, default=5)
     pr.add_argument("--top", type=int, default=25)
+    pr.add_argument("--clock-mhz", type=float, default=None,
+                    help="the SM clock a packed row's kernel floors assume (default the card's boost clock)")
     pr.set_defaults(fn="profile")
 
     rf = sub.add_parser("reference", help="merge result bundles into a committed reference table (md + csv)")

@@ -43,6 +43,8 @@ def no_work(monkeypatch):
     (["sweep", "--batch-sizes", ","], "--batch-sizes takes whole numbers >= 1"),
     (["profile", "--backend", "eager-fp32", "--batches", "-1"], "--batches and --top must be >= 1"),
     (["profile", "--backend", "eager-fp32", "--top", "0"], "--batches and --top must be >= 1"),
+    (["profile", "--backend", "eager-fp32", "--clock-mhz", "0"], "--clock-mhz must be a positive number"),
+    (["profile", "--backend", "eager-fp32", "--clock-mhz", "nan"], "--clock-mhz must be a positive number"),
     (["bench", "--backends", ","], "--backends ',' names no backend"),
     (["loadgen", "--scenario", "Offline", "--backends", ","], "--backends ',' names no backend"),
     (["bench", "--model", ""], "--model is empty"),

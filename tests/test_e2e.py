@@ -197,6 +197,7 @@ def test_profile_writes_a_trace_and_top_table(tiny_suite):
     assert trace["traceEvents"], "empty trace"
     assert out["top_csv"].read_text().startswith("name,calls")
     assert any("addmm" in r["name"] or "linear" in r["name"] for r in out["rows"])  # the matmuls are there
+    assert out["floors"] is None and not (out["dir"] / "floors.md").exists()  # floors: packed rows on a known card
 
 
 def test_malformed_dataset_fails_clearly_and_writes_nothing(tiny_suite, tmp_path, capsys):

@@ -4,25 +4,37 @@ Profiles a few real batches of the suite's plan after prepare and warm-up. On CU
 ranks device kernels by total device time (that is what limits throughput); on CPU it ranks
 operators by self CPU time.
 Works for every backend, ONNX Runtime and TensorRT included, because their kernels show up
-in the CUDA activity stream even though their operators are not torch ops.
+in the CUDA activity stream even though their operators are not torch ops. A packed row on a
+card of known peaks also gets ``floors.csv`` / ``floors.md``: each layer role's time over the
+profiled batches beside its FLOP or byte floor (measuring/kernel_floors.py).
 """
 from __future__ import annotations
 
+import csv
+import json
 import time
 from pathlib import Path
+
+import numpy as np
 
 from ..backends.variants import VariantTable
 from ..config import SuiteConfig
 from ..data.evalset import load_evalset
 from ..errors import BackendUnavailableError
+from ..envinfo import device_name
+from ..measuring.flops import model_dims
 from ..measuring.jobs import plan_for, plan_key
+from ..measuring.kernel_floors import PEAKS, floors_table, role_floors, role_times, trace_kernels
 from ..measuring.runner import make_context, materialize, stream, warm_up
 from ..measuring.trace_tables import write_profile
 from ..tasks import get_task
 
 
-def profile_backend(cfg: SuiteConfig, name: str, *, n_batches: int = 5, top: int = 25) -> dict:
-    """Prepare and warm up one variant in this process, then profile ``n_batches`` real batches."""
+def profile_backend(cfg: SuiteConfig, name: str, *, n_batches: int = 5, top: int = 25,
+                    clock_mhz: float | None = None) -> dict:
+    """Prepare and warm up one variant in this process, then profile ``n_batches`` real batches.
+    ``clock_mhz``: the SM clock the floors assume (default the card's boost; a power-capped H200
+    runs ~1,650-1,750 MHz, read from a bench row's NVML median)."""
     from torch.profiler import ProfilerActivity, profile
 
     from .provision import ensure_model
@@ -53,4 +65,29 @@ def profile_backend(cfg: SuiteConfig, name: str, *, n_batches: int = 5, top: int
 
     out = Path(cfg.results_root) / "profiles" / f"{time.strftime('%Y%m%d-%H%M%S')}-{name}"
     res = write_profile(prof, out, cuda, top=top)
-    return {k: res[k] for k in ("dir", "trace", "top_csv", "table", "rows", "gpu_idle")}
+    floors = None
+    peak = PEAKS.get(device_name(variant.device)) if cuda else None
+    if peak is not None and plan.batching == "packed" and variant.precision in ("fp8", "fp16", "bf16"):
+        lengths = evalset.lengths()[np.concatenate([b.rows for b in plan.batches[:max(1, n_batches)]])]
+        hidden, layers, inter = model_dims(model.dir)
+        fl = role_floors(hidden, inter, layers, float(lengths.sum()), float((lengths.astype(np.float64) ** 2).sum()),
+                         peak=peak, clock_mhz=clock_mhz or peak.boost_mhz,
+                         precision="fp8" if variant.precision == "fp8" else "fp16")
+        events = json.loads(Path(res["trace"]).read_text()).get("traceEvents", [])
+        floors = floors_table(role_times(trace_kernels(events)), fl)
+        _write_floors(out, floors, f"{peak.name} at {clock_mhz or peak.boost_mhz:g} MHz, {len(lengths)} sequences, "
+                                   f"{int(lengths.sum()):,} tokens, {variant.precision}")
+    return {**{k: res[k] for k in ("dir", "trace", "top_csv", "table", "rows", "gpu_idle")}, "floors": floors}
+
+
+def _write_floors(out: Path, rows: list[dict], what: str) -> None:
+    with open(out / "floors.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    cell = lambda v: "—" if v is None or v == "" else (f"{v:,}" if isinstance(v, (int, float)) else str(v))  # noqa: E731
+    lines = [f"Kernels by layer role against their floors ({what}; floors: matrix FLOPs at the dense peak "
+             "scaled to that clock, or bytes at HBM bandwidth, the longer)", "",
+             "| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
+    lines += ["| " + " | ".join(cell(r[k]) for k in rows[0]) + " |" for r in rows]
+    (out / "floors.md").write_text("\n".join(lines) + "\n")

@@ -1,0 +1,102 @@
+"""kernel_floors: layer roles read from a profiled pass's kernels (names from the H200 profile of
+the packed FP8 row, h200-bert-large-pass-profile.md), and each role's floor from FLOPs and bytes."""
+import pytest
+
+from bertqa_bench.measuring.kernel_floors import (PEAKS, ROLES, Peak, floors_table, role_floors, role_of, role_times,
+                                                  trace_kernels)
+
+QKV = "nvjet_sm90_qqtsq_192x192_128x4_2x1_v_bz_coopB_bias_TNN"
+ATT = "varlen_attention_fwd"
+OUT = "nvjet_sm90_qqhsh_128x128_128x6_2x1_v_bz_bias_TNT"
+LN = "add_layernorm_fp8_kernel"
+UP = "nvjet_sm90_qqhsq_256x128_128x4_1x2_h_bz_coopA_gelubias_TNT"
+DOWN = "nvjet_sm90_qqhsh_256x128_128x4_1x2_h_bz_coopA_bias_TNT"
+LAYER = [(QKV, 180.0), (ATT, 120.0), (OUT, 58.0), (LN, 67.0), (UP, 300.0), (DOWN, 195.0), (LN, 68.0)]
+
+
+def _stream(stream, layers, t0, extra=()):
+    ks, t = [], t0
+    for _ in range(layers):
+        for name, dur in [*LAYER[:3], *extra, *LAYER[3:]]:
+            ks.append({"name": name, "ts": t, "dur": dur, "stream": stream})
+            t += dur + 1.0
+    return ks
+
+
+def test_roles_follow_the_layer_order_on_each_stream_whatever_the_interleaving():
+    # two streams whose kernels interleave in time, a copy kernel between attention and its output
+    # GEMM on one of them: each stream's own order names the roles
+    a = _stream(7, 3, 0.0, extra=[("Memcpy DtoD", 2.0)])
+    b = _stream(13, 2, 0.5)
+    t = role_times(sorted(a + b, key=lambda k: k["ts"]))
+    assert {r: t[r]["calls"] for r in ROLES} == {"qkv": 5, "attention": 5, "attn_out": 5, "layernorm": 10,
+                                                 "ffn_up": 5, "ffn_down": 5}
+    assert t["qkv"]["us"] == 5 * 180.0 and t["ffn_down"]["us"] == 5 * 195.0 and t["layernorm"]["us"] == 5 * 135.0
+    assert t["other"] == {"calls": 3, "us": 6.0}
+
+
+def test_an_unfused_gelu_marks_the_gemm_before_it_as_ffn_up():
+    assert role_of("sm90_xmma_gemm_f16f16", "layernorm", "triton_poi_fused_gelu_0") == "ffn_up"
+    assert role_of("triton_poi_fused_gelu_0", "ffn_up") == "other"
+    assert role_of("sm90_xmma_gemm_f16f16", "ffn_up") == "ffn_down"  # the GELU kernel keeps FFN-up as prev
+    assert role_of("sm90_xmma_gemm_f16f16", None) == "qkv" and role_of("sm90_xmma_gemm_f16f16", "layernorm") == "qkv"
+    assert role_of("fmha_cutlassF_f16", "qkv") == "attention" and role_of("triton_per_fused_native_layer_norm_3", "x") \
+        == "layernorm"
+    assert role_of("elementwise_kernel", "attention") == "other"
+
+
+def test_trace_kernels_keep_gpu_kernels_and_their_stream():
+    events = [{"ph": "X", "cat": "kernel", "name": QKV, "ts": 1.0, "dur": 2.0, "args": {"stream": 7}},
+              {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0.5, "dur": 9.0},
+              {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "ts": 3.0, "dur": 1.0, "args": {"stream": 7}}]
+    assert trace_kernels(events) == [{"name": QKV, "ts": 1.0, "dur": 2.0, "stream": 7}]
+
+
+def test_floors_are_the_flops_at_the_clocks_peak_or_the_bytes_at_hbm_bandwidth():
+    h200 = PEAKS["NVIDIA H200"]
+    t, s2 = 32768.0, 187 * 175.0 ** 2
+    fl = role_floors(1024, 4096, 24, t, s2, peak=h200, clock_mhz=1980.0)
+    up = fl["ffn_up"]
+    assert up["flops"] == 24 * 2 * t * 1024 * 4096 and up["bound"] == "FLOPs"
+    assert up["floor_s"] == pytest.approx(up["flops"] / 1979e12)
+    ln = fl["layernorm"]  # e4m3 GEMM output + 16-bit residual read, residual + e4m3 copy written, twice a layer
+    assert ln["bound"] == "bytes" and ln["bytes"] == 24 * 2 * 6 * t * 1024
+    assert ln["floor_s"] == pytest.approx(ln["bytes"] / 4.8e12)
+    att = fl["attention"]  # QK^T on FP8 tensor cores, P V in fp16
+    assert att["flop_floor_s"] == pytest.approx(24 * (2 * s2 * 1024 / 1979e12 + 2 * s2 * 1024 / 989.5e12))
+    half = role_floors(1024, 4096, 24, t, s2, peak=h200, clock_mhz=990.0)
+    assert half["ffn_up"]["flop_floor_s"] == pytest.approx(2 * up["flop_floor_s"])  # the clock scales the peak
+    assert half["layernorm"]["floor_s"] == pytest.approx(ln["floor_s"])  # and leaves HBM's bandwidth
+    fp16 = role_floors(1024, 4096, 24, t, s2, peak=h200, clock_mhz=1980.0, precision="fp16")
+    assert fp16["ffn_up"]["flop_floor_s"] == pytest.approx(2 * up["flop_floor_s"])
+    assert fp16["qkv"]["bytes"] == 2 * fl["qkv"]["bytes"]
+    with pytest.raises(ValueError, match="fp8 or fp16"):
+        role_floors(1024, 4096, 24, t, s2, peak=h200, clock_mhz=1980.0, precision="int8")
+
+
+def test_the_table_sets_each_roles_time_against_its_floor():
+    peak = Peak("card", 1000.0, 1000.0, 500.0, 1.0)
+    fl = role_floors(64, 256, 2, 1000.0, 1000.0 * 50, peak=peak, clock_mhz=1000.0)
+    times = {"ffn_up": {"calls": 2, "us": fl["ffn_up"]["floor_s"] * 3e6}, "other": {"calls": 4, "us": 10.0}}
+    rows = {r["role"]: r for r in floors_table(times, fl)}
+    assert list(rows) == [*ROLES, "other"]
+    assert rows["ffn_up"]["x_floor"] == 3.0 and rows["ffn_up"]["calls"] == 2
+    assert rows["qkv"]["calls"] == 0 and rows["qkv"]["x_floor"] is None  # a role that never ran has no ratio
+    assert rows["other"]["measured_ms"] == 0.01 and rows["other"]["floor_ms"] is None
+
+
+@pytest.mark.gpu
+def test_the_profile_of_a_packed_fp8_row_names_every_role_and_its_floor(tiny_suite):
+    from bertqa_bench.commands.profile import profile_backend
+    from bertqa_bench.envinfo import device_name
+    from bertqa_bench.suite import load_suite
+
+    if device_name("cuda") not in PEAKS:
+        pytest.skip(f"no published peaks for {device_name('cuda')} in kernel_floors.PEAKS")
+    cfg = load_suite(str(tiny_suite(backends=["eager-fp32"])))
+    out = profile_backend(cfg, "torch-compile-fp8-graph-packed", n_batches=2, top=10, clock_mhz=1700.0)
+    rows = {r["role"]: r for r in out["floors"]}
+    for role in ROLES:  # the real trace's kernel names and streams give every role its calls
+        assert rows[role]["calls"] > 0 and rows[role]["x_floor"] > 0, (role, rows[role])
+    assert rows["layernorm"]["calls"] >= 2 * rows["ffn_up"]["calls"]
+    assert "at 1700 MHz" in (out["dir"] / "floors.md").read_text()
