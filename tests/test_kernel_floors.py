@@ -64,9 +64,15 @@ def test_floors_are_the_flops_at_the_clocks_peak_or_the_bytes_at_hbm_bandwidth()
     assert ln["floor_s"] == pytest.approx(ln["bytes"] / 4.8e12)
     att = fl["attention"]  # QK^T on FP8 tensor cores, P V in fp16
     assert att["flop_floor_s"] == pytest.approx(24 * (2 * s2 * 1024 / 1979e12 + 2 * s2 * 1024 / 989.5e12))
+    # one exp2 a score, 16 a clock on each of 132 SMs, beside the bytes: at the boost clock these
+    # lengths' e4m3 bytes take longer, at a lower clock the exponentials do
+    assert att["exp2_floor_s"] == pytest.approx(24 * s2 * 16 / (16 * 132 * 1980e6)) and up["exp2_floor_s"] == 0.0
+    assert att["bound"] == "bytes" and att["byte_floor_s"] > att["exp2_floor_s"] > att["flop_floor_s"]
     half = role_floors(1024, 4096, 24, t, s2, peak=h200, clock_mhz=990.0)
     assert half["ffn_up"]["flop_floor_s"] == pytest.approx(2 * up["flop_floor_s"])  # the clock scales the peak
     assert half["layernorm"]["floor_s"] == pytest.approx(ln["floor_s"])  # and leaves HBM's bandwidth
+    assert half["attention"]["bound"] == "exp2" and half["attention"]["floor_s"] == pytest.approx(
+        2 * att["exp2_floor_s"])
     fp16 = role_floors(1024, 4096, 24, t, s2, peak=h200, clock_mhz=1980.0, precision="fp16")
     assert fp16["ffn_up"]["flop_floor_s"] == pytest.approx(2 * up["flop_floor_s"])
     assert fp16["qkv"]["bytes"] == 2 * fl["qkv"]["bytes"]
@@ -75,7 +81,7 @@ def test_floors_are_the_flops_at_the_clocks_peak_or_the_bytes_at_hbm_bandwidth()
 
 
 def test_the_table_sets_each_roles_time_against_its_floor():
-    peak = Peak("card", 1000.0, 1000.0, 500.0, 1.0)
+    peak = Peak("card", 1000.0, 1000.0, 500.0, 1.0, 10, 16.0)
     fl = role_floors(64, 256, 2, 1000.0, 1000.0 * 50, peak=peak, clock_mhz=1000.0)
     times = {"ffn_up": {"calls": 2, "us": fl["ffn_up"]["floor_s"] * 3e6}, "other": {"calls": 4, "us": 10.0}}
     rows = {r["role"]: r for r in floors_table(times, fl)}

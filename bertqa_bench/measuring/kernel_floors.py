@@ -9,7 +9,9 @@ read from its name where the name says it (attention, LayerNorm, a GEMM with a G
 and for the other GEMMs from the kernel before it on its CUDA stream: after attention comes the
 attention-output GEMM, after FFN-up the FFN-down GEMM, and any other GEMM is the next layer's
 QKV. cuBLASLt's kernel names (``nvjet_sm90_qqhsh_256x128_...``) tell tiles and types, not which
-product they compute, and the same kernel serves two roles at some shapes.
+product they compute, and the same kernel serves two roles at some shapes. Attention's floor
+also counts its softmax: one exp2 a score on the special-function units, which at head dim 64
+takes longer than its bytes or its products.
 
 Floors count one read of each input and one write of each output (the weights once a call), in
 the byte widths of the row's precision: e4m3 activations for FP8 rows, with a 16-bit residual
@@ -32,16 +34,23 @@ GELU = re.compile(r"gelu", re.I)
 
 @dataclass(frozen=True)
 class Peak:
-    """A card's dense peaks at its boost clock (TFLOP/s; TB/s of HBM)."""
+    """A card's dense peaks at its boost clock (TFLOP/s; TB/s of HBM), its SMs and their
+    special-function units' exp2 results a clock each."""
     name: str
     boost_mhz: float
     fp8_tflops: float
     fp16_tflops: float
     hbm_tb_s: float
+    sms: int
+    exp2_per_clk_sm: float
 
 
-# NVIDIA H200 SXM (datasheet): FP8 1,979 and FP16/BF16 989.5 dense TFLOP/s at 1,980 MHz, 4.8 TB/s
-PEAKS = {"NVIDIA H200": Peak("NVIDIA H200", 1980.0, 1979.0, 989.5, 4.8)}
+# NVIDIA H200 SXM (datasheet): FP8 1,979 and FP16/BF16 989.5 dense TFLOP/s at 1,980 MHz, 4.8 TB/s,
+# 132 SMs; exp2 16 results a clock an SM at compute capability 9.0 (CUDA C++ Programming Guide,
+# arithmetic instruction throughput). Attention's softmax takes one exp2 a score: at head dim 64
+# that unit, not HBM or the tensor cores, sets its floor (a BERT-large layer's ~115 M scores at
+# 32k tokens: ~32 us at 1,688 MHz, against ~28 us for its e4m3 bytes)
+PEAKS = {"NVIDIA H200": Peak("NVIDIA H200", 1980.0, 1979.0, 989.5, 4.8, 132, 16.0)}
 
 
 def role_of(name: str, prev: Optional[str], next_name: str = "") -> str:
@@ -85,10 +94,11 @@ def trace_kernels(events: Iterable[Mapping]) -> list[dict]:
 
 
 def role_floors(hidden: int, intermediate: int, layers: int, tokens: float, sum_sq_len: float, *, peak: Peak,
-                clock_mhz: float, precision: str = "fp8", pv16: bool = True) -> dict[str, dict]:
+                clock_mhz: float, precision: str = "fp8", pv16: bool = True, heads: int = 0) -> dict[str, dict]:
     """Per role over the pass: matrix FLOPs, bytes, and the floor (s) = max(FLOPs at the dense
-    peak scaled to ``clock_mhz``, bytes at HBM bandwidth). ``tokens``: tokens computed over the
-    pass; ``sum_sq_len``: the sum of every sequence's length squared (attention's products)."""
+    peak scaled to ``clock_mhz``, bytes at HBM bandwidth, and for attention one exp2 a score on
+    the special-function units). ``tokens``: tokens computed over the pass; ``sum_sq_len``: the sum
+    of every sequence's length squared (attention's scores a head); ``heads`` (0: hidden / 64)."""
     if precision not in ("fp8", "fp16"):
         raise ValueError(f"precision must be fp8 or fp16, got {precision!r}")
     h, f, t, n = float(hidden), float(intermediate), float(tokens), float(layers)
@@ -105,12 +115,16 @@ def role_floors(hidden: int, intermediate: int, layers: int, tokens: float, sum_
         "ffn_up": (2 * t * h * f, None, a * (t * h + f * h + t * f)),
         "ffn_down": (2 * t * f * h, None, a * (t * f + f * h + t * h)),
     }
+    scores = sum_sq_len * float(heads or hidden // 64)
+    exp_s = scores / (peak.exp2_per_clk_sm * peak.sms * clock_mhz * 1e6)
     out = {}
     for role, (flops, flop_s, nbytes) in spec.items():
         flop_s = flops / mm if flop_s is None else flop_s
-        byte_s = nbytes / (peak.hbm_tb_s * 1e12)
-        out[role] = {"flops": n * flops, "bytes": n * nbytes, "flop_floor_s": n * flop_s, "byte_floor_s": n * byte_s,
-                     "floor_s": n * max(flop_s, byte_s), "bound": "FLOPs" if flop_s >= byte_s else "bytes"}
+        bounds = {"FLOPs": flop_s, "bytes": nbytes / (peak.hbm_tb_s * 1e12), "exp2": exp_s if role == "attention" else 0.0}
+        bound = max(bounds, key=bounds.get)
+        out[role] = {"flops": n * flops, "bytes": n * nbytes, "flop_floor_s": n * flop_s,
+                     "byte_floor_s": n * bounds["bytes"], "exp2_floor_s": n * bounds["exp2"],
+                     "floor_s": n * bounds[bound], "bound": bound}
     return out
 
 
