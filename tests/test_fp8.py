@@ -1244,17 +1244,26 @@ def test_cublaslt_gemms_run_the_planned_op_with_the_autotune_setting_and_keep_th
 
 
 class _FakeMatmul:
-    """Stands in for nvmath's Matmul in _planned: records what it is given, in order."""
+    """Stands in for nvmath's Matmul in _planned: records what it is given, in order. As nvmath's,
+    it holds its operands until released, and after release_operands a reset must give them all."""
 
     def __init__(self, operands, log, algorithms=None):
         self.operands, self.log = dict(operands), log
         self.given = algorithms  # what plan() was handed (None: the heuristic's)
         self.algorithms = tuple(algorithms) if algorithms is not None else (object(), object())
         self.heuristic_order = self.algorithms
+        self.released = ()
 
     def reset_operands(self, stream=None, **kw):
+        if not set(self.released) <= set(kw):
+            raise ValueError(f"after release_operands every operand is needed, missing {set(self.released) - set(kw)}")
         self.operands.update(kw)
+        self.released = ()
         self.log.append(("reset",))
+
+    def release_operands(self):
+        self.released, self.operands = tuple(self.operands), {}
+        self.log.append(("release",))
 
     def autotune(self, iterations, stream=None):
         self.log.append(("autotune", iterations, {k: self.operands[k].clone() for k in ("b", "c") if k in self.operands}))
@@ -1301,13 +1310,49 @@ def test_planned_gemm_autotunes_once_per_shape_on_random_operands_then_runs_on_t
         assert kept.given == (candidates.heuristic_order[-1 if tune else 0],)
         tuned = [e for e in log if e[0] == "autotune"]
         if not tune:
-            assert not tuned and [e[0] for e in log] == ["free", "execute", "reset", "execute"]
+            assert not tuned and [e[0] for e in log] == ["free", "execute", "release", "reset", "execute", "release"]
             continue
-        assert [e[0] for e in log] == ["reset", "autotune", "free", "execute", "reset", "execute"]
+        assert [e[0] for e in log] == ["reset", "autotune", "free", "execute", "release", "reset", "execute", "release"]
         assert len(tuned) == 1 and tuned[0][1] == 3
         for k, t in tuned[0][2].items():  # random, not the call's zeros, in the call's layout
             assert t.float().abs().max() > 0 and t.shape == ops[k].shape and t.stride() == ops[k].stride(), k
         assert all(torch.equal(e[1].float(), x8.t().float()) for e in log if e[0] == "execute")
+
+
+def test_a_plan_keeps_no_reference_to_the_activations_it_ran_on(monkeypatch):
+    """Each token bucket has its plan, and a plan that kept its last operands kept that bucket's
+    activations allocated in the CUDA graph pool for the process's life: after _planned returns,
+    the call's activation tensor is freed as soon as the caller drops it, at the first call and at
+    a later one."""
+    import gc
+    import weakref
+
+    from bertqa_bench.kernels import cublaslt_epilogues as ge
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    w8 = torch.ones(48, 16).to(torch.float8_e4m3fn)
+    made = []
+    key = ("release-test",)
+    try:
+        for _ in range(2):
+            x8 = torch.zeros(32, 16).to(torch.float8_e4m3fn)
+            ops = {"a": w8, "b": x8.t()}
+
+            def make(stream, algorithms, ops=ops):
+                mm = _FakeMatmul(ops, [], algorithms)
+                if algorithms is not None:  # the kept plan; the candidates' goes with _choose's frame
+                    made.append(mm)
+                return mm
+
+            out = ge._planned(key, "test GEMM", make, ops, None, 0)
+            assert out.shape == (32, 48)
+            gone = weakref.ref(x8)
+            del x8, ops, make
+            gc.collect()
+            assert gone() is None, "the plan still holds the call's activations"
+    finally:
+        ge._PLANS.pop((*key, 0), None)
+    assert made[-1].operands == {} and made[-1].released == ("a", "b")
 
 
 @pytest.mark.parametrize("autotune", [0, 3])

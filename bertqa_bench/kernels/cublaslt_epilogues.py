@@ -134,6 +134,14 @@ def _planned(key, what: str, make, operands: dict, stream, autotune: int = 0):
     else:
         mm.reset_operands(**operands, stream=stream)
     d = mm.execute(release_workspace=False, stream=stream)
+    # A plan keeps direct references to its operands until the next reset (nvmath's Matmul drops
+    # only its result's), and each token bucket has a plan of its own: captured in a CUDA graph,
+    # the last layer's activations (B: e4m3 [T, 1,024] or [T, 4,096]) stayed allocated in the
+    # graph pool for the process's life, so a later bucket's capture could not reuse them. That is
+    # ~6 KB a token of every bucket of every copy: 1.2 M tokens at 32k (34 buckets x 2 copies),
+    # 4.8 M at 64k, which fits the 7,461 / 25,784 MiB peaks an H200 recorded (2026-12-04), and the
+    # empty dummies' 0.947x (33 buckets for 34). The next call resets every operand anyway.
+    mm.release_operands()
     if isinstance(d, tuple):  # (result, auxiliary outputs)
         d = d[0]
     out = d.t()
@@ -157,12 +165,12 @@ def _choose(make, operands: dict, stream, autotune: int):
     residual) of the call's shapes and layouts. nvmath sizes a plan's workspace to the largest that
     any of its candidate algorithms needs and keeps it for the plan's life (execute with
     release_workspace=False, which graph capture needs), and its default memory limit (80 % of the
-    device) lets split-K candidates ask for workspaces that grow with M x N. With one plan per GEMM
-    kind, token bucket and graph copy, that is the suspected cause of a BERT-large process's peak
-    allocation growing 3.3x from 32k- to 64k-token batches (25,784 MiB at 64k,
-    h200-mlperf-bert-large-tokens-per-batch.md; ``plans_held`` records the workspaces from now on).
-    Planned again with the chosen algorithm alone, a plan holds that algorithm's workspace only; the
-    same algorithm runs, so the same bits (an autotuned split-K winner still keeps its own)."""
+    device) lets split-K candidates ask for workspaces that grow with M x N. Planned again with the
+    chosen algorithm alone, a plan holds that algorithm's workspace only; the same algorithm runs,
+    so the same bits (an autotuned split-K winner still keeps its own). (This was built as the
+    suspected cause of a BERT-large process's memory growing 3.3x from 32k- to 64k-token batches;
+    on the H200 the chosen plans held no workspace at all, ``plans_held``: the cause was the
+    operands each plan kept, released in ``_planned``.)"""
     mm = make(stream, None)
     try:
         if autotune > 0:
