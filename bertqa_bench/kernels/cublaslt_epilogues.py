@@ -137,10 +137,10 @@ def _planned(key, what: str, make, operands: dict, stream, autotune: int = 0):
     # A plan keeps direct references to its operands until the next reset (nvmath's Matmul drops
     # only its result's), and each token bucket has a plan of its own: captured in a CUDA graph,
     # the last layer's activations (B: e4m3 [T, 1,024] or [T, 4,096]) stayed allocated in the
-    # graph pool for the process's life, so a later bucket's capture could not reuse them. That is
-    # ~6 KB a token of every bucket of every copy: 1.2 M tokens at 32k (34 buckets x 2 copies),
-    # 4.8 M at 64k, which fits the 7,461 / 25,784 MiB peaks an H200 recorded (2026-12-04), and the
-    # empty dummies' 0.947x (33 buckets for 34). The next call resets every operand anyway.
+    # graph pool for the process's life, so a later bucket's capture could not reuse them: 5-6 KB a
+    # token of every bucket of every copy (1.2 M tokens at 32k: 34 buckets x 2 copies; 4.9 M at
+    # 64k). Fitted on an H200's two 32k rows (7,461 and 7,819 MiB, 2026-12-04) that model predicts
+    # the 64k row's 25,784 MiB to 1.1 %. The next call resets every operand anyway.
     mm.release_operands()
     if isinstance(d, tuple):  # (result, auxiliary outputs)
         d = d[0]
