@@ -38,3 +38,10 @@ def test_the_largest_block_sizes_are_cut_to_top():
     blocks = [(s, "active_allocated") for s in (1, 2, 3, 4, 5, 6, 7, 8)]
     m = memory_by_pool([_segment((0, 0), 64, blocks)], top=3)
     assert m["cuda_default_largest_blocks_mib"] == "8.0 x 1, 7.0 x 1, 6.0 x 1"
+
+
+def test_only_the_asked_devices_segments_count():
+    segments = [dict(_segment((0, 0), 64, [(64, "active_allocated")]), device=0),
+                dict(_segment((0, 0), 32, [(32, "active_allocated")]), device=1)]
+    assert memory_by_pool(segments, device=1)["cuda_default_pool_mib"] == 32.0
+    assert memory_by_pool(segments)["cuda_default_pool_mib"] == 96.0

@@ -184,15 +184,18 @@ def gpu_info() -> dict[str, Any]:
     return {"gpu": p.name, "gpu_capability": f"{p.major}.{p.minor}", "cuda_runtime": torch.version.cuda}
 
 
-def memory_by_pool(segments: Sequence[Mapping], top: int = 6) -> dict[str, Any]:
+def memory_by_pool(segments: Sequence[Mapping], top: int = 6, device: Optional[int] = None) -> dict[str, Any]:
     """Where a process's CUDA memory sits, from ``torch.cuda.memory_snapshot()``'s segments: the
     caching allocator's default pool (weights, static buffers, whatever lives between calls)
     against the CUDA graphs' private pools (each captured graph's intermediates and outputs), and
     the largest allocated block sizes of each. A packed FP8 row held 7.5 GiB at 32k tokens and
     25.8 GiB at 64k (H200, 2026-12-04) with no cuBLASLt workspace at all: this says which pool
-    grows with the batch before any guess is built on."""
+    grows with the batch before any guess is built on. ``device``: that device's segments only (the
+    snapshot has every device's)."""
     pools: dict[tuple, dict] = {}
     for seg in segments:
+        if device is not None and seg.get("device") != device:
+            continue
         pid = tuple(seg.get("segment_pool_id") or (0, 0))
         p = pools.setdefault(pid, {"allocated": 0, "reserved": 0, "blocks": {}})
         p["allocated"] += int(seg.get("allocated_size", 0))

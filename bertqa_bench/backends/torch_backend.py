@@ -294,7 +294,7 @@ class TorchBackend(Backend):
 
             info.update(plans_held())  # what the nvmath GEMMs' plans keep on the device across the buckets
         if captured:
-            info.update(memory_by_pool(torch.cuda.memory_snapshot()))
+            info.update(memory_by_pool(torch.cuda.memory_snapshot(), device=torch.cuda.current_device()))
         if o.packed_attention == "triton" and captured:
             from ..kernels.varlen_attention import autotune_timings, best_config, tuning_source
 

@@ -24,7 +24,8 @@ from ..errors import BackendUnavailableError
 from ..envinfo import device_name
 from ..measuring.flops import model_dims
 from ..measuring.jobs import plan_for, plan_key
-from ..measuring.kernel_floors import PEAKS, floors_table, role_floors, role_times, trace_kernels
+from ..backends.transforms.fp8_rules import parse_gemms
+from ..measuring.kernel_floors import FP16, PEAKS, Recipe, floors_table, role_floors, role_times, trace_kernels
 from ..measuring.runner import make_context, materialize, stream, warm_up
 from ..measuring.trace_tables import write_profile
 from ..tasks import get_task
@@ -68,16 +69,36 @@ def profile_backend(cfg: SuiteConfig, name: str, *, n_batches: int = 5, top: int
     floors = None
     peak = PEAKS.get(device_name(variant.device)) if cuda else None
     if peak is not None and plan.batching == "packed" and variant.precision in ("fp8", "fp16", "bf16"):
-        lengths = evalset.lengths()[np.concatenate([b.rows for b in plan.batches[:max(1, n_batches)]])]
+        profiled = plan.batches[:max(1, n_batches)]
+        lengths = evalset.lengths()[np.concatenate([b.rows for b in profiled])]
+        real = float(lengths.sum())
+        bucket = int(getattr(variant.options, "token_bucket", 0) or 0)  # graphs run whole buckets
+        computed = float(sum(-(-int(evalset.lengths()[b.rows].sum()) // bucket) * bucket for b in profiled)) \
+            if bucket else real
         hidden, layers, inter = model_dims(model.dir)
-        fl = role_floors(hidden, inter, layers, float(lengths.sum()), float((lengths.astype(np.float64) ** 2).sum()),
-                         peak=peak, clock_mhz=clock_mhz or peak.boost_mhz,
-                         precision="fp8" if variant.precision == "fp8" else "fp16")
+        heads = int(json.loads((Path(model.dir) / "config.json").read_text()).get("num_attention_heads") or 0)
+        recipe = recipe_of(variant)
+        fl = role_floors(hidden, inter, layers, computed, float((lengths.astype(np.float64) ** 2).sum()), peak=peak,
+                         clock_mhz=clock_mhz or peak.boost_mhz, recipe=recipe, heads=heads, attention_tokens=real)
         events = json.loads(Path(res["trace"]).read_text()).get("traceEvents", [])
         floors = floors_table(role_times(trace_kernels(events)), fl)
         _write_floors(out, floors, f"{peak.name} at {clock_mhz or peak.boost_mhz:g} MHz, {len(lengths)} sequences, "
-                                   f"{int(lengths.sum()):,} tokens, {variant.precision}")
+                                   f"{int(real):,} real tokens in {int(computed):,} computed; {recipe.describe()}")
     return {**{k: res[k] for k in ("dir", "trace", "top_csv", "table", "rows", "gpu_idle")}, "floors": floors}
+
+
+def recipe_of(variant) -> Recipe:
+    """What the variant's kernels read and write, from its FP8 options (16-bit everywhere without)."""
+    fp8 = getattr(variant.options, "fp8", None)
+    if variant.precision != "fp8" or fp8 is None:
+        return FP16
+    roles = {"qkv": "qkv", "attn_out": "attn_out", "ffn_in": "ffn_up", "ffn_out": "ffn_down"}
+    att8 = fp8.attention == "fp8"
+    return Recipe(fp8_gemms=frozenset(roles[g] for g in parse_gemms(fp8.gemms)), qkv_out=1 if att8 else 2,
+                  qk_fp8=att8, pv_fp8=att8 and fp8.attention_pv == "e4m3",
+                  attention_out=1 if att8 or fp8.attention_output == "e4m3" else 2,
+                  dense_out=1 if fp8.dense_output == "e4m3" else 2,
+                  ffn_hidden=1 if fp8.ffn_hidden_fp8 or fp8.ffn_gelu == "epilogue" else 2)
 
 
 def _write_floors(out: Path, rows: list[dict], what: str) -> None:

@@ -14,10 +14,11 @@ also counts its softmax: one exp2 a score on the special-function units, which a
 takes longer than its bytes or its products.
 
 Floors count one read of each input and one write of each output (the weights once a call), in
-the byte widths of the row's precision: e4m3 activations for FP8 rows, with a 16-bit residual
-stream (the LayerNorm reads the GEMM's output and the residual and writes both the residual and
-its e4m3 copy). Pure functions of their arguments; the peaks are the card's published dense
-figures (no sparsity).
+the byte widths the row's recipe gives each tensor (``Recipe``, from its FP8 options: which GEMMs
+run in FP8, what attention reads and writes, whether the dense GEMMs write e4m3), with a 16-bit
+residual stream. A 16-bit input to an FP8 GEMM counts as 16-bit bytes, not the quantize pass it
+takes. Pure functions of their arguments; the peaks are the card's published dense figures (no
+sparsity).
 """
 from __future__ import annotations
 
@@ -26,10 +27,35 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping, Optional
 
 ROLES = ("qkv", "attention", "attn_out", "layernorm", "ffn_up", "ffn_down")
+GEMM_ROLES = ("qkv", "attn_out", "ffn_up", "ffn_down")
 ATTENTION = re.compile(r"attention|attn_fwd|fmha|flash", re.I)
 NORM = re.compile(r"layer_?norm", re.I)
 GEMM = re.compile(r"nvjet|gemm|xmma|cutlass|sm90_|_mm_|scaled_mm", re.I)
 GELU = re.compile(r"gelu", re.I)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What a row's kernels read and write: the GEMM roles on FP8 tensor cores (their inputs and
+    weights in e4m3; the others in 16 bits), and the bytes an element of each tensor between
+    kernels. The default is the packed e4m3-dense row (every GEMM in FP8, e4m3 Q, K, V into
+    attention, P V in fp16, e4m3 out of every kernel but the 16-bit residual)."""
+    fp8_gemms: frozenset = frozenset(GEMM_ROLES)
+    qkv_out: int = 1  # Q, K, V as attention reads them
+    qk_fp8: bool = True  # Q K^T on FP8 tensor cores
+    pv_fp8: bool = False  # P V on FP8 tensor cores (else fp16)
+    attention_out: int = 1
+    dense_out: int = 1  # the attention-output and FFN-down GEMMs' outputs, read by the LayerNorm
+    ffn_hidden: int = 1  # the FFN-up GEMM's (GELU's) output
+
+    def describe(self) -> str:
+        gemms = ", ".join(g for g in GEMM_ROLES if g in self.fp8_gemms) or "none"
+        return (f"FP8 GEMMs: {gemms}; Q K^T {'e4m3' if self.qk_fp8 else 'fp16'}, P V {'e4m3' if self.pv_fp8 else 'fp16'}; "
+                f"bytes an element: Q K V {self.qkv_out}, attention out {self.attention_out}, dense GEMMs out "
+                f"{self.dense_out}, FFN hidden {self.ffn_hidden}, residual 2")
+
+
+FP16 = Recipe(frozenset(), 2, False, False, 2, 2, 2)
 
 
 @dataclass(frozen=True)
@@ -53,18 +79,36 @@ class Peak:
 PEAKS = {"NVIDIA H200": Peak("NVIDIA H200", 1980.0, 1979.0, 989.5, 4.8, 132, 16.0)}
 
 
-def role_of(name: str, prev: Optional[str], next_name: str = "") -> str:
-    """The layer role of the kernel ``name``, given the role of the kernel before it on its stream
-    (None at a stream's start) and the next kernel's name; ``other`` for everything else."""
+def name_class(name: str) -> str:
+    """attention, layernorm, gemm, gelu (an elementwise GELU of its own) or other, by name alone."""
     if ATTENTION.search(name):
         return "attention"
     if NORM.search(name):
         return "layernorm"
-    if not GEMM.search(name):
+    if GEMM.search(name):
+        return "gemm"
+    return "gelu" if GELU.search(name) else "other"
+
+
+def role_of(name: str, prev: Optional[str], next_class: str = "") -> str:
+    """The layer role of the kernel ``name``, given the role of the last kernel with a role before
+    it on its stream (None at a stream's start; an elementwise GELU counts as ``gelu``) and the
+    class of the next kernel that is not ``other`` (``name_class``); ``other`` for everything
+    else: the embeddings and their LayerNorm, the QA head's GEMM, copies, quantize passes."""
+    cls = name_class(name)
+    if cls == "attention":
+        return "attention"
+    if cls == "layernorm":  # after a layer's dense GEMM; the embeddings' LayerNorm is not one
+        return "layernorm" if prev in ("attn_out", "ffn_down") else "other"
+    if cls != "gemm":
         return "other"
-    if GELU.search(name) or GELU.search(next_name):  # the GELU epilogue, or an unfused GELU after
+    if GELU.search(name) or next_class == "gelu":  # the GELU epilogue, or an unfused GELU after
         return "ffn_up"
-    return {"attention": "attn_out", "ffn_up": "ffn_down"}.get(prev or "", "qkv")
+    if prev == "attention":
+        return "attn_out"
+    if prev in ("ffn_up", "gelu"):
+        return "ffn_down"
+    return "qkv" if next_class == "attention" else "other"  # a GEMM before no attention: the QA head
 
 
 def role_times(kernels: Iterable[Mapping]) -> dict[str, dict]:
@@ -76,13 +120,21 @@ def role_times(kernels: Iterable[Mapping]) -> dict[str, dict]:
     out = {r: {"calls": 0, "us": 0.0} for r in (*ROLES, "other")}
     for ks in by_stream.values():
         ks = sorted(ks, key=lambda k: float(k["ts"]))
+        classes = [name_class(k["name"]) for k in ks]
+        nxt, following = [""] * len(ks), ""
+        for i in range(len(ks) - 1, -1, -1):  # the next kernel's class that is not other
+            nxt[i] = following
+            if classes[i] != "other":
+                following = classes[i]
         prev = None
         for i, k in enumerate(ks):
-            role = role_of(k["name"], prev, ks[i + 1]["name"] if i + 1 < len(ks) else "")
+            role = role_of(k["name"], prev, nxt[i])
             out[role]["calls"] += 1
             out[role]["us"] += float(k.get("dur", 0.0))
             if role != "other":  # copies and small kernels between two roles do not hide the order
                 prev = role
+            elif classes[i] == "gelu":
+                prev = "gelu"
     return out
 
 
@@ -94,32 +146,40 @@ def trace_kernels(events: Iterable[Mapping]) -> list[dict]:
 
 
 def role_floors(hidden: int, intermediate: int, layers: int, tokens: float, sum_sq_len: float, *, peak: Peak,
-                clock_mhz: float, precision: str = "fp8", pv16: bool = True, heads: int = 0) -> dict[str, dict]:
+                clock_mhz: float, recipe: Recipe = Recipe(), heads: int = 0,
+                attention_tokens: Optional[float] = None) -> dict[str, dict]:
     """Per role over the pass: matrix FLOPs, bytes, and the floor (s) = max(FLOPs at the dense
-    peak scaled to ``clock_mhz``, bytes at HBM bandwidth, and for attention one exp2 a score on
-    the special-function units). ``tokens``: tokens computed over the pass; ``sum_sq_len``: the sum
-    of every sequence's length squared (attention's scores a head); ``heads`` (0: hidden / 64)."""
-    if precision not in ("fp8", "fp16"):
-        raise ValueError(f"precision must be fp8 or fp16, got {precision!r}")
+    peak of their precision scaled to ``clock_mhz``, bytes at HBM bandwidth, and for attention one
+    exp2 a score on the special-function units). ``tokens``: tokens the GEMMs and LayerNorms
+    compute over the pass (token buckets included); ``attention_tokens``: those attention reads
+    (default ``tokens``); ``sum_sq_len``: the sum of every sequence's length squared (attention's
+    scores a head); ``heads`` (0: hidden / 64); ``recipe``: what the kernels read and write."""
     h, f, t, n = float(hidden), float(intermediate), float(tokens), float(layers)
-    a = 1.0 if precision == "fp8" else 2.0  # activation and weight bytes an element
+    ta = float(tokens if attention_tokens is None else attention_tokens)
+    r = recipe
     scale = clock_mhz / peak.boost_mhz
-    mm = (peak.fp8_tflops if precision == "fp8" else peak.fp16_tflops) * 1e12 * scale
-    fp16 = peak.fp16_tflops * 1e12 * scale
-    qk, pv = 2.0 * sum_sq_len * h, 2.0 * sum_sq_len * h  # QK^T and P V, summed over heads
+    fp8, fp16 = peak.fp8_tflops * 1e12 * scale, peak.fp16_tflops * 1e12 * scale
+    rate = {g: fp8 if g in r.fp8_gemms else fp16 for g in GEMM_ROLES}
+    w = {g: 1.0 if g in r.fp8_gemms else 2.0 for g in GEMM_ROLES}  # weights and the GEMM's own input
+    qk = pv = 2.0 * sum_sq_len * h  # Q K^T and P V, summed over heads
+    ln_copy = (1.0 if "ffn_up" in r.fp8_gemms else 0.0) + (1.0 if "qkv" in r.fp8_gemms else 0.0)
     spec = {  # role: (FLOPs, FLOP time, bytes) for one layer over the pass
-        "qkv": (2 * t * h * 3 * h, None, a * (t * h + 3 * h * h + 3 * t * h)),
-        "attention": (qk + pv, qk / mm + pv / (fp16 if pv16 and precision == "fp8" else mm), a * 4 * t * h),
-        "attn_out": (2 * t * h * h, None, a * (2 * t * h + h * h)),
-        "layernorm": (0.0, 0.0, (a + 2 + 2 + a) * t * h * 2),  # two a layer
-        "ffn_up": (2 * t * h * f, None, a * (t * h + f * h + t * f)),
-        "ffn_down": (2 * t * f * h, None, a * (t * f + f * h + t * h)),
+        "qkv": (6 * t * h * h, 6 * t * h * h / rate["qkv"], w["qkv"] * (t * h + 3 * h * h) + r.qkv_out * 3 * t * h),
+        "attention": (qk + pv, qk / (fp8 if r.qk_fp8 else fp16) + pv / (fp8 if r.pv_fp8 else fp16),
+                      r.qkv_out * 3 * ta * h + r.attention_out * ta * h),
+        "attn_out": (2 * t * h * h, 2 * t * h * h / rate["attn_out"],
+                     max(r.attention_out, w["attn_out"]) * t * h + w["attn_out"] * h * h + r.dense_out * t * h),
+        # two a layer, each reading its GEMM's output and the 16-bit residual and writing the
+        # residual and, before an FP8 GEMM, its e4m3 copy
+        "layernorm": (0.0, 0.0, (2 * (r.dense_out + 2 + 2) + ln_copy) * t * h),
+        "ffn_up": (2 * t * h * f, 2 * t * h * f / rate["ffn_up"], w["ffn_up"] * (t * h + f * h) + r.ffn_hidden * t * f),
+        "ffn_down": (2 * t * f * h, 2 * t * f * h / rate["ffn_down"],
+                     max(r.ffn_hidden, w["ffn_down"]) * t * f + w["ffn_down"] * f * h + r.dense_out * t * h),
     }
     scores = sum_sq_len * float(heads or hidden // 64)
     exp_s = scores / (peak.exp2_per_clk_sm * peak.sms * clock_mhz * 1e6)
     out = {}
     for role, (flops, flop_s, nbytes) in spec.items():
-        flop_s = flops / mm if flop_s is None else flop_s
         bounds = {"FLOPs": flop_s, "bytes": nbytes / (peak.hbm_tb_s * 1e12), "exp2": exp_s if role == "attention" else 0.0}
         bound = max(bounds, key=bounds.get)
         out[role] = {"flops": n * flops, "bytes": n * nbytes, "flop_floor_s": n * flop_s,
