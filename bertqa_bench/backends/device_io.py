@@ -192,30 +192,29 @@ def memory_by_pool(segments: Sequence[Mapping], top: int = 6, device: Optional[i
     25.8 GiB at 64k (H200, 2026-12-04) with no cuBLASLt workspace at all: this says which pool
     grows with the batch before any guess is built on. ``device``: that device's segments only (the
     snapshot has every device's)."""
-    pools: dict[tuple, dict] = {}
+    graph_pools = set()
+    sums = {kind: {"allocated": 0, "reserved": 0, "blocks": {}} for kind in ("default", "graph")}
     for seg in segments:
         if device is not None and seg.get("device") != device:
             continue
         pid = tuple(seg.get("segment_pool_id") or (0, 0))
-        p = pools.setdefault(pid, {"allocated": 0, "reserved": 0, "blocks": {}})
+        if pid != (0, 0):
+            graph_pools.add(pid)
+        p = sums["default" if pid == (0, 0) else "graph"]
         p["allocated"] += int(seg.get("allocated_size", 0))
         p["reserved"] += int(seg.get("total_size", 0))
         for b in seg.get("blocks", ()):
             if b.get("state") == "active_allocated":
                 p["blocks"][int(b["size"])] = p["blocks"].get(int(b["size"]), 0) + 1
-    default = pools.pop((0, 0), {"allocated": 0, "reserved": 0, "blocks": {}})
-    graph_blocks: dict[int, int] = {}
-    for p in pools.values():
-        for size, n in p["blocks"].items():
-            graph_blocks[size] = graph_blocks.get(size, 0) + n
+    default, graph = sums["default"], sums["graph"]
 
     def largest(blocks: dict[int, int]) -> str:
         return ", ".join(f"{size / 2**20:.1f} x {n}" for size, n in sorted(blocks.items(), reverse=True)[:top])
 
     mib = lambda v: round(v / 2**20, 1)  # noqa: E731
     return {"cuda_default_pool_mib": mib(default["allocated"]),
-            "cuda_graph_pools": len(pools),
-            "cuda_graph_pools_mib": mib(sum(p["allocated"] for p in pools.values())),
-            "cuda_graph_pools_reserved_mib": mib(sum(p["reserved"] for p in pools.values())),
+            "cuda_graph_pools": len(graph_pools),
+            "cuda_graph_pools_mib": mib(graph["allocated"]),
+            "cuda_graph_pools_reserved_mib": mib(graph["reserved"]),
             "cuda_default_largest_blocks_mib": largest(default["blocks"]),
-            "cuda_graph_largest_blocks_mib": largest(graph_blocks)}
+            "cuda_graph_largest_blocks_mib": largest(graph["blocks"])}

@@ -54,8 +54,8 @@ def _job(cfg: SuiteConfig, task, variant, model, evalset, bundle, scenario: str,
     tokens, rows = batch_budget(b, batch_size)
     job = make_job(b, cfg.artifacts_root, task, variant, model, evalset, bundle)
     accuracy_only = variant.name == b.reference and not cfg.loadgen.reference_performance
-    spec = {"scenario": "Offline" if accuracy_only else scenario, "accuracy_only": accuracy_only, "settings": dataclasses.asdict(cfg.loadgen), "find_peak": bool(find_peak_qps),
-            "out_dir": str(bundle.path("loadgen", variant.name)), "batch_size": batch_size,
+    spec = {"scenario": "Offline" if accuracy_only else scenario, "accuracy_only": accuracy_only,
+            "settings": dataclasses.asdict(cfg.loadgen), "find_peak": bool(find_peak_qps), "out_dir": str(bundle.path("loadgen", variant.name)), "batch_size": batch_size,
             "seq_multiple": b.seq_multiple, "tokens_per_batch": tokens, "max_batch_rows": rows}
     return dataclasses.replace(job, kind="loadgen", loadgen=spec)
 
@@ -107,7 +107,7 @@ def _fill_scenario(r, rec: dict, scenario: str) -> None:
     if runs:
         r.peak_search = ", ".join(f"{x['target_qps']:.4g}:{'V' if x['validity'] == 'VALID' else 'I'}" for x in runs)
     sut = rec.get("sut") or {}
-    scenario = "Offline" if rec.get("accuracy_only") else scenario  # the SUT's own: its facts' keys
+    scenario = "Offline" if r.loadgen_result == ACCURACY_ONLY else scenario  # the SUT's own: its facts' keys
     if sut:
         ladder = sut.get("ladder") or {}
         caps = "; ".join(f"{s} tokens: {sizes[-1]}" for s, sizes in sorted(ladder.items(), key=lambda x: int(x[0]))
@@ -230,10 +230,10 @@ def _rows_of(cfg, scenario, find_peak_qps, variants, task, model, evalset, plans
             bundle.add(r)
             tracker.log_backend(meta, r, env_tags | {"scenario": scenario})
             continue
-        log(f"[{variant.name}] prepare, warm-up, then LoadGen's accuracy run alone, one Offline query "
-            "(loadgen.reference_performance: false) ..." if variant.name == reference and not cfg.loadgen.reference_performance
-            else f"[{variant.name}] prepare, warm-up, bench passes, then LoadGen {scenario} (accuracy, performance) ...")
         job = _job(cfg, task, variant, model, evalset, bundle, scenario, find_peak_qps)
+        log(f"[{variant.name}] prepare, warm-up, then LoadGen's accuracy run alone, one Offline query "
+            "(loadgen.reference_performance: false) ..." if job.loadgen["accuracy_only"]
+            else f"[{variant.name}] prepare, warm-up, bench passes, then LoadGen {scenario} (accuracy, performance) ...")
 
         rec = launch(job, timeout_s=time_limit(variant, cfg.bench.timeout_s),
                      log_path=bundle.path("logs", f"{variant.name}.log"), echo=progress, isolation=cfg.bench.isolation)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..backends.transforms.fp8_rules import parse_gemms
 from ..backends.variants import VariantTable
 from ..config import SuiteConfig
 from ..data.evalset import load_evalset
@@ -24,7 +25,6 @@ from ..errors import BackendUnavailableError
 from ..envinfo import device_name
 from ..measuring.flops import model_dims
 from ..measuring.jobs import plan_for, plan_key
-from ..backends.transforms.fp8_rules import parse_gemms
 from ..measuring.kernel_floors import FP16, PEAKS, Recipe, floors_table, role_floors, role_times, trace_kernels
 from ..measuring.runner import make_context, materialize, stream, warm_up
 from ..measuring.trace_tables import write_profile
@@ -66,25 +66,30 @@ def profile_backend(cfg: SuiteConfig, name: str, *, n_batches: int = 5, top: int
 
     out = Path(cfg.results_root) / "profiles" / f"{time.strftime('%Y%m%d-%H%M%S')}-{name}"
     res = write_profile(prof, out, cuda, top=top)
-    floors = None
     peak = PEAKS.get(device_name(variant.device)) if cuda else None
+    floors = None
     if peak is not None and plan.batching == "packed" and variant.precision in ("fp8", "fp16", "bf16"):
-        profiled = plan.batches[:max(1, n_batches)]
-        lengths = evalset.lengths()[np.concatenate([b.rows for b in profiled])]
-        real = float(lengths.sum())
-        bucket = int(getattr(variant.options, "token_bucket", 0) or 0)  # graphs run whole buckets
-        computed = float(sum(-(-int(evalset.lengths()[b.rows].sum()) // bucket) * bucket for b in profiled)) \
-            if bucket else real
-        hidden, layers, inter = model_dims(model.dir)
-        heads = int(json.loads((Path(model.dir) / "config.json").read_text()).get("num_attention_heads") or 0)
-        recipe = recipe_of(variant)
-        fl = role_floors(hidden, inter, layers, computed, float((lengths.astype(np.float64) ** 2).sum()), peak=peak,
-                         clock_mhz=clock_mhz or peak.boost_mhz, recipe=recipe, heads=heads, attention_tokens=real)
-        events = json.loads(Path(res["trace"]).read_text()).get("traceEvents", [])
-        floors = floors_table(role_times(trace_kernels(events)), fl)
-        _write_floors(out, floors, f"{peak.name} at {clock_mhz or peak.boost_mhz:g} MHz, {len(lengths)} sequences, "
-                                   f"{int(real):,} real tokens in {int(computed):,} computed; {recipe.describe()}")
+        floors = _floors(variant, plan.batches[:max(1, n_batches)], evalset.lengths(), model.dir, res["trace"], out,
+                         peak, clock_mhz or peak.boost_mhz)
     return {**{k: res[k] for k in ("dir", "trace", "top_csv", "table", "rows", "gpu_idle")}, "floors": floors}
+
+
+def _floors(variant, profiled, all_lengths, model_dir, trace: Path, out: Path, peak, clock_mhz: float) -> list[dict]:
+    """The profiled batches' layer roles against their floors, written as floors.csv / floors.md."""
+    lengths = all_lengths[np.concatenate([b.rows for b in profiled])]
+    real = float(lengths.sum())
+    bucket = int(getattr(variant.options, "token_bucket", 0) or 0)  # graphs run whole buckets
+    computed = float(sum(-(-int(all_lengths[b.rows].sum()) // bucket) * bucket for b in profiled)) if bucket else real
+    hidden, layers, inter = model_dims(model_dir)
+    heads = int(json.loads((Path(model_dir) / "config.json").read_text()).get("num_attention_heads") or 0)
+    recipe = recipe_of(variant)
+    fl = role_floors(hidden, inter, layers, computed, float((lengths.astype(np.float64) ** 2).sum()), peak=peak,
+                     clock_mhz=clock_mhz, recipe=recipe, heads=heads, attention_tokens=real)
+    events = json.loads(Path(trace).read_text()).get("traceEvents", [])
+    floors = floors_table(role_times(trace_kernels(events)), fl)
+    _write_floors(out, floors, f"{peak.name} at {clock_mhz:g} MHz, {len(lengths)} sequences, "
+                               f"{int(real):,} real tokens in {int(computed):,} computed; {recipe.describe()}")
+    return floors
 
 
 def recipe_of(variant) -> Recipe:

@@ -224,19 +224,24 @@ def _run_scenario(lg, backend, st: _Setup, codec, bench_fps: Optional[float], re
                                       out_root / "accuracy")
         record["accuracy_log"] = str(out_root / "accuracy" / "mlperf_log_accuracy.json")
         sut.reset_counts()  # from here on: the performance runs only
-        if st.spec.get("accuracy_only"):
-            pass  # the reference's answers only (loadgen.reference_performance: false)
-        elif scenario == "Server" and st.spec.get("find_peak"):
-            _peak_search(lg, sut, qsl, cfg, target, hints, out_root, record)
-        else:
-            res = run_test(lg, sut, qsl, test_settings(lg, cfg, scenario, "performance", target, **hints),
-                           out_root / "performance")
-            record["performance"] = dict(res, target_qps=target if scenario == "Server" else None,
-                                         log_dir=str(out_root / "performance"))
+        if not record["accuracy_only"]:  # else the reference's answers alone (loadgen.reference_performance)
+            _performance(lg, sut, qsl, st, target, hints, record)
         record["sut"] = _sut_facts(sut, st)
     finally:
         sut.close()
         lg.DestroyQSL(qsl)
+
+
+def _performance(lg, sut, qsl, st: _Setup, target: float, hints: dict, record: dict) -> None:
+    """LoadGen's performance run (or the Server peak search), into ``record``."""
+    cfg, scenario, out_root = st.cfg, st.scenario, Path(st.spec["out_dir"])
+    if scenario == "Server" and st.spec.get("find_peak"):
+        _peak_search(lg, sut, qsl, cfg, target, hints, out_root, record)
+        return
+    res = run_test(lg, sut, qsl, test_settings(lg, cfg, scenario, "performance", target, **hints),
+                   out_root / "performance")
+    record["performance"] = dict(res, target_qps=target if scenario == "Server" else None,
+                                 log_dir=str(out_root / "performance"))
 
 
 def _peak_search(lg, sut, qsl, cfg, target: float, hints: dict, out_root: Path, record: dict) -> None:
